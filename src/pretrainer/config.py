@@ -1,0 +1,414 @@
+"""`PreTrainingArguments`: the run's configuration.
+
+Reads the seed's YAML schema unchanged (flat keys, `plugin_args.other_megatron_args`,
+`dataloader_config`, anchors, `1e-5` strings) and adds native keys for what a
+pretraining run needs. Validation here is cheap and file-free; checks that need
+the model or tokenizer on disk live in `pretrainer.models.preflight`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+# PyYAML reads `1e-5` (no dot) as a string; the seed turns such strings into floats.
+_SCI_NOTATION = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)$")
+
+DTYPES = ("bf16", "fp16", "fp32")
+DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+ENGINES = ("auto", "single")
+TXT_MODES = ("line", "file")
+
+# other_megatron_args / plugin_args keys that name a value this run also uses.
+MEGATRON_KEY_TO_FIELD = {
+    "lr": "lr",
+    "min_lr": "min_lr",
+    "lr_decay_style": "lr_decay_style",
+    "lr_warmup_fraction": "warmup_fraction",
+    "lr_warmup_iters": "warmup_steps",
+    "weight_decay": "weight_decay",
+    "adam_beta1": "adam_beta1",
+    "adam_beta2": "adam_beta2",
+    "adam_eps": "adam_eps",
+    "init_method_std": "init_method_std",
+    "clip_grad": "clip_grad",
+    "seed": "seed",
+    "eval_iters": "eval_iters",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with where it is and how to fix it in the message."""
+
+
+@dataclass
+class PreTrainingArguments:
+    # --- the seed's schema (openMind PreTrainingArguments) ---
+    num_training_steps: int
+    micro_batch_size: int
+    dp: int
+    gradient_accumulation_steps: int = 1
+    seq_length: int | None = None
+    megatron_dataset_flag: bool | None = None
+    data_path: str | list | None = None
+    save_dir: str | None = None
+    save_interval: int | None = None
+    eval_interval: int | None = None
+    openmind_model_path: str | None = None
+    dtype: str = "bf16"
+    plugin_args: dict | None = None
+    dataloader_config: dict | None = None
+    report_to: str | None = None
+    project_name: str = "accelerate-megatron"
+
+    # --- model and data ---
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    train_data: str | list | None = None
+    eval_data: str | list | None = None
+    eval_split: float | int = 0.05
+    text_key: str = "text"
+    txt_mode: str = "line"
+    num_workers: int = 0
+
+    # --- optimisation ---
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    warmup_steps: int | None = None
+    warmup_fraction: float | None = None
+    lr_decay_style: str = "cosine"
+    wsd_decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float | None = 1.0
+    init_method_std: float | None = None
+    seed: int = 42
+
+    # --- loop, evaluation, checkpoints ---
+    eval_iters: int = 20
+    log_interval: int = 1
+    resume: str = "auto"
+    exit_interval: int | None = None
+    export_hf: bool = True
+    export_dtype: str | None = None
+    engine: str = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        self._coerce_scientific_strings()
+        self._check_types()
+        self._apply_seed_rules()
+        self._merge_megatron_values()
+        self._check_values()
+        self.batch_size = self.micro_batch_size * self.gradient_accumulation_steps * self.dp
+
+    # ------------------------------------------------------------------ loading
+    @staticmethod
+    def from_yaml(config_path: str | Path | None, overrides: Sequence[str] = ()) -> "PreTrainingArguments":
+        """Load a YAML file (the seed's schema or native keys), then apply `key=value` overrides."""
+        if config_path is None:
+            raise ConfigError("no config file given: pass a YAML path (e.g. --pretrain_config_file config.yaml)")
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+        return PreTrainingArguments.from_dict(data, overrides, source=str(path), key_lines=_top_level_key_lines(text))
+
+    @staticmethod
+    def from_dict(data: dict, overrides: Sequence[str] = (), source: str = "config",
+                  key_lines: dict[str, int] | None = None) -> "PreTrainingArguments":
+        data = dict(data)
+        for item in overrides:
+            apply_override(data, item)
+        key_lines = key_lines or {}
+
+        def where(key: str) -> str:
+            return f"{source}, line {key_lines[key]}" if key in key_lines else source
+
+        names = {f.name for f in dataclasses.fields(PreTrainingArguments)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"{where(key)}: unknown key {key!r}{_suggestion(key, names)}")
+        missing = [f.name for f in dataclasses.fields(PreTrainingArguments)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"{source}: required key(s) missing: {', '.join(missing)}")
+        try:
+            return PreTrainingArguments(**data)
+        except ConfigError as exc:
+            key = getattr(exc, "key", None)
+            if key is not None:
+                raise ConfigError(f"{where(key)}: {exc}") from None
+            raise ConfigError(f"{source}: {exc}") from None
+
+    # ------------------------------------------------------------ seed methods
+    def get_mixed_precision(self) -> str:
+        return "no" if self.dtype == "fp32" else self.dtype
+
+    def get_torch_dtype(self):
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+
+    def get_distributed_train_args(self) -> dict:
+        return dict(self.plugin_args or {})
+
+    def update_distributed_train_args(self, extra_args: dict) -> None:
+        if self.plugin_args is None:
+            self.plugin_args = {}
+        self.plugin_args.update(extra_args)
+
+    def get_dataloader_config(self) -> dict:
+        return dict(self.dataloader_config or {})
+
+    # --------------------------------------------------------------- derived
+    @property
+    def resolved_model_path(self) -> str | None:
+        return self.model_path or self.openmind_model_path
+
+    @property
+    def resolved_tokenizer_path(self) -> str | None:
+        return self.tokenizer_path or self.resolved_model_path
+
+    @property
+    def resolved_train_data(self) -> list[str]:
+        """Training files: `train_data`, or the seed's `data_path` when it names JSON-style files."""
+        value = self.train_data if self.train_data is not None else (
+            None if self.megatron_dataset_flag else self.data_path)
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else list(value)
+
+    @property
+    def resolved_eval_data(self) -> list[str]:
+        if self.eval_data is None:
+            return []
+        return [self.eval_data] if isinstance(self.eval_data, str) else list(self.eval_data)
+
+    def warmup_steps_resolved(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_fraction is not None:
+            return int(round(self.warmup_fraction * self.num_training_steps))
+        return 0
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "plugin_args" and value:
+                value = _plain(value)
+            out[f.name] = value
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def check_world_size(self, world_size: int, model_parallel: int = 1) -> None:
+        """The seed never checks `dp`; a mismatch silently changes the global batch, so refuse it."""
+        expected = world_size // model_parallel
+        if self.dp != expected or expected * model_parallel != world_size:
+            raise ConfigError(
+                f"key 'dp': dp={self.dp} does not match the launch: {world_size} process(es)"
+                + (f" / model-parallel size {model_parallel}" if model_parallel > 1 else "")
+                + f" gives dp={expected}. Set dp: {expected} (or add `dp={expected}` on the command line), "
+                "or launch a matching number of processes.")
+
+    # ------------------------------------------------------------ validation
+    def _coerce_scientific_strings(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str) and _SCI_NOTATION.match(value):
+                logger.warning("config key %r: string %r read as the number %s", f.name, value, float(value))
+                setattr(self, f.name, float(value))
+            elif isinstance(value, (dict, list)):
+                setattr(self, f.name, _coerce_nested(value))
+
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            allowed = _allowed_types(f.type)
+            if value is None and type(None) in allowed:
+                continue
+            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f.name, float(value) if int not in allowed else value)
+                continue
+            if isinstance(value, bool) and bool not in allowed:
+                ok = False
+            else:
+                ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
+            if not ok:
+                raise _key_error(f.name, f"expected {_describe(allowed)}, got {value!r} ({type(value).__name__})")
+
+    def _apply_seed_rules(self) -> None:
+        if self.data_path is not None and self.megatron_dataset_flag is None:
+            raise _key_error("data_path", "data_path is set but megatron_dataset_flag is not: add "
+                             "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "
+                             "prefixes (or use the `train_data` key, which needs no flag)")
+        self.dtype = self.dtype.lower()
+        if self.dtype not in DTYPES:
+            raise _key_error("dtype", f"Unknown dtype: {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.model_path and self.openmind_model_path and self.model_path != self.openmind_model_path:
+            raise _key_error("model_path", f"model_path ({self.model_path}) and its alias openmind_model_path "
+                             f"({self.openmind_model_path}) disagree; keep one of them")
+
+    def _merge_megatron_values(self) -> None:
+        """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine."""
+        plugin = self.plugin_args or {}
+        megatron = dict(plugin.get("other_megatron_args") or {})
+        if "gradient_clipping" in plugin and "clip_grad" not in megatron:
+            megatron["clip_grad"] = plugin["gradient_clipping"]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, name in MEGATRON_KEY_TO_FIELD.items():
+            if key not in megatron:
+                continue
+            value = megatron[key]
+            if name == "lr_decay_style" and isinstance(value, str):
+                value = value.lower()
+            current = getattr(self, name)
+            if current != defaults[name] and current != value:
+                raise _key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
+                                 f"{value!r}; set the value in one place only")
+            setattr(self, name, value)
+        self._check_types()
+
+    def _check_values(self) -> None:
+        positive = ["num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
+                    "eval_iters"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise _key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seq_length", "save_interval", "eval_interval", "exit_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise _key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
+        if self.seq_length is not None and self.seq_length == 0:
+            raise _key_error("seq_length", "seq_length must be >= 1")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise _key_error("lr_decay_style", f"lr_decay_style {self.lr_decay_style!r} is not one of "
+                             f"{', '.join(DECAY_STYLES)}")
+        if self.engine not in ENGINES:
+            raise _key_error("engine", f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.txt_mode not in TXT_MODES:
+            raise _key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            raise _key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
+        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
+            raise _key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
+        if self.warmup_steps_resolved() > self.num_training_steps:
+            raise _key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
+                             f"num_training_steps ({self.num_training_steps})")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            raise _key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise _key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise _key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
+        if self.export_dtype is not None:
+            self.export_dtype = self.export_dtype.lower()
+            if self.export_dtype not in DTYPES:
+                raise _key_error("export_dtype", f"export_dtype {self.export_dtype!r} is not one of {', '.join(DTYPES)}")
+        if isinstance(self.eval_split, float) and not 0 <= self.eval_split < 1:
+            raise _key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
+        if isinstance(self.eval_split, int) and self.eval_split < 0:
+            raise _key_error("eval_split", "eval_split must be >= 0")
+        if self.resume not in ("auto", "none") and not self.resume:
+            raise _key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
+
+
+# ---------------------------------------------------------------------- helpers
+def apply_override(data: dict, item: str) -> None:
+    """Apply one `key=value` (dotted keys reach into nested mappings); the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    parts = key.split(".")
+    names = {f.name for f in dataclasses.fields(PreTrainingArguments)}
+    if parts[0] not in names:
+        raise ConfigError(f"override {item!r}: unknown key {parts[0]!r}{_suggestion(parts[0], names)}")
+    target = data
+    for part in parts[:-1]:
+        child = target.get(part)
+        if child is None:
+            child = target[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a mapping")
+        target = child
+    target[parts[-1]] = value
+
+
+def _coerce_nested(value):
+    if isinstance(value, dict):
+        return {k: _coerce_nested(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_coerce_nested(v) for v in value]
+    if isinstance(value, str) and _SCI_NOTATION.match(value):
+        return float(value)
+    return value
+
+
+def _plain(value):
+    """Drop values YAML cannot write (callables set as hooks) from a nested mapping."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not callable(v)}
+    return value
+
+
+def _suggestion(key: str, names) -> str:
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _allowed_types(annotation) -> tuple:
+    mapping = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list, "None": type(None)}
+    return tuple(mapping[part.strip()] for part in str(annotation).split("|"))
+
+
+def _describe(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "a mapping",
+             list: "a list", type(None): "null"}
+    return " or ".join(names[t] for t in types)
+
+
+def _key_error(key: str, message: str) -> ConfigError:
+    exc = ConfigError(f"key {key!r}: {message}")
+    exc.key = key
+    return exc
+
+
+def _top_level_key_lines(text: str) -> dict[str, int]:
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}

@@ -1,0 +1,138 @@
+"""Build the train/eval data and iterate it as a resumable stream of micro-batches.
+
+`BatchStream` runs as many epochs as the run needs and knows its exact position
+(epoch, micro-batches consumed in that epoch) counted on the consumer side, so a
+checkpoint restores the position even when DataLoader workers prefetch ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .packing import PackedDataset, collate_packed, tokenize_documents
+from .readers import DataError, Document, expand_paths, read_documents
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltData:
+    train: PackedDataset
+    eval: PackedDataset | None
+    num_documents: int
+    num_eval_documents: int
+
+
+def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
+    """Read, tokenize and pack the configured files; hold out an eval split when no eval files are given."""
+    train_files = expand_paths(args.resolved_train_data, "train_data")
+    documents = list(read_documents(train_files, args.text_key, args.txt_mode))
+    if not documents:
+        raise DataError(f"train_data: {', '.join(map(str, train_files))} holds no documents")
+    eval_documents: list[Document] = []
+    if args.resolved_eval_data:
+        eval_files = expand_paths(args.resolved_eval_data, "eval_data")
+        eval_documents = list(read_documents(eval_files, args.text_key, args.txt_mode))
+    elif args.eval_split:
+        documents, eval_documents = split_documents(documents, args.eval_split, args.seed)
+    train_stream, skipped = tokenize_documents(documents, tokenizer)
+    if skipped:
+        logger.warning("skipped %d empty document(s) in the training data", skipped)
+    train = PackedDataset(train_stream, seq_length)
+    if len(train) == 0:
+        raise DataError("the training data tokenizes to fewer than 2 tokens; nothing to train on")
+    evaluation = None
+    if eval_documents:
+        eval_stream, _ = tokenize_documents(eval_documents, tokenizer)
+        evaluation = PackedDataset(eval_stream, seq_length) if len(eval_stream) > 1 else None
+    logger.info("data: %d train documents -> %d tokens in %d windows of %d; %d eval documents -> %s",
+                len(documents), train.num_target_tokens + 1, len(train), seq_length, len(eval_documents),
+                f"{len(evaluation)} windows" if evaluation else "no eval windows")
+    return BuiltData(train, evaluation, len(documents), len(eval_documents))
+
+
+def split_documents(documents: list[Document], eval_split: float | int, seed: int):
+    """Hold out a seeded random set of documents: a fraction (< 1) or a count; always leaves >= 1 for training."""
+    n = len(documents)
+    if n < 2:
+        logger.warning("only %d document: no eval split is taken from the training data", n)
+        return documents, []
+    count = int(eval_split) if isinstance(eval_split, int) else max(1, int(round(eval_split * n)))
+    count = min(count, n - 1)
+    order = np.random.default_rng(seed).permutation(n)
+    held_out = set(order[:count].tolist())
+    train = [d for i, d in enumerate(documents) if i not in held_out]
+    evaluation = [d for i, d in enumerate(documents) if i in held_out]
+    return train, evaluation
+
+
+def packed_loader(dataset: PackedDataset, batch_size: int, pad_token_id: int, *, shuffle: bool, seed: int,
+                  num_workers: int = 0) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=num_workers,
+        collate_fn=functools.partial(collate_packed, pad_token_id=pad_token_id),
+        persistent_workers=False)
+
+
+class BatchStream:
+    """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position.
+
+    Each epoch's order is reseeded from (seed, epoch) when the loader shuffles with a RandomSampler, so
+    epoch k is the same permutation whether the run started at epoch 0 or resumed mid-way.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, seed: int):
+        self.loader = loader
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0  # micro-batches handed out in the current epoch
+        self._iterator = None
+        try:
+            self.batches_per_epoch = len(loader)
+        except TypeError:
+            self.batches_per_epoch = None
+        if self.batches_per_epoch == 0:
+            raise DataError("the training DataLoader is empty")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._iterator is None:
+            self._iterator = self._start_epoch()
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            if self.offset == 0:
+                raise DataError("the training DataLoader yielded no batch in a whole epoch") from None
+            self.epoch, self.offset = self.epoch + 1, 0
+            self._iterator = self._start_epoch()
+            batch = next(self._iterator)
+        self.offset += 1
+        return batch
+
+    def _start_epoch(self):
+        sampler = getattr(self.loader, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        iterator = iter(self.loader)
+        if self.offset:
+            logger.info("resuming data at epoch %d, skipping %d micro-batches", self.epoch, self.offset)
+            for _ in range(self.offset):
+                next(iterator)
+        return iterator

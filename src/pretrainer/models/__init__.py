@@ -1,0 +1,5 @@
+"""Models: building HF causal LMs from a folder or a config, and the checks that precede it."""
+
+from .build import ModelSpec, build_model, count_parameters, load_tokenizer, preflight
+
+__all__ = ["ModelSpec", "build_model", "count_parameters", "load_tokenizer", "preflight"]

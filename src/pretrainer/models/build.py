@@ -1,0 +1,113 @@
+"""Model and tokenizer: cheap checks first (`preflight`), then one materialisation of the model.
+
+`model_path` may be an HF folder with weights (loaded with `from_pretrained`), a
+folder with only `config.json`, or a `config.json` file (random init with the
+config's init std). A random-init model is built on the meta device and
+materialised once on the target device, so no rank holds two copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+
+
+@dataclass
+class ModelSpec:
+    config: object          # transformers PretrainedConfig
+    tokenizer: object       # transformers tokenizer
+    has_weights: bool
+    seq_length: int
+    source: str
+
+
+def preflight(args) -> ModelSpec:
+    """Resolve and check the model config, tokenizer and sequence length without building the model."""
+    from transformers import AutoConfig
+
+    path_value = args.resolved_model_path
+    if not path_value:
+        raise ConfigError("no model given: set `model_path` (or the seed's `openmind_model_path`) to an HF model "
+                          "folder or a config.json")
+    path = Path(path_value)
+    if not path.exists():
+        raise ConfigError(f"model_path {path} does not exist")
+    config_file = path if path.is_file() else path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model_path {path}: no config.json found; point it at an HF model folder or a config.json")
+    try:
+        config = AutoConfig.from_pretrained(str(config_file))
+    except Exception as exc:  # transformers raises several types for bad configs
+        raise ConfigError(f"{config_file}: cannot be read as a model config: {exc}") from None
+    has_weights = path.is_dir() and any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
+
+    tokenizer = load_tokenizer(args.resolved_tokenizer_path, path)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError(f"the tokenizer ({args.resolved_tokenizer_path}) has {len(tokenizer)} tokens but the model's "
+                          f"embedding has vocab_size={vocab}; use the model's own tokenizer or raise vocab_size in "
+                          f"{config_file}")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    seq_length = args.seq_length or max_positions
+    if seq_length is None:
+        raise ConfigError("seq_length is not set and the model config has no max_position_embeddings; set seq_length")
+    if max_positions is not None and seq_length > max_positions:
+        raise ConfigError(f"key 'seq_length': {seq_length} exceeds the model's max_position_embeddings "
+                          f"({max_positions}, {config_file}); lower seq_length")
+    return ModelSpec(config, tokenizer, has_weights, seq_length, str(path))
+
+
+def load_tokenizer(tokenizer_path: str | None, model_path: Path):
+    from transformers import AutoTokenizer
+
+    if not tokenizer_path:
+        raise ConfigError("no tokenizer given: set `tokenizer_path` (or put the tokenizer in the model folder)")
+    tpath = Path(tokenizer_path)
+    if tpath.is_file() and tpath.name == "config.json":
+        tpath = tpath.parent
+    if not tpath.exists():
+        raise ConfigError(f"tokenizer_path {tpath} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tpath))
+    except Exception as exc:
+        hint = "; set `tokenizer_path` to a tokenizer folder" if tpath == model_path or tpath == model_path.parent else ""
+        raise ConfigError(f"no usable tokenizer in {tpath}: {exc}{hint}") from None
+    return tokenizer
+
+
+def build_model(args, spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    """Materialise the model in fp32 master weights on `device` (mixed precision is applied by the engine)."""
+    from transformers import AutoModelForCausalLM
+
+    config = spec.config
+    config.use_cache = False
+    if args.init_method_std is not None and hasattr(config, "initializer_range"):
+        config.initializer_range = args.init_method_std
+    if spec.has_weights:
+        logger.info("loading weights from %s", spec.source)
+        model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32,
+                                                     device_map={"": device})
+    else:
+        logger.info("initialising %s from its config (std %s)", config.model_type,
+                    getattr(config, "initializer_range", "default"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.initialize_weights()
+        model.tie_weights()
+    model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,34 @@
+"""Evaluation: token-weighted loss, perplexity and next-token accuracy over `eval_iters` batches."""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+
+import torch
+
+from .loss import IGNORE, batch_targets, forward_logits, loss_sum, to_device
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) -> dict:
+    was_training = model.training
+    model.eval()
+    total_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
+    total_correct = torch.zeros((), dtype=torch.float64, device=engine.device)
+    total_tokens = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for batch in islice(loader, max_batches):
+        batch = to_device(batch, engine.device)
+        targets = batch_targets(batch)
+        with engine.precision.autocast():
+            logits = forward_logits(model, batch)
+        valid = targets != IGNORE
+        total_loss += loss_sum(logits, targets).double()
+        total_correct += ((logits.argmax(-1) == targets) & valid).sum()
+        total_tokens += valid.sum()
+    model.train(was_training)
+    totals = engine.reduce_sum(torch.stack([total_loss, total_correct, total_tokens]))
+    tokens = max(totals[2].item(), 1.0)
+    loss = totals[0].item() / tokens
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": totals[1].item() / tokens,
+            "eval_tokens": int(totals[2].item())}

@@ -1,0 +1,39 @@
+"""Hugging Face export: `config.json`, safetensors weights and tokenizer files in one folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str | Path, dtype: str) -> Path:
+    """Write `save_pretrained` output from a full CPU state dict; the folder appears only when complete."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    torch_dtype = TORCH_DTYPES[dtype]
+    state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    previous_dtype = model.config.dtype
+    model.config.dtype = torch_dtype
+    model.config.use_cache = True  # the exported model is for inference
+    try:
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    finally:
+        model.config.dtype = previous_dtype
+        model.config.use_cache = False
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
+    return out_dir

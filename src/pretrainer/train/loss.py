@@ -1,0 +1,46 @@
+"""Next-token loss on either batch convention.
+
+Packed batches carry `shift_labels` (target of position j is the next token).
+Batches from a user DataLoader follow the HF convention: `labels` aligned with
+`input_ids`, -100 to ignore; they are shifted here. Targets that fall on
+padding (attention_mask 0) are ignored too. The loss is returned as a sum with
+its target count, so accumulation and ranks can average over tokens exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def batch_targets(batch: dict) -> torch.Tensor:
+    if "shift_labels" in batch:
+        targets = batch["shift_labels"]
+    else:
+        labels = batch.get("labels", batch["input_ids"])
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            targets = targets.masked_fill(F.pad(mask[:, 1:], (0, 1), value=0) == 0, IGNORE)
+    return targets
+
+
+def count_targets(batch: dict) -> torch.Tensor:
+    return (batch_targets(batch) != IGNORE).sum()
+
+
+def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    return model(**inputs, use_cache=False).logits
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

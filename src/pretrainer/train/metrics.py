@@ -1,0 +1,89 @@
+"""Where logged values go: the console (the seed's line format), a progress bar, and `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+logger = logging.getLogger("pretrainer")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """`[INFO][YYYY-mm-dd HH:MM:SS,mmm]: msg`, as the seed prints."""
+    root = logging.getLogger("pretrainer")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[%(levelname)s][%(asctime)s]: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+class MetricsLog:
+    """Appends one JSON object per line, flushed as written; a resumed run continues the same file."""
+
+    def __init__(self, save_dir: str | None, enabled: bool = True):
+        self.file = None
+        if save_dir and enabled:
+            path = Path(save_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Progress:
+    """A tqdm bar on terminals; log lines carry the ETA so non-terminal logs have it too."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total = total
+        self.start_step = initial
+        self.start_time = time.perf_counter()
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=None if enabled else True, leave=False)
+
+    def log(self, message: str) -> None:
+        if self.bar.disable:
+            logger.info(message)
+        else:
+            with logging_redirect_tqdm(loggers=[logger]):
+                logger.info(message)
+
+    def update(self, step: int) -> None:
+        self.bar.update(step - self.bar.n)
+
+    def eta(self, step: int) -> str:
+        done = step - self.start_step
+        if done <= 0:
+            return "?"
+        remaining = (time.perf_counter() - self.start_time) / done * (self.total - step)
+        return time.strftime("%H:%M:%S", time.gmtime(remaining))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def format_train_line(row: dict, eta: str) -> str:
+    return (f"step: {row['step']} | elapsed time per iteration (ms): {row['elapsed_ms']:.1f} | "
+            f"learning rate: {row['lr']:.3E} | lm loss: {row['loss']:.6E} | grad norm: {row['grad_norm']:.3f} | "
+            f"tokens/s: {row['tokens_per_s']:.0f} | eta: {eta}")
+
+
+def format_eval_line(row: dict) -> str:
+    return (f"validation at step: {row['step']} | eval_loss: {row['eval_loss']:.6E} | "
+            f"eval_ppl: {row['eval_ppl']:.3f} | eval_acc: {row['eval_acc']:.4f}")

@@ -1,0 +1,276 @@
+"""`PreTrainer`: the training loop, readable in one sitting.
+
+Construction resolves everything the run needs, cheapest checks first:
+engine and world size, model config and tokenizer (preflight), data, then the
+model, optimizer and schedule. `train()` resumes from the latest checkpoint,
+runs accumulation windows of `gradient_accumulation_steps` micro-batches, logs,
+evaluates, checkpoints, and exports an HF folder at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, PreTrainingArguments
+from ..data import BatchStream, build_datasets, packed_loader
+from ..models import build_model, count_parameters, load_tokenizer, preflight
+from ..parallel import create_engine
+from . import checkpoint as ckpt
+from .evaluate import evaluate
+from .export import export_hf
+from .loss import batch_targets, count_targets, forward_logits, loss_sum, to_device
+from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
+from .optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger("pretrainer")
+
+
+class PreTrainer:
+    def __init__(self, pretrain_args: PreTrainingArguments, accelerator=None, model=None, optimizer=None,
+                 lr_scheduler=None, train_dataloader=None, eval_dataloader=None, *args, **kwargs):
+        setup_logging()
+        self.pretrain_args = args_ = pretrain_args
+        self.accelerator = accelerator
+        if accelerator is not None:
+            logger.info("an accelerator object was passed; pretrainer places and wraps the model itself, "
+                        "the accelerator is kept only as an attribute")
+        if optimizer is not None and model is None:
+            raise ConfigError("an optimizer was passed without its model; pass model= as well")
+        if lr_scheduler is not None and optimizer is None:
+            raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
+        self.completed_steps = 0
+        self.engine = create_engine(args_)
+        try:
+            self.resume_from = ckpt.resolve_resume(args_.resume, args_.save_dir)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"key 'resume': {exc}") from None
+        seed_everything(args_.seed)
+
+        self.tokenizer, spec = None, None
+        if model is None or train_dataloader is None:
+            spec = preflight(args_)
+            self.tokenizer = spec.tokenizer
+        elif args_.resolved_tokenizer_path:
+            self.tokenizer = load_tokenizer(args_.resolved_tokenizer_path, Path(args_.resolved_tokenizer_path))
+
+        if train_dataloader is None:
+            if not args_.resolved_train_data:
+                raise ConfigError("no training data: set `train_data` (files, globs or folders of "
+                                  "json/jsonl/csv/txt) or pass train_dataloader=")
+            if args_.megatron_dataset_flag:
+                raise ConfigError("megatron_dataset_flag: true (Megatron .bin/.idx data) is not supported in this "
+                                  "version; point train_data at json/jsonl/csv/txt files")
+            data = build_datasets(args_, self.tokenizer, spec.seq_length)
+            pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+                else self.tokenizer.eos_token_id
+            train_dataloader = packed_loader(data.train, args_.micro_batch_size, pad_id, shuffle=True,
+                                             seed=args_.seed, num_workers=args_.num_workers)
+            if eval_dataloader is None and data.eval is not None:
+                eval_dataloader = packed_loader(data.eval, args_.micro_batch_size, pad_id, shuffle=False,
+                                                seed=args_.seed)
+        self.train_dataloader = train_dataloader
+        self.eval_dataloader = eval_dataloader
+        self.train_stream = BatchStream(train_dataloader, args_.seed)
+
+        if model is None:
+            model = build_model(args_, spec, self.engine.device)
+        else:
+            model.config.use_cache = False
+        self.num_parameters = count_parameters(model)
+        self.model = self.engine.wrap(model)
+        self.optimizer = optimizer or build_optimizer(self.model, args_, self.engine.device)
+        self.lr_scheduler = lr_scheduler or build_scheduler(self.optimizer, args_)
+        self.tokens_seen = 0
+        self.skipped_updates = 0
+        self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
+
+    # ----------------------------------------------------------------- loop
+    def train(self) -> dict:
+        args, engine = self.pretrain_args, self.engine
+        self._maybe_resume()
+        metrics = MetricsLog(args.save_dir, enabled=engine.is_main)
+        if self.completed_steps:
+            metrics.write({"event": "resume", "step": self.completed_steps})
+        self._print_banner()
+        progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
+        interval = {"loss": torch.zeros((), dtype=torch.float64, device=engine.device), "targets": 0, "steps": 0,
+                    "seconds": 0.0}
+        last = {"saved": None, "evaluated": None}
+        result = {"exited_early": False}
+        step_start = time.perf_counter()
+        self.model.train()
+        while self.completed_steps < args.num_training_steps:
+            step_loss, step_targets, grad_norm, lr = self._train_step()
+            self.completed_steps += 1
+            step = self.completed_steps
+            self.tokens_seen += step_targets
+            interval["loss"] += step_loss
+            interval["targets"] += step_targets
+            interval["steps"] += 1
+            interval["seconds"] += time.perf_counter() - step_start
+            if step % args.log_interval == 0 or step == args.num_training_steps:
+                elapsed = interval["seconds"]
+                row = {"step": step, "loss": interval["loss"].item() / max(interval["targets"], 1), "lr": lr,
+                       "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "step_tokens": step_targets,
+                       "tokens_per_s": interval["targets"] / elapsed,
+                       "elapsed_ms": 1000 * elapsed / interval["steps"], "epoch": self.train_stream.epoch}
+                self._record(metrics, row)
+                if engine.is_main:
+                    progress.log(format_train_line(row, progress.eta(step)))
+                interval = {"loss": torch.zeros_like(interval["loss"]), "targets": 0, "steps": 0, "seconds": 0.0}
+            progress.update(step)
+            if args.save_interval and args.save_dir and step % args.save_interval == 0:
+                self._save_checkpoint()
+                last["saved"] = step
+            if args.eval_interval and step % args.eval_interval == 0 and self.eval_dataloader is not None:
+                self._evaluate(metrics)
+                last["evaluated"] = step
+            if args.exit_interval and step % args.exit_interval == 0 and step < args.num_training_steps:
+                if args.save_dir and last["saved"] != step:
+                    self._save_checkpoint()
+                logger.info("exit_interval: stopping after step %d; rerun the same command to continue", step)
+                result["exited_early"] = True
+                break
+            step_start = time.perf_counter()  # save/eval time is not part of the next step
+        progress.close()
+        if not result["exited_early"]:
+            self._finish(metrics, last)
+        metrics.close()
+        engine.barrier()
+        result.update(step=self.completed_steps, tokens=self.tokens_seen)
+        return result
+
+    def _train_step(self):
+        """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens."""
+        args, engine = self.pretrain_args, self.engine
+        micro_batches = [to_device(next(self.train_stream), engine.device)
+                         for _ in range(args.gradient_accumulation_steps)]
+        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split.
+        window_targets = engine.reduce_sum(torch.stack([count_targets(b) for b in micro_batches]).sum())
+        denominator = window_targets.clamp(min=1).to(torch.float32)
+        local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for index, batch in enumerate(micro_batches):
+            is_last = index == len(micro_batches) - 1
+            with (contextlib.nullcontext() if is_last else engine.no_sync(self.model)):
+                with engine.precision.autocast():
+                    logits = forward_logits(self.model, batch)
+                summed = loss_sum(logits, batch_targets(batch))
+                # Data-parallel engines average gradients over ranks; scaling by world_size makes the result
+                # the gradient of (sum of token losses on all ranks) / (tokens on all ranks).
+                engine.backward(summed / denominator * engine.world_size)
+            local_loss += summed.detach().double()
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad)
+        if not applied:
+            self.skipped_updates += 1
+            logger.warning("step %d: non-finite gradients, update skipped (fp16 loss scale lowered)",
+                           self.completed_steps + 1)
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = engine.reduce_sum(local_loss)
+        return step_loss, int(window_targets.item()), grad_norm, lr
+
+    # ---------------------------------------------------------- evaluation
+    def _evaluate(self, metrics: MetricsLog) -> dict:
+        result = evaluate(self.model, self.eval_dataloader, self.engine, self.pretrain_args.eval_iters)
+        row = {"step": self.completed_steps, **result}
+        self._record(metrics, row)
+        if self.engine.is_main:
+            logger.info(format_eval_line(row))
+        self.model.train()
+        return result
+
+    def _record(self, metrics: MetricsLog, row: dict) -> None:
+        metrics.write(row)
+        self.log_history.append(row)
+
+    # --------------------------------------------------------- checkpoints
+    def _save_checkpoint(self) -> Path:
+        args, engine = self.pretrain_args, self.engine
+        path = None
+        if engine.is_main:
+            path = ckpt.save_checkpoint(
+                args.save_dir, self.completed_steps,
+                model_state=engine.model_state_dict(self.model),
+                optimizer_state=self.optimizer.state_dict(),
+                scheduler_state=self.lr_scheduler.state_dict(),
+                scaler_state=engine.precision.state_dict(),
+                trainer_state={"tokens": self.tokens_seen, "data": self.train_stream.state_dict(),
+                               "skipped_updates": self.skipped_updates, "config_hash": args.config_hash(),
+                               "engine": engine.name, "world_size": engine.world_size},
+                config_yaml=args.to_yaml())
+        engine.barrier()
+        return path
+
+    def _maybe_resume(self) -> None:
+        args, path = self.pretrain_args, self.resume_from
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path)
+        trainer_state = state["trainer_state"]
+        if trainer_state.get("world_size", 1) != self.engine.world_size:
+            raise ConfigError(f"{path} was saved with world size {trainer_state.get('world_size')} and engine "
+                              f"{trainer_state.get('engine')}; this run has {self.engine.world_size} process(es). "
+                              "Resume with the same layout or start a new save_dir.")
+        if trainer_state.get("config_hash") != args.config_hash():
+            logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
+        self.engine.load_model_state_dict(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        self.engine.precision.load_state_dict(state["scaler"])
+        self.train_stream.load_state_dict(trainer_state["data"])
+        self.completed_steps = int(trainer_state["step"])
+        self.tokens_seen = int(trainer_state.get("tokens", 0))
+        self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
+        ckpt.set_rng_state(state["rng"])
+        logger.info("resumed from %s at step %d", path, self.completed_steps)
+
+    # ------------------------------------------------------------- the end
+    def _finish(self, metrics: MetricsLog, last: dict) -> None:
+        args = self.pretrain_args
+        if self.eval_dataloader is not None and last["evaluated"] != self.completed_steps:
+            self._evaluate(metrics)
+        if args.save_dir and last["saved"] != self.completed_steps:
+            self._save_checkpoint()
+        if args.save_dir and args.export_hf:
+            self.export(Path(args.save_dir) / "hf")
+
+    def export(self, out_dir: str | Path) -> Path | None:
+        """Write an HF folder (weights gathered by the engine, tokenizer included) on the main rank."""
+        state = self.engine.full_state_dict(self.model)
+        out = None
+        if self.engine.is_main:
+            dtype = self.pretrain_args.export_dtype or self.pretrain_args.dtype
+            out = export_hf(self.engine.unwrap(self.model), state, self.tokenizer, out_dir, dtype)
+        self.engine.barrier()
+        return out
+
+    def _print_banner(self) -> None:
+        args, engine = self.pretrain_args, self.engine
+        if not engine.is_main:
+            return
+        for line in ("***** Running training *****",
+                     f"  Num examples = {args.num_training_steps * args.batch_size}",
+                     f"  Instantaneous batch size per device = {args.micro_batch_size}",
+                     f"  Total train batch size (w. parallel, distributed & accumulation) = {args.batch_size}",
+                     f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}",
+                     f"  Total steps = {args.num_training_steps}",
+                     f"  {engine.describe()}",
+                     f"  Model parameters = {self.num_parameters:,}",
+                     f"  LR = {args.lr:g} ({args.lr_decay_style}, warmup {args.warmup_steps_resolved()} steps, "
+                     f"min {args.min_lr:g}), weight decay {args.weight_decay:g}, clip {args.clip_grad}"):
+            logger.info(line)
+        logger.info("[before the start of training step] datetime: %s", time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,85 @@
+"""The command line and the seed's script contract, run as real processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, eval_losses, read_metrics, train_losses
+
+BIN = Path(sys.executable).parent
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_cmd(args: list, threads: int | None = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return subprocess.run([str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_command_with_overrides_and_export_command(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    done = run_cmd([BIN / "pretrainer", "train", config, "num_training_steps=4", "log_interval=2"])
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "step: 2 | elapsed time per iteration (ms):" in done.stdout and "| lm loss: " in done.stdout
+    assert "validation at step: 3 | eval_loss: " in done.stdout
+    assert sorted(train_losses(base_config["save_dir"])) == [2, 4]
+    shutil.rmtree(Path(base_config["save_dir"]) / "hf")
+    exported = run_cmd([BIN / "pretrainer", "export", config, "--output", tmp_path / "exported"])
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+def test_cli_errors_are_one_clear_line(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", {**base_config, "seq_lenght": 4})
+    done = run_cmd([BIN / "pretrainer", "train", config])
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "unknown key 'seq_lenght'; did you mean 'seq_length'?" in done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate"])
+def test_seed_script_contract_under_each_launcher(base_config, tmp_path, launcher):
+    config = write_config(tmp_path / "c.yaml", {**base_config, "num_training_steps": 2, "eval_interval": 2})
+    script = [REPO / "examples" / "train.py", "--pretrain_config_file", config]
+    command = {
+        "python": [sys.executable, *script],
+        "torchrun": [BIN / "torchrun", "--standalone", "--nproc_per_node", "1", *script],
+        "accelerate": [BIN / "accelerate", "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
+                       "--mixed_precision", "no", "--dynamo_backend", "no", *script],
+    }[launcher]
+    done = run_cmd(command)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    assert sorted(train_losses(base_config["save_dir"])) == [1, 2]
+    assert 2 in eval_losses(base_config["save_dir"])
+
+
+def test_quickstart_as_documented(tmp_path):
+    """The README's quickstart config, unchanged but for its output folder: eval loss falls, hf/ loads."""
+    save_dir = tmp_path / "quickstart"
+    done = run_cmd([BIN / "pretrainer", "train", "examples/quickstart.yaml", f"save_dir={save_dir}"],
+                   threads=None, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = eval_losses(save_dir)
+    steps = sorted(evals)
+    assert evals[steps[-1]] < evals[steps[0]] - 1.0, evals  # clearly falling
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(save_dir / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(save_dir / "hf")
+    prompt = tokenizer("The for statement", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    assert [r["step"] for r in read_metrics(save_dir) if "loss" in r][-1] == 240

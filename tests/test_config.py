@@ -1,0 +1,157 @@
+"""PreTrainingArguments: the seed's YAML files and API, native keys, overrides and clear errors."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from conftest import EXAMPLES
+from pretrainer import ConfigError, PreTrainingArguments
+
+SEEDS = EXAMPLES / "seed_configs"
+
+
+def write(tmp_path, text: str, name: str = "c.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_seed_deepspeed_yaml_loads_with_seed_values():
+    args = PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml")
+    assert (args.num_training_steps, args.micro_batch_size, args.dp, args.gradient_accumulation_steps) == (1000, 1, 8, 8)
+    assert args.seq_length == 4096 and args.megatron_dataset_flag is False
+    assert args.batch_size == 1 * 8 * 8
+    assert args.dtype == "bf16" and args.get_mixed_precision() == "bf16" and args.get_torch_dtype() is torch.bfloat16
+    assert args.get_dataloader_config() == {"return_tensors": "pt", "padding": "max_length",
+                                            "pad_to_multiple_of": 4096, "max_length": 4096}
+    assert args.resolved_train_data == ["examples/data/python_topics_alpaca.json"]
+    assert args.save_interval == 10000 and args.eval_interval == 10000
+
+
+def test_seed_megatron_json_yaml_anchors_and_scientific_strings():
+    args = PreTrainingArguments.from_yaml(SEEDS / "llama2-megatron-json-dataset.yaml")
+    assert args.micro_batch_size == 4 and args.batch_size == 4 * 8 * 1
+    plugin = args.get_distributed_train_args()
+    assert plugin["num_micro_batches"] == 8  # the anchor *gradient_accumulation_steps
+    other = plugin["other_megatron_args"]
+    assert other["lr"] == 1e-5 and isinstance(other["lr"], float)  # "1e-5" read as a string by YAML, coerced
+    assert other["min_lr"] == 1e-6
+    assert args.get_dataloader_config()["pad_to_multiple_of"] == 4096
+    # other_megatron_args values are honoured by this run, not ignored.
+    assert args.lr == 1e-5 and args.min_lr == 1e-6 and args.lr_decay_style == "cosine"
+    assert args.warmup_fraction == 0.01 and args.weight_decay == 0.1 and args.adam_beta2 == 0.95
+    assert args.init_method_std == 0.01 and args.clip_grad == 1.0 and args.eval_iters == 10
+
+
+def test_seed_megatron_yaml_loads():
+    args = PreTrainingArguments.from_yaml(SEEDS / "llama2-megatron.yaml")
+    assert args.megatron_dataset_flag is True
+    assert args.get_dataloader_config()["data_path"] == ["runs/data/python_docs_text_document"]
+    assert args.resolved_train_data == []  # Megatron prefixes are not JSON files
+
+
+def test_update_distributed_train_args_adds_hooks():
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1)
+    hook = lambda *a: None  # noqa: E731
+    args.update_distributed_train_args(extra_args={"custom_loss_function": hook})
+    assert args.get_distributed_train_args()["custom_loss_function"] is hook
+    assert "custom_loss_function" not in args.to_yaml()
+
+
+def test_scientific_coercion_is_recursive_and_needs_an_exponent(tmp_path):
+    path = write(tmp_path, """
+        num_training_steps: 1
+        micro_batch_size: 1
+        dp: 1
+        lr: 3e-4
+        plugin_args: {a: {b: 2E-3}, c: ["1e2", "0.5"]}
+    """)
+    args = PreTrainingArguments.from_yaml(path)
+    assert args.lr == 3e-4
+    assert args.plugin_args["a"]["b"] == 2e-3
+    assert args.plugin_args["c"] == [100.0, "0.5"]
+
+
+@pytest.mark.parametrize("missing", ["num_training_steps", "micro_batch_size", "dp"])
+def test_required_fields(tmp_path, missing):
+    values = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1}
+    del values[missing]
+    path = write(tmp_path, "\n".join(f"{k}: {v}" for k, v in values.items()))
+    with pytest.raises(ConfigError, match=missing):
+        PreTrainingArguments.from_yaml(path)
+
+
+def test_unknown_key_names_line_and_closest_key(tmp_path):
+    path = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\nmicro_bach_size: 2\n")
+    with pytest.raises(ValueError) as info:
+        PreTrainingArguments.from_yaml(path)
+    message = str(info.value)
+    assert "line 4" in message and "'micro_bach_size'" in message and "did you mean 'micro_batch_size'" in message
+
+
+def test_data_path_needs_megatron_dataset_flag(tmp_path):
+    path = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\ndata_path: x.json\n")
+    with pytest.raises(ConfigError, match="megatron_dataset_flag"):
+        PreTrainingArguments.from_yaml(path)
+
+
+def test_wrong_type_names_key_and_line(tmp_path):
+    path = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: four\ndp: 1\n")
+    with pytest.raises(ConfigError, match=r"line 2: key 'micro_batch_size': expected an integer, got 'four'"):
+        PreTrainingArguments.from_yaml(path)
+
+
+def test_bad_dtype_and_decay_style():
+    with pytest.raises(ConfigError, match="Unknown dtype"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, dtype="fp8")
+    with pytest.raises(ConfigError, match="lr_decay_style"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, lr_decay_style="inverse-square-root")
+    assert PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, dtype="BF16").dtype == "bf16"
+
+
+def test_native_value_conflicting_with_other_megatron_args():
+    with pytest.raises(ConfigError, match="conflicts with plugin_args.other_megatron_args.lr"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, lr=1e-3,
+                             plugin_args={"other_megatron_args": {"lr": 1e-5}})
+
+
+def test_overrides_apply_after_yaml_with_dotted_keys():
+    args = PreTrainingArguments.from_yaml(
+        SEEDS / "llama2-megatron-json-dataset.yaml",
+        ["dp=2", "plugin_args.other_megatron_args.min_lr=2e-6", "dataloader_config.max_length=128"])
+    assert args.dp == 2 and args.batch_size == 4 * 8 * 2
+    assert args.min_lr == 2e-6
+    assert args.get_dataloader_config()["max_length"] == 128
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match="did you mean 'save_interval'"):
+        PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml", ["save_intervall=3"])
+    with pytest.raises(ConfigError, match="key=value"):
+        PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml", ["dp"])
+
+
+def test_dp_checked_against_world_size_not_at_parse_time():
+    args = PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml")  # dp: 8 loads anywhere
+    with pytest.raises(ConfigError, match=r"dp=8 does not match the launch: 1 process\(es\) gives dp=1"):
+        args.check_world_size(1)
+    args.check_world_size(8)
+
+
+def test_missing_config_file_and_none():
+    with pytest.raises(ConfigError, match="does not exist"):
+        PreTrainingArguments.from_yaml("nope.yaml")
+    with pytest.raises(ConfigError, match="no config file"):
+        PreTrainingArguments.from_yaml(None)
+
+
+def test_warmup_and_lr_validation():
+    with pytest.raises(ConfigError, match="not both"):
+        PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=1, warmup_fraction=0.1)
+    with pytest.raises(ConfigError, match="longer than"):
+        PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=11)
+    args = PreTrainingArguments(num_training_steps=200, micro_batch_size=1, dp=1, warmup_fraction=0.05)
+    assert args.warmup_steps_resolved() == 10

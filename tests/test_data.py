@@ -1,0 +1,136 @@
+"""Readers, templates, tokenize-and-pack, eval split and the resumable stream, on real files and tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import EXAMPLES, QUICKSTART_MODEL
+from pretrainer.data import (BatchStream, DataError, Document, PackedDataset, collate_packed, expand_paths,
+                             packed_loader, read_documents, split_documents, tokenize_documents)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+
+
+def docs(path, **kw):
+    return list(read_documents(expand_paths([str(path)]), **kw))
+
+
+def test_formats_json_array_jsonl_csv_txt(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "one"}, {"text": "two"}]))
+    (tmp_path / "b.jsonl").write_text('{"text": "three"}\n\n{"text": "four"}\n')
+    (tmp_path / "c.csv").write_text('text,other\n"five, with comma",x\n"six\nlines",y\n')
+    (tmp_path / "d.txt").write_text("seven\neight\n")
+    assert [d.text for d in docs(tmp_path / "a.json")] == ["one", "two"]
+    assert [d.text for d in docs(tmp_path / "b.jsonl")] == ["three", "four"]
+    assert [d.text for d in docs(tmp_path / "c.csv")] == ["five, with comma", "six\nlines"]
+    assert [d.text for d in docs(tmp_path / "d.txt")] == ["seven", "eight"]
+    assert [d.text for d in docs(tmp_path / "d.txt", txt_mode="file")] == ["seven\neight\n"]
+    assert len(docs(tmp_path)) == 2 + 2 + 2 + 2  # a directory reads every supported file
+    assert len(list(read_documents(expand_paths([str(tmp_path / "*.json*")])))) == 4
+
+
+def test_alpaca_records_use_the_alpaca_template():
+    records = docs(EXAMPLES / "data" / "python_topics_alpaca.json")
+    raw = json.loads((EXAMPLES / "data" / "python_topics_alpaca.json").read_text())
+    assert len(records) == len(raw)
+    first = records[0].text
+    assert "### Instruction:\n" + raw[0]["instruction"] in first
+    assert first.endswith("### Response:\n" + raw[0]["output"])
+
+
+def test_chat_rows_get_no_doubled_bos_and_no_extra_eos(tokenizer):
+    rows = docs(EXAMPLES / "data" / "python_topics_chat.csv")
+    assert rows[0].text.startswith("<s>Human: ")
+    stream, _ = tokenize_documents(rows[:2], tokenizer)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert stream[0] == bos and stream[1] != bos
+    first_end = int(np.flatnonzero(stream == eos)[1])  # each row holds two turns, each closed by </s>
+    assert stream[first_end + 1] == bos and stream[first_end + 2] != bos
+    assert stream[-1] == eos and stream[-2] != eos
+
+
+def test_plain_documents_get_bos_and_eos_between_them(tokenizer):
+    stream, skipped = tokenize_documents([Document("hello world", "x:1"), Document("", "x:2"),
+                                          Document("second doc", "x:3")], tokenizer)
+    assert skipped == 1
+    hello = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    second = tokenizer("second doc", add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert stream.tolist() == [bos, *hello, eos, bos, *second, eos]
+
+
+def test_packing_keeps_every_token_as_a_target_once(tokenizer):
+    stream = np.arange(1000, dtype=np.uint16) % 4096
+    dataset = PackedDataset(stream, seq_length=64)
+    assert len(dataset) == 16  # ceil(999 / 64)
+    targets = torch.cat([dataset[i]["shift_labels"] for i in range(len(dataset))])
+    inputs = torch.cat([dataset[i]["input_ids"] for i in range(len(dataset))])
+    assert targets.tolist() == stream[1:].tolist()
+    assert inputs.tolist() == stream[:-1].tolist()
+    batch = collate_packed([dataset[14], dataset[15]], pad_token_id=2)
+    assert batch["input_ids"].shape == (2, 64)
+    assert batch["attention_mask"][1].sum() == len(dataset[15]["input_ids"])
+    assert (batch["shift_labels"][1, len(dataset[15]["input_ids"]):] == -100).all()
+    full = collate_packed([dataset[0], dataset[1]], pad_token_id=2)
+    assert "attention_mask" not in full  # full windows need no mask
+
+
+def test_eval_split_on_tiny_inputs_does_not_crash():
+    one = [Document("a", "f:1")]
+    assert split_documents(one, 0.05, seed=1) == (one, [])
+    two = [Document("a", "f:1"), Document("b", "f:2")]
+    train, held = split_documents(two, 0.5, seed=1)
+    assert len(train) == 1 and len(held) == 1
+    train, held = split_documents(two, 10, seed=1)  # a count larger than the data leaves one for training
+    assert len(train) == 1 and len(held) == 1
+
+
+@pytest.mark.parametrize("content, suffix, message", [
+    ('{"text": "ok"}\n{"text": broken}\n', ".jsonl", r"bad\.jsonl:2: invalid JSON"),
+    ('{"text": "ok"}\n{"body": "x"}\n', ".jsonl", r"bad\.jsonl:2: record has no 'text' field .* 'body'"),
+    ('{"text": 5}\n', ".jsonl", r"bad\.jsonl:1: field 'text' must be a string"),
+    ("body\nx\n", ".csv", r"bad\.csv:1: CSV header has no 'text' column"),
+    ('[{"text": "a"}, 7]', ".json", r"bad\.json: record 1: expected an object"),
+])
+def test_bad_records_name_file_and_line(tmp_path, content, suffix, message):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        docs(path)
+
+
+def test_undecodable_bytes_and_missing_or_unsupported_files(tmp_path):
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"fine\nbad \xff byte\n")
+    with pytest.raises(DataError, match=r"bin\.txt:2: not valid UTF-8"):
+        docs(path)
+    with pytest.raises(DataError, match="does not exist"):
+        expand_paths([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "x.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match="unsupported type .parquet"):
+        expand_paths([str(tmp_path / "x.parquet")])
+    with pytest.raises(DataError, match="matches no file"):
+        expand_paths([str(tmp_path / "*.zzz")])
+
+
+def test_batch_stream_resumes_at_the_exact_position():
+    dataset = PackedDataset(np.arange(200, dtype=np.uint16), seq_length=8)
+    make = lambda: BatchStream(packed_loader(dataset, 3, 0, shuffle=True, seed=5), seed=5)  # noqa: E731
+    reference = [next(s)["input_ids"] for s in [make()] for _ in range(20)]  # crosses an epoch (9 batches/epoch)
+    first = make()
+    head = [next(first)["input_ids"] for _ in range(11)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    tail = [next(resumed)["input_ids"] for _ in range(9)]
+    assert all(torch.equal(a, b) for a, b in zip(reference, head + tail))
+    assert first.state_dict() == {"epoch": 1, "offset": 2}
+    # epochs are reshuffled
+    assert not torch.equal(reference[0], reference[9])
