@@ -123,7 +123,7 @@ def test_undecodable_bytes_and_missing_or_unsupported_files(tmp_path):
 
 def test_batch_stream_resumes_at_the_exact_position():
     dataset = PackedDataset(np.arange(200, dtype=np.uint16), seq_length=8)
-    make = lambda: BatchStream(packed_loader(dataset, 3, 0, shuffle=True, seed=5), seed=5)  # noqa: E731
+    make = lambda: BatchStream(packed_loader(dataset, 3, 0, shuffle=True), seed=5)  # noqa: E731
     reference = [next(s)["input_ids"] for s in [make()] for _ in range(20)]  # crosses an epoch (9 batches/epoch)
     first = make()
     head = [next(first)["input_ids"] for _ in range(11)]

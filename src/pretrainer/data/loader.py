@@ -71,13 +71,13 @@ def split_documents(documents: list[Document], eval_split: float | int, seed: in
     return train, evaluation
 
 
-def packed_loader(dataset: PackedDataset, batch_size: int, pad_token_id: int, *, shuffle: bool, seed: int,
+def packed_loader(dataset: PackedDataset, batch_size: int, pad_token_id: int, *, shuffle: bool,
                   num_workers: int = 0) -> torch.utils.data.DataLoader:
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, num_workers=num_workers,
-        collate_fn=functools.partial(collate_packed, pad_token_id=pad_token_id),
-        persistent_workers=False)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+        collate_fn=functools.partial(collate_packed, pad_token_id=pad_token_id))
+    loader._pretrainer_owned = True  # BatchStream reseeds its order per epoch from `seed`
+    return loader
 
 
 class BatchStream:
@@ -93,6 +93,10 @@ class BatchStream:
         self.epoch = 0
         self.offset = 0  # micro-batches handed out in the current epoch
         self._iterator = None
+        sampler = getattr(loader, "sampler", None)
+        # Reseed only a RandomSampler the user left unseeded; a user's own generator is theirs to manage.
+        self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and (
+            sampler.generator is None or getattr(loader, "_pretrainer_owned", False))
         try:
             self.batches_per_epoch = len(loader)
         except TypeError:
@@ -126,7 +130,7 @@ class BatchStream:
 
     def _start_epoch(self):
         sampler = getattr(self.loader, "sampler", None)
-        if isinstance(sampler, torch.utils.data.RandomSampler):
+        if self._reseed:
             sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)

@@ -45,6 +45,8 @@ class PreTrainer:
             raise ConfigError("an optimizer was passed without its model; pass model= as well")
         if lr_scheduler is not None and optimizer is None:
             raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
+        if args_.report_to and args_.report_to not in ("jsonl", "none"):
+            logger.warning("report_to=%r: only metrics.jsonl is written in this version", args_.report_to)
         self.completed_steps = 0
         self.engine = create_engine(args_)
         try:
@@ -67,14 +69,16 @@ class PreTrainer:
             if args_.megatron_dataset_flag:
                 raise ConfigError("megatron_dataset_flag: true (Megatron .bin/.idx data) is not supported in this "
                                   "version; point train_data at json/jsonl/csv/txt files")
+            if args_.dataloader_config:
+                logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the built-in "
+                            "pipeline packs sequences without padding and does not use it")
             data = build_datasets(args_, self.tokenizer, spec.seq_length)
             pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
                 else self.tokenizer.eos_token_id
             train_dataloader = packed_loader(data.train, args_.micro_batch_size, pad_id, shuffle=True,
-                                             seed=args_.seed, num_workers=args_.num_workers)
+                                             num_workers=args_.num_workers)
             if eval_dataloader is None and data.eval is not None:
-                eval_dataloader = packed_loader(data.eval, args_.micro_batch_size, pad_id, shuffle=False,
-                                                seed=args_.seed)
+                eval_dataloader = packed_loader(data.eval, args_.micro_batch_size, pad_id, shuffle=False)
         self.train_dataloader = train_dataloader
         self.eval_dataloader = eval_dataloader
         self.train_stream = BatchStream(train_dataloader, args_.seed)
@@ -96,8 +100,15 @@ class PreTrainer:
         args, engine = self.pretrain_args, self.engine
         self._maybe_resume()
         metrics = MetricsLog(args.save_dir, enabled=engine.is_main)
-        if self.completed_steps:
-            metrics.write({"event": "resume", "step": self.completed_steps})
+        metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
+                       "config_hash": args.config_hash()})
+        if self.completed_steps >= args.num_training_steps:
+            logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
+                        self.completed_steps, args.num_training_steps)
+            if args.save_dir and args.export_hf:
+                self.export(Path(args.save_dir) / "hf")
+            metrics.close()
+            return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
         self._print_banner()
         progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
         interval = {"loss": torch.zeros((), dtype=torch.float64, device=engine.device), "targets": 0, "steps": 0,
@@ -150,11 +161,14 @@ class PreTrainer:
     def _train_step(self):
         """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens."""
         args, engine = self.pretrain_args, self.engine
-        micro_batches = [to_device(next(self.train_stream), engine.device)
-                         for _ in range(args.gradient_accumulation_steps)]
-        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split.
-        window_targets = engine.reduce_sum(torch.stack([count_targets(b) for b in micro_batches]).sum())
-        denominator = window_targets.clamp(min=1).to(torch.float32)
+        host_batches = [next(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
+        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. Counted on
+        # the host batches, so no device sync is needed.
+        local_targets = sum(int(count_targets(b)) for b in host_batches)
+        window_targets = int(engine.reduce_sum(torch.tensor(local_targets, device=engine.device)).item()) \
+            if engine.world_size > 1 else local_targets
+        denominator = max(window_targets, 1)
+        micro_batches = [to_device(b, engine.device) for b in host_batches]
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
@@ -175,7 +189,7 @@ class PreTrainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = engine.reduce_sum(local_loss)
-        return step_loss, int(window_targets.item()), grad_norm, lr
+        return step_loss, window_targets, grad_norm, lr
 
     # ---------------------------------------------------------- evaluation
     def _evaluate(self, metrics: MetricsLog) -> dict:
