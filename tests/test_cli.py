@@ -83,3 +83,10 @@ def test_quickstart_as_documented(tmp_path):
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
     assert [r["step"] for r in read_metrics(save_dir) if "loss" in r][-1] == 240
+
+
+def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    done = run_cmd([BIN / "pretrainer", "export", config, "--checkpoint", tmp_path / "nowhere"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "is not a complete checkpoint folder" in done.stderr

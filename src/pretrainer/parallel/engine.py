@@ -62,6 +62,9 @@ class Engine(ABC):
         self.args = args
         self.device = resolve_device(args.device)
         self.precision = Precision(args.dtype, self.device)
+        if self.device.type == "cpu" and args.dtype != "fp32":
+            logger.warning("dtype=%s on CPU: most CPUs have no fast %s matrix units and run it many times slower "
+                           "than fp32; add `dtype=fp32` unless this CPU has them", args.dtype, args.dtype)
         self.rank = 0
         self.world_size = 1
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -100,7 +102,7 @@ def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
     if not is_complete(path) and checkpoints_root(path).is_dir():  # a save_dir: take its newest checkpoint
         path = find_latest(path) or path
     if not is_complete(path):
-        raise FileNotFoundError(f"resume: {resume} is not a complete checkpoint folder (expected {STATE_FILE} and "
+        raise ConfigError(f"key 'resume': {resume} is not a complete checkpoint folder (expected {STATE_FILE} and "
                                 "model.pt inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
     return path
 

@@ -49,10 +49,7 @@ class PreTrainer:
             logger.warning("report_to=%r: only metrics.jsonl is written in this version", args_.report_to)
         self.completed_steps = 0
         self.engine = create_engine(args_)
-        try:
-            self.resume_from = ckpt.resolve_resume(args_.resume, args_.save_dir)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"key 'resume': {exc}") from None
+        self.resume_from = ckpt.resolve_resume(args_.resume, args_.save_dir)
         seed_everything(args_.seed)
 
         self.tokenizer, spec = None, None
