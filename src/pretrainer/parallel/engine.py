@@ -107,6 +107,10 @@ class Engine(ABC):
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def reduce_count(self, count: int) -> int:
+        """Sum a host-side integer over ranks (one process: itself, without touching the device)."""
+        return count
+
     def barrier(self) -> None:
         pass
 

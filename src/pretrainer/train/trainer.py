@@ -161,9 +161,7 @@ class PreTrainer:
         host_batches = [next(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
         # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. Counted on
         # the host batches, so no device sync is needed.
-        local_targets = sum(int(count_targets(b)) for b in host_batches)
-        window_targets = int(engine.reduce_sum(torch.tensor(local_targets, device=engine.device)).item()) \
-            if engine.world_size > 1 else local_targets
+        window_targets = engine.reduce_count(sum(int(count_targets(b)) for b in host_batches))
         denominator = max(window_targets, 1)
         micro_batches = [to_device(b, engine.device) for b in host_batches]
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
