@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import EXAMPLES, QUICKSTART_MODEL
-from pretrainer.data import (BatchStream, DataError, Document, PackedDataset, collate_packed, expand_paths,
-                             packed_loader, read_documents, split_documents, tokenize_documents)
+from pretrainer.data import (BatchStream, DataError, Document, EvalBatches, PackedDataset, SampleStream,
+                             collate_packed, expand_paths, read_documents, split_documents, tokenize_documents)
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +121,55 @@ def test_undecodable_bytes_and_missing_or_unsupported_files(tmp_path):
         expand_paths([str(tmp_path / "*.zzz")])
 
 
-def test_batch_stream_resumes_at_the_exact_position():
-    dataset = PackedDataset(np.arange(200, dtype=np.uint16), seq_length=8)
-    make = lambda: BatchStream(packed_loader(dataset, 3, 0, shuffle=True), seed=5)  # noqa: E731
-    reference = [next(s)["input_ids"] for s in [make()] for _ in range(20)]  # crosses an epoch (9 batches/epoch)
+def ids(batch) -> list[list[int]]:
+    return batch["input_ids"].tolist()
+
+
+def test_sample_stream_resumes_at_the_exact_next_sample_across_epochs():
+    dataset = PackedDataset(np.arange(200, dtype=np.uint16), seq_length=8)  # 25 windows
+    make = lambda: SampleStream(dataset, 3, 0, seed=5)  # noqa: E731
+    reference = [ids(next(s)) for s in [make()] for _ in range(20)]  # 60 samples: more than two epochs
     first = make()
-    head = [next(first)["input_ids"] for _ in range(11)]
+    head = [ids(next(first)) for _ in range(11)]
+    assert first.state_dict() == {"samples": 33} and first.epoch == 1
     resumed = make()
     resumed.load_state_dict(first.state_dict())
-    tail = [next(resumed)["input_ids"] for _ in range(9)]
-    assert all(torch.equal(a, b) for a, b in zip(reference, head + tail))
-    assert first.state_dict() == {"epoch": 1, "offset": 2}
-    # epochs are reshuffled
-    assert not torch.equal(reference[0], reference[9])
+    assert head + [ids(next(resumed)) for _ in range(9)] == reference
+    epoch0 = [row for batch in reference for row in batch][:25]
+    epoch1 = [row for batch in reference for row in batch][25:50]
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1  # every window once per epoch, reshuffled
+
+
+def test_ranks_split_each_global_batch_and_can_resume_on_another_world_size():
+    dataset = PackedDataset(np.arange(400, dtype=np.uint16), seq_length=8)
+    single = SampleStream(dataset, 4, 0, seed=1)
+    ranks = [SampleStream(dataset, 2, 0, seed=1, rank=r, world_size=2) for r in range(2)]
+    for _ in range(15):
+        assert ids(next(single)) == ids(next(ranks[0])) + ids(next(ranks[1]))
+    assert single.state_dict() == ranks[0].state_dict() == ranks[1].state_dict()
+    resumed = SampleStream(dataset, 4, 0, seed=1)
+    resumed.load_state_dict(ranks[1].state_dict())  # 2 ranks -> 1 process
+    assert ids(next(resumed)) == ids(next(single))
+
+
+def test_eval_batches_cover_the_same_windows_on_any_world_size():
+    dataset = PackedDataset(np.arange(90, dtype=np.uint16), seq_length=8)  # 12 windows, last one short
+    one = [b for b in EvalBatches(dataset, 4, 0)]
+    two = [list(EvalBatches(dataset, 3, 0, rank=r, world_size=2)) for r in range(2)]
+    assert len(two[0]) == len(two[1]) == 2  # same number of forwards on every rank
+    targets = lambda batches: sorted(t for b in batches for row in b["shift_labels"].tolist()  # noqa: E731
+                                     for t in row if t != -100)
+    assert targets(one) == targets(two[0] + two[1]) == list(range(1, 90))
+
+
+def test_batch_stream_resumes_a_shuffled_user_dataloader_exactly():
+    data = [{"input_ids": torch.tensor([i])} for i in range(10)]
+    make = lambda: BatchStream(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True), seed=5)  # noqa: E731
+    reference = [next(s)["input_ids"].tolist() for s in [make()] for _ in range(9)]  # 4 batches per epoch
+    first = make()
+    head = [next(first)["input_ids"].tolist() for _ in range(5)]
+    assert first.state_dict() == {"epoch": 1, "offset": 1}
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [next(resumed)["input_ids"].tolist() for _ in range(4)] == reference
+    assert reference[0] != reference[4]  # epochs are reshuffled

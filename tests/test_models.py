@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO, write_tiny_model
 from pretrainer import PreTrainingArguments
-from pretrainer.models import build_model, preflight
+from pretrainer.models import build_model, materialize, preflight
 
 
 def test_random_init_peak_memory_is_one_copy_of_the_weights(tmp_path):
@@ -20,11 +20,12 @@ def test_random_init_peak_memory_is_one_copy_of_the_weights(tmp_path):
     script = textwrap.dedent(f"""
         import resource, torch
         from pretrainer import PreTrainingArguments
-        from pretrainer.models import build_model, preflight, count_parameters
+        from pretrainer.models import build_model, materialize, preflight, count_parameters
         args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, model_path={str(model_dir)!r})
         spec = preflight(args)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        model = build_model(args, spec, torch.device("cpu"))
+        model = build_model(args, spec)
+        materialize(model, torch.device("cpu"), seed=0)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(after - before, 4 * count_parameters(model))
     """)
@@ -40,8 +41,9 @@ def test_init_is_seeded_and_uses_init_method_std(tmp_path):
     args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, model_path=str(model_dir),
                                 init_method_std=0.05)
     spec = preflight(args)
-    torch.manual_seed(0)
-    model = build_model(args, spec, torch.device("cpu"))
+    model = build_model(args, spec)
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta  # nothing allocated before the engine places it
+    materialize(model, torch.device("cpu"), seed=0)
     weight = model.model.layers[0].self_attn.q_proj.weight
     assert abs(weight.std().item() - 0.05) < 0.005
     assert model.model.layers[0].input_layernorm.weight.eq(1).all()
@@ -49,16 +51,28 @@ def test_init_is_seeded_and_uses_init_method_std(tmp_path):
     assert torch.isfinite(rotary).all() and rotary[0] == 1.0  # buffers computed, not left uninitialised
 
 
+def test_init_depends_on_the_seed_only(tmp_path):
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1,
+                                model_path=str(write_tiny_model(tmp_path / "m")))
+    models = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed * 7)  # the global RNG plays no part
+        model = build_model(args, preflight(args))
+        materialize(model, torch.device("cpu"), seed=seed)
+        models.append(model.state_dict())
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+    assert not torch.equal(models[0]["model.embed_tokens.weight"], models[2]["model.embed_tokens.weight"])
+
+
 def test_folder_with_weights_is_loaded_not_reinitialised(tmp_path):
     model_dir = write_tiny_model(tmp_path / "m")
     args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, model_path=str(model_dir))
-    torch.manual_seed(1)
-    original = build_model(args, preflight(args), torch.device("cpu"))
+    original = build_model(args, preflight(args))
+    materialize(original, torch.device("cpu"), seed=1)
     original.save_pretrained(model_dir)
     spec = preflight(args)
     assert spec.has_weights
-    torch.manual_seed(2)
-    loaded = build_model(args, spec, torch.device("cpu"))
+    loaded = build_model(args, spec)
     for (name, a), b in zip(original.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert loaded.config.use_cache is False

@@ -43,7 +43,8 @@ def test_checkpoint_layout_and_incomplete_checkpoints_are_skipped(base_config, t
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3", "step-6"]
     assert (root / "latest").read_text() == "step-6"
     state = json.loads((root / "step-6" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["data"]["offset"] > 0
+    assert state["step"] == 6 and state["data"] == {"samples": 6 * 2 * 2}
+    assert (root / "step-6" / ".metadata").is_file() and (root / "step-6" / "extra_state_rank0.pt").is_file()
     assert PreTrainingArguments.from_yaml(root / "step-6" / "config.yaml").num_training_steps == 6
     # A save interrupted before its state file: never picked for resume.
     (root / "step-6" / "trainer_state.json").unlink()
@@ -218,8 +219,14 @@ def test_small_file_trains_with_an_eval_split(base_config, tmp_path):
 
 def test_launch_mismatches_are_refused(base_config, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="2 processes"):
+    with pytest.raises(ConfigError, match="engine: single runs one process, but the launch started 2 processes"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "engine": "single"}))
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
         PreTrainer(PreTrainingArguments(**base_config))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="the config asks for 'ddp' but the launcher asked for 'fsdp'"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "engine": "ddp"}))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
     with pytest.raises(ConfigError, match="Megatron engine"):

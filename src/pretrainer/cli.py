@@ -61,9 +61,13 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
         raise ConfigError("no output folder: pass --output or set save_dir")
     engine = create_engine(args)
     spec = preflight(args)
-    model = build_model(args, spec, engine.device)
-    model.load_state_dict(ckpt.load_checkpoint(path)["model"])
-    return export_hf(model, engine.full_state_dict(model), spec.tokenizer, out, args.export_dtype or args.dtype)
+    model = engine.wrap(build_model(args, spec))
+    ckpt.load_model_weights(path, engine=engine, model=model)
+    state = engine.full_state_dict(model)
+    if engine.is_main:
+        export_hf(engine.unwrap(model), state, spec.tokenizer, out, args.export_dtype or args.dtype)
+    engine.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ _SCI_NOTATION = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)$")
 
 DTYPES = ("bf16", "fp16", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
-ENGINES = ("auto", "single")
+ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 
 # other_megatron_args / plugin_args keys that name a value this run also uses.
@@ -106,6 +106,8 @@ class PreTrainingArguments:
     export_dtype: str | None = None
     engine: str = "auto"
     device: str = "auto"
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         self._coerce_scientific_strings()

@@ -1,20 +1,21 @@
-"""Build the train/eval data and iterate it as a resumable stream of micro-batches.
+"""Build the train/eval data; iterate a user's DataLoader as a resumable stream of micro-batches.
 
-`BatchStream` runs as many epochs as the run needs and knows its exact position
-(epoch, micro-batches consumed in that epoch) counted on the consumer side, so a
-checkpoint restores the position even when DataLoader workers prefetch ahead.
+Packed datasets are drawn by `sampling.SampleStream`. A user's DataLoader goes
+through `BatchStream`, which runs as many epochs as the run needs and knows its
+exact position (epoch, micro-batches consumed in that epoch) counted on the
+consumer side, so a checkpoint restores the position even when DataLoader
+workers prefetch ahead.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .packing import PackedDataset, collate_packed, tokenize_documents
+from .packing import PackedDataset, tokenize_documents
 from .readers import DataError, Document, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
@@ -71,15 +72,6 @@ def split_documents(documents: list[Document], eval_split: float | int, seed: in
     return train, evaluation
 
 
-def packed_loader(dataset: PackedDataset, batch_size: int, pad_token_id: int, *, shuffle: bool,
-                  num_workers: int = 0) -> torch.utils.data.DataLoader:
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-        collate_fn=functools.partial(collate_packed, pad_token_id=pad_token_id))
-    loader._pretrainer_owned = True  # BatchStream reseeds its order per epoch from `seed`
-    return loader
-
-
 class BatchStream:
     """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position.
 
@@ -95,8 +87,7 @@ class BatchStream:
         self._iterator = None
         sampler = getattr(loader, "sampler", None)
         # Reseed only a RandomSampler the user left unseeded; a user's own generator is theirs to manage.
-        self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and (
-            sampler.generator is None or getattr(loader, "_pretrainer_owned", False))
+        self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
         try:
             self.batches_per_epoch = len(loader)
         except TypeError:

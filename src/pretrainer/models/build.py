@@ -2,8 +2,9 @@
 
 `model_path` may be an HF folder with weights (loaded with `from_pretrained`), a
 folder with only `config.json`, or a `config.json` file (random init with the
-config's init std). A random-init model is built on the meta device and
-materialised once on the target device, so no rank holds two copies.
+config's init std). A random-init model is built on the meta device; the engine
+materialises it once, after sharding where it shards, so no rank holds two
+copies (or, when sharded, the whole model).
 """
 
 from __future__ import annotations
@@ -84,8 +85,12 @@ def load_tokenizer(tokenizer_path: str | None, model_path: Path):
     return tokenizer
 
 
-def build_model(args, spec: ModelSpec, device: torch.device) -> torch.nn.Module:
-    """Materialise the model in fp32 master weights on `device` (mixed precision is applied by the engine)."""
+def build_model(args, spec: ModelSpec) -> torch.nn.Module:
+    """The model in fp32 master weights: loaded on CPU from weights, or on the meta device from a config.
+
+    An engine places it: it shards and/or moves it, and materialises a meta model with
+    `pretrainer.models.init.materialize` (mixed precision is the engine's too).
+    """
     from transformers import AutoModelForCausalLM
 
     config = spec.config
@@ -94,17 +99,12 @@ def build_model(args, spec: ModelSpec, device: torch.device) -> torch.nn.Module:
         config.initializer_range = args.init_method_std
     if spec.has_weights:
         logger.info("loading weights from %s", spec.source)
-        model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32,
-                                                     device_map={"": device})
+        model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32)
     else:
-        logger.info("initialising %s from its config (std %s)", config.model_type,
+        logger.info("building %s from its config on the meta device (init std %s)", config.model_type,
                     getattr(config, "initializer_range", "default"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.initialize_weights()
-        model.tie_weights()
     model.config.use_cache = False
     return model
 

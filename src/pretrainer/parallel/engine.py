@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from abc import ABC, abstractmethod
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from ..config import ConfigError
+from ..models import has_meta_tensors, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,10 @@ class Engine(ABC):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Place and wrap the model (DDP/FSDP/...); return what the loop calls forward on."""
 
+    def autocast(self):
+        """Context for forward passes: autocast to the compute dtype (engines that cast weights opt out)."""
+        return self.precision.autocast()
+
     def no_sync(self, model: torch.nn.Module):
         """Context for accumulation micro-batches that must not communicate gradients."""
         return contextlib.nullcontext()
@@ -93,6 +100,8 @@ class Engine(ABC):
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is a partial sum until gathered
+            grad_norm = grad_norm.full_tensor()
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.step(optimizer)
@@ -114,15 +123,21 @@ class Engine(ABC):
     def barrier(self) -> None:
         pass
 
-    def model_state_dict(self, model: torch.nn.Module) -> dict:
-        return model.state_dict()
+    def checkpoint_state(self, model: torch.nn.Module, optimizer) -> dict:
+        """Model and optimizer state for torch.distributed.checkpoint (sharded where the engine shards)."""
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
 
-    def load_model_state_dict(self, model: torch.nn.Module, state: dict) -> None:
-        model.load_state_dict(state)
+    def load_checkpoint_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
-        """The whole model's weights on CPU, for HF export (on the main rank)."""
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        """The whole model's weights on CPU, for HF export (complete on the main rank only)."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def materialize_if_meta(self, model: torch.nn.Module) -> None:
+        if has_meta_tensors(model):
+            materialize(model, self.device, self.args.seed)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -140,21 +155,5 @@ class SingleEngine(Engine):
     name = "single"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.materialize_if_meta(model)
         return model.to(self.device)
-
-
-def create_engine(args) -> Engine:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("ACCELERATE_USE_MEGATRON_LM", "false") == "true":
-        raise ConfigError("ACCELERATE_USE_MEGATRON_LM=true (an accelerate config with distributed_type: MEGATRON_LM) "
-                          "asks for the Megatron engine, which is not available in this version; launch with a "
-                          "single-process config instead")
-    if args.engine in ("auto", "single"):
-        if world_size != 1:
-            raise ConfigError(f"the launch started {world_size} processes (WORLD_SIZE={world_size}) but only the "
-                              "single-process engine is available; launch one process")
-        engine = SingleEngine(args)
-    else:  # guarded by config validation
-        raise ConfigError(f"key 'engine': unknown engine {args.engine!r}")
-    args.check_world_size(engine.world_size)
-    return engine

@@ -1,23 +1,30 @@
 """Resumable checkpoints in `save_dir/checkpoints/step-<N>/`.
 
-A checkpoint is written into a hidden temporary folder and renamed into place
-only when complete, so a folder named `step-<N>` is always whole; `latest`
-names the newest one. Contents: model and optimizer state, scheduler, loss
-scaler, RNG states, data position, counters and the config used.
+Model and optimizer state go through torch.distributed.checkpoint (each rank
+writes its own shards; a checkpoint can be loaded on another data-parallel size,
+which DCP reshards). Beside them: `extra_state_rank<R>.pt` (RNG, loss scaler,
+scheduler), `config.yaml`, and `trainer_state.json` (step, tokens, data position),
+written last. All of it goes into a hidden temporary folder that is renamed into
+place only when complete, so a folder named `step-<N>` is always whole; `latest`
+names the newest one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config import ConfigError
 
@@ -31,46 +38,59 @@ def checkpoints_root(save_dir: str | Path) -> Path:
     return Path(save_dir) / "checkpoints"
 
 
-def save_checkpoint(save_dir: str | Path, step: int, *, model_state: dict, optimizer_state: dict,
-                    scheduler_state: dict, scaler_state: dict, trainer_state: dict, config_yaml: str) -> Path:
+def save_checkpoint(save_dir: str | Path, step: int, *, engine, model, optimizer, scheduler_state: dict,
+                    trainer_state: dict, config_yaml: str) -> Path:
     root = checkpoints_root(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(model_state, tmp / "model.pt")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save({"scheduler": scheduler_state, "scaler": scaler_state, "rng": rng_state()}, tmp / "extra_state.pt")
-    (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-    _write_json(tmp / STATE_FILE, {**trainer_state, "step": step})  # written last: marks the folder complete
-    _fsync_dir(tmp)
-    if final.exists():  # a replay after resume saves the same step again
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_text_atomic(root / "latest", final.name)
-    logger.info("saved checkpoint %s", final)
+    tmp = root / f".step-{step}.tmp"
+    if engine.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    engine.barrier()
+    with _single_process_ok():
+        dcp.save(engine.checkpoint_state(model, optimizer), checkpoint_id=str(tmp))
+    torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
+               tmp / f"extra_state_rank{engine.rank}.pt")
+    engine.barrier()
+    if engine.is_main:
+        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        _write_json(tmp / STATE_FILE, {**trainer_state, "step": step, "world_size": engine.world_size,
+                                       "engine": engine.name})  # written last: marks the folder complete
+        _fsync_dir(tmp)
+        if final.exists():  # a replay after resume saves the same step again
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / "latest", final.name)
+        logger.info("saved checkpoint %s", final)
+    engine.barrier()
     return final
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:
+    """Restore model and optimizer in place; return the trainer state and this rank's extra state."""
     path = Path(path)
-    if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    extra = torch.load(path / "extra_state.pt", weights_only=False)
-    return {
-        "model": torch.load(path / "model.pt", map_location="cpu", weights_only=True),
-        "optimizer": torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False),
-        "scheduler": extra["scheduler"],
-        "scaler": extra["scaler"],
-        "rng": extra["rng"],
-        "trainer_state": json.loads((path / STATE_FILE).read_text()),
-    }
+    state = engine.checkpoint_state(model, optimizer)
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(path))
+    engine.load_checkpoint_state(model, optimizer, state)
+    extra_file = path / f"extra_state_rank{engine.rank}.pt"
+    if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
+        extra_file = path / "extra_state_rank0.pt"
+    return {"trainer_state": json.loads((path / STATE_FILE).read_text()),
+            "extra": torch.load(extra_file, weights_only=False)}
+
+
+def load_model_weights(path: str | Path, *, engine, model) -> None:
+    """Only the model's weights from a checkpoint (for export)."""
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
 
 
 def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / "model.pt").is_file()
+    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
 
 
 def find_latest(save_dir: str | Path) -> Path | None:
@@ -103,8 +123,16 @@ def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
         path = find_latest(path) or path
     if not is_complete(path):
         raise ConfigError(f"key 'resume': {resume} is not a complete checkpoint folder (expected {STATE_FILE} and "
-                                "model.pt inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
+                                ".metadata inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
     return path
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns when used without a process group; for the single-process engine that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def rng_state() -> dict:

@@ -20,7 +20,7 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
     for batch in islice(loader, max_batches):
         batch = to_device(batch, engine.device)
         targets = batch_targets(batch)
-        with engine.precision.autocast():
+        with engine.autocast():
             logits = forward_logits(model, batch)
         valid = targets != IGNORE
         total_loss += loss_sum(logits, targets).double()

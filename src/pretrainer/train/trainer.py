@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, PreTrainingArguments
-from ..data import BatchStream, build_datasets, packed_loader
+from ..data import BatchStream, EvalBatches, SampleStream, build_datasets
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from . import checkpoint as ckpt
@@ -49,6 +49,8 @@ class PreTrainer:
             logger.warning("report_to=%r: only metrics.jsonl is written in this version", args_.report_to)
         self.completed_steps = 0
         self.engine = create_engine(args_)
+        if not self.engine.is_main:  # one copy of the info lines; warnings still come from every rank
+            logging.getLogger("pretrainer").setLevel(logging.WARNING)
         self.resume_from = ckpt.resolve_resume(args_.resume, args_.save_dir)
         seed_everything(args_.seed)
 
@@ -72,18 +74,26 @@ class PreTrainer:
             data = build_datasets(args_, self.tokenizer, spec.seq_length)
             pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
                 else self.tokenizer.eos_token_id
-            train_dataloader = packed_loader(data.train, args_.micro_batch_size, pad_id, shuffle=True,
-                                             num_workers=args_.num_workers)
+            shard = {"rank": self.engine.rank, "world_size": self.engine.world_size}
+            self.train_stream = SampleStream(data.train, args_.micro_batch_size, pad_id, seed=args_.seed,
+                                             num_workers=args_.num_workers, **shard)
             if eval_dataloader is None and data.eval is not None:
-                eval_dataloader = packed_loader(data.eval, args_.micro_batch_size, pad_id, shuffle=False)
+                eval_dataloader = EvalBatches(data.eval, args_.micro_batch_size, pad_id, **shard)
+        else:
+            if self.engine.world_size > 1:
+                logger.info("a user DataLoader is iterated as given on each rank: give each rank its own part "
+                            "(e.g. a DistributedSampler)")
+            self.train_stream = BatchStream(train_dataloader, args_.seed)
         self.train_dataloader = train_dataloader
         self.eval_dataloader = eval_dataloader
-        self.train_stream = BatchStream(train_dataloader, args_.seed)
 
         if model is None:
-            model = build_model(args_, spec, self.engine.device)
+            model = build_model(args_, spec)
         else:
             model.config.use_cache = False
+        if optimizer is not None and self.engine.name == "fsdp":
+            raise ConfigError("engine fsdp shards the model's parameters, so an optimizer made before sharding "
+                              "cannot be used; leave optimizer= unset (configure it with lr, adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
         self.model = self.engine.wrap(model)
         self.optimizer = optimizer or build_optimizer(self.model, args_, self.engine.device)
@@ -168,7 +178,7 @@ class PreTrainer:
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
             with (contextlib.nullcontext() if is_last else engine.no_sync(self.model)):
-                with engine.precision.autocast():
+                with engine.autocast():
                     logits = forward_logits(self.model, batch)
                 summed = loss_sum(logits, batch_targets(batch))
                 # Data-parallel engines average gradients over ranks; scaling by world_size makes the result
@@ -202,43 +212,33 @@ class PreTrainer:
 
     # --------------------------------------------------------- checkpoints
     def _save_checkpoint(self) -> Path:
-        args, engine = self.pretrain_args, self.engine
-        path = None
-        if engine.is_main:
-            path = ckpt.save_checkpoint(
-                args.save_dir, self.completed_steps,
-                model_state=engine.model_state_dict(self.model),
-                optimizer_state=self.optimizer.state_dict(),
-                scheduler_state=self.lr_scheduler.state_dict(),
-                scaler_state=engine.precision.state_dict(),
-                trainer_state={"tokens": self.tokens_seen, "data": self.train_stream.state_dict(),
-                               "skipped_updates": self.skipped_updates, "config_hash": args.config_hash(),
-                               "engine": engine.name, "world_size": engine.world_size},
-                config_yaml=args.to_yaml())
-        engine.barrier()
-        return path
+        args = self.pretrain_args
+        return ckpt.save_checkpoint(
+            args.save_dir, self.completed_steps, engine=self.engine, model=self.model, optimizer=self.optimizer,
+            scheduler_state=self.lr_scheduler.state_dict(),
+            trainer_state={"tokens": self.tokens_seen, "data": self.train_stream.state_dict(),
+                           "skipped_updates": self.skipped_updates, "config_hash": args.config_hash()},
+            config_yaml=args.to_yaml())
 
     def _maybe_resume(self) -> None:
         args, path = self.pretrain_args, self.resume_from
         if path is None:
             return
-        state = ckpt.load_checkpoint(path)
-        trainer_state = state["trainer_state"]
+        state = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer)
+        trainer_state, extra = state["trainer_state"], state["extra"]
         if trainer_state.get("world_size", 1) != self.engine.world_size:
-            raise ConfigError(f"{path} was saved with world size {trainer_state.get('world_size')} and engine "
-                              f"{trainer_state.get('engine')}; this run has {self.engine.world_size} process(es). "
-                              "Resume with the same layout or start a new save_dir.")
+            logger.info("%s was saved by %d process(es) (%s); resharded onto %d (%s)", path,
+                        trainer_state.get("world_size"), trainer_state.get("engine"), self.engine.world_size,
+                        self.engine.name)
         if trainer_state.get("config_hash") != args.config_hash():
             logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
-        self.engine.load_model_state_dict(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["scheduler"])
-        self.engine.precision.load_state_dict(state["scaler"])
+        self.lr_scheduler.load_state_dict(extra["scheduler"])
+        self.engine.precision.load_state_dict(extra["scaler"])
         self.train_stream.load_state_dict(trainer_state["data"])
         self.completed_steps = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state.get("tokens", 0))
         self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
-        ckpt.set_rng_state(state["rng"])
+        ckpt.set_rng_state(extra["rng"])
         logger.info("resumed from %s at step %d", path, self.completed_steps)
 
     # ------------------------------------------------------------- the end

@@ -1,0 +1,112 @@
+"""Global sample order shared by all ranks, and each rank's slice of it.
+
+Training draws from one endless sequence of sample positions: position `p`
+is window `perm_e[p % N]` of epoch `e = p // N`, with `perm_e` a permutation
+seeded by (seed, e). Micro-step `k` takes positions `[k*G, (k+1)*G)` with
+`G = micro_batch_size * dp`, and rank `r` takes its `micro_batch_size`
+positions from that range. The only state is the number of positions
+consumed, so a run resumes at exactly the next sample on any dp size, and a
+dp=2 run sees the same global batches as a single process with twice the
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .packing import collate_packed
+
+
+class _PositionBatches:
+    """Batch sampler: index lists for one rank, from a global position onward, forever."""
+
+    def __init__(self, num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 start: int):
+        self.num_samples, self.mbs, self.rank, self.world = num_samples, micro_batch_size, rank, world_size
+        self.seed, self.start = seed, start
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a batch spans at most two epochs
+                del self._perms[min(self._perms)]
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._perms[epoch]
+
+    def indices(self, position: int) -> list[int]:
+        out = []
+        for p in range(position + self.rank * self.mbs, position + (self.rank + 1) * self.mbs):
+            epoch, offset = divmod(p, self.num_samples)
+            out.append(int(self.permutation(epoch)[offset]))
+        return out
+
+    def __iter__(self):
+        position = self.start
+        while True:
+            yield self.indices(position)
+            position += self.mbs * self.world
+
+
+class SampleStream:
+    """This rank's micro-batches of a packed dataset, prefetched by DataLoader workers, resumable exactly."""
+
+    def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, num_workers: int = 0):
+        self.dataset = dataset
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.seed, self.num_workers = seed, num_workers
+        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id)
+        self.position = 0  # global samples consumed (all ranks)
+        self._iterator = None
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.dataset)
+
+    def state_dict(self) -> dict:
+        return {"samples": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["samples"])
+        self._iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._iterator is None:
+            sampler = _PositionBatches(len(self.dataset), self.micro_batch_size, self.rank, self.world_size,
+                                       self.seed, self.position)
+            loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate,
+                                                 num_workers=self.num_workers)
+            self._iterator = iter(loader)
+        batch = next(self._iterator)
+        self.position += self.micro_batch_size * self.world_size
+        return batch
+
+
+class EvalBatches:
+    """The first `max_batches` global eval batches in order, sliced per rank.
+
+    Every rank yields the same number of batches (sharded engines run collectives in forward); a rank
+    whose slice runs past the end gets a stand-in window with every target ignored.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1):
+        self.dataset = dataset
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id)
+
+    def __iter__(self):
+        n, global_batch = len(self.dataset), self.micro_batch_size * self.world_size
+        for start in range(0, n, global_batch):
+            first = start + self.rank * self.micro_batch_size
+            samples = [self.dataset[i] for i in range(first, min(first + self.micro_batch_size, n))]
+            if not samples:
+                stand_in = self.dataset[0]
+                samples = [{"input_ids": stand_in["input_ids"],
+                            "shift_labels": torch.full_like(stand_in["shift_labels"], -100)}]
+            yield self.collate(samples)

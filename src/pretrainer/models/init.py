@@ -1,0 +1,63 @@
+"""Materialise a meta-device model and initialise it the same way on every engine.
+
+Each module is initialised by the model's own `_init_weights` rule under a seed
+derived from (run seed, module name), on full-size tensors of that one module.
+Parameters that an engine has already sharded (DTensors) get their local shard
+of that full tensor. The result does not depend on the engine, the world size
+or the order modules are visited, and no rank holds more than one module's full
+weights at a time.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def has_meta_tensors(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate storage for every meta tensor on `device`, then initialise module by module."""
+    model.to_empty(device=device)
+    for name, module in model.named_modules():
+        tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+        if tensors:
+            _init_module(model, module, name, tensors, seed)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed: int) -> None:
+    originals = {}
+    for key, tensor in tensors.items():
+        if isinstance(tensor, DTensor):  # swap in a full-size stand-in for the init rule to fill
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
+            originals[key] = tensor
+            _set(module, key, torch.nn.Parameter(full, requires_grad=tensor.requires_grad)
+                 if isinstance(tensor, torch.nn.Parameter) else full)
+    device = next(iter(tensors.values())).device
+    devices = [device.index or 0] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "cpu" else "cuda"):
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        model._init_weights(module)
+    for key, sharded in originals.items():
+        full = _get(module, key)
+        local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None).to_local()
+        sharded.to_local().copy_(local)
+        _set(module, key, sharded)
+
+
+def _get(module: torch.nn.Module, key: str) -> torch.Tensor:
+    return module._parameters[key] if key in module._parameters else module._buffers[key]
+
+
+def _set(module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+    if key in module._parameters:
+        module._parameters[key] = value
+    else:
+        module._buffers[key] = value

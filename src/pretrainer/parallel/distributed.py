@@ -1,0 +1,79 @@
+"""Process groups and the collectives every multi-process engine shares."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .engine import Engine, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def launch_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class DistributedEngine(Engine):
+    """Joins the process group the launcher (torchrun, accelerate, deepspeed) describes in the environment."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.device.type != "cpu":
+            self.device = torch.device(self.device.type, self.local_rank)
+            torch.accelerator.set_device_index(self.local_rank)
+            self.precision.device = self.device
+        if not dist.is_initialized():
+            backend = {"cpu": "gloo", "cuda": "nccl"}.get(self.device.type)
+            options = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+            if "MASTER_ADDR" not in os.environ:
+                if launch_world_size() > 1:
+                    raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the "
+                                      "processes with torchrun, accelerate launch or deepspeed")
+                # started without a launcher: a group of one
+                options.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(**options)
+            atexit.register(_destroy_process_group)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.clone()
+        dist.all_reduce(value)
+        return value
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.reduce_sum(value) / self.world_size
+
+    def reduce_count(self, count: int) -> int:
+        return int(self.reduce_sum(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+__all__ = ["DistributedEngine", "launch_world_size", "resolve_device"]

@@ -1,0 +1,56 @@
+"""Choose the engine: from the config's `engine`, or (`auto`) from how the job was launched."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import ConfigError
+from .distributed import launch_world_size
+from .engine import Engine, SingleEngine
+
+ACCELERATE_FLAGS = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed",
+                    "ACCELERATE_USE_MEGATRON_LM": "megatron"}
+NOT_YET = {"deepspeed": "DeepSpeed", "megatron": "Megatron"}
+
+
+def launcher_engine() -> str | None:
+    """The engine an `accelerate launch` config asked for, if any."""
+    for variable, engine in ACCELERATE_FLAGS.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            return engine
+    return None
+
+
+def select_engine(args) -> str:
+    world_size = launch_world_size()
+    requested = launcher_engine()
+    name = args.engine
+    if name == "auto":
+        name = requested or ("ddp" if world_size > 1 else "single")
+    elif requested and requested != name:
+        raise ConfigError(f"key 'engine': the config asks for {name!r} but the launcher asked for {requested!r} "
+                          f"({[v for v, e in ACCELERATE_FLAGS.items() if e == requested][0]}=true); make them agree "
+                          "or set engine: auto")
+    if name in NOT_YET:
+        raise ConfigError(f"the {NOT_YET[name]} engine is not available in this version; use engine: ddp or fsdp "
+                          "(or an accelerate config with distributed_type MULTI_CPU/MULTI_GPU/FSDP)")
+    if name == "single" and world_size > 1:
+        raise ConfigError(f"engine: single runs one process, but the launch started {world_size} processes "
+                          f"(WORLD_SIZE={world_size}); use engine: ddp or fsdp, or launch one process")
+    return name
+
+
+def create_engine(args) -> Engine:
+    name = select_engine(args)
+    if name == "single":
+        engine = SingleEngine(args)
+    elif name == "ddp":
+        from .ddp import DDPEngine
+
+        engine = DDPEngine(args)
+    else:
+        from .fsdp import FSDPEngine
+
+        engine = FSDPEngine(args)
+    args.check_world_size(engine.world_size)
+    return engine

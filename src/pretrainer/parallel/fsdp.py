@@ -1,0 +1,81 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the data-parallel ranks.
+
+Each decoder layer is its own unit (all-gathered just before use, resharded after), the root holds the
+embeddings and head. A meta-device model is sharded first and materialised afterwards, so no rank ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ..config import ConfigError
+from .distributed import DistributedEngine
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks, found by the class names HF models declare in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} to shard (no "
+                          "_no_split_modules); use engine: ddp for this model")
+    return layers
+
+
+class FSDPEngine(DistributedEngine):
+    name = "fsdp"
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.reshard_after_forward = args.fsdp_reshard_after_forward
+        self.cpu_offload = args.fsdp_cpu_offload
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        options = {"reshard_after_forward": self.reshard_after_forward}
+        if self.precision.dtype != "fp32":
+            # Compute in the low precision, keep fp32 shards and reduce gradients in fp32.
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype,
+                                                        reduce_dtype=torch.float32)
+        if self.cpu_offload:
+            # pin_memory needs an accelerator; without one it must be off.
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
+        if not any(p.is_meta for p in model.parameters()) and not self.cpu_offload:
+            model.to(self.device)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+        self.materialize_if_meta(model)
+        return model
+
+    def materialize_if_meta(self, model: torch.nn.Module) -> None:
+        if self.cpu_offload and any(p.is_meta for p in model.parameters()):
+            from ..models import materialize
+
+            materialize(model, torch.device("cpu"), self.args.seed)
+            return
+        super().materialize_if_meta(model)
+
+    def autocast(self):
+        return contextlib.nullcontext()  # FSDP's mixed-precision policy casts parameters itself
+
+    def no_sync(self, model: torch.nn.Module):
+        @contextlib.contextmanager
+        def skip_reduce_scatter():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return skip_reduce_scatter()
+
+    def describe(self) -> str:
+        return (super().describe() + f" reshard_after_forward={self.reshard_after_forward}"
+                f" cpu_offload={self.cpu_offload}")

@@ -1,0 +1,93 @@
+"""DDP and FSDP2 with 2 real processes (torchrun, gloo): the same losses as one process, exact resume, export."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import REPO, eval_losses, train_losses
+from pretrainer import PreTrainer, PreTrainingArguments
+
+BIN = Path(sys.executable).parent
+ENGINES = {
+    "ddp": ["engine=ddp"],
+    "fsdp": ["engine=fsdp"],
+    "fsdp-no-reshard": ["engine=fsdp", "fsdp_reshard_after_forward=false"],
+    "fsdp-cpu-offload": ["engine=fsdp", "fsdp_cpu_offload=true"],
+}
+
+
+def torchrun(config: Path, *overrides: str, nproc: int = 2) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", str(nproc), BIN / "pretrainer",
+                           "train", config, *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, request):
+    """One config for 2 ranks x micro-batch 2, and the single-process run with micro-batch 4 it must match."""
+    from conftest import write_tiny_model
+
+    root = tmp_path_factory.mktemp("engines")
+    corpus = root / "docs.jsonl"
+    with open(REPO / "examples" / "data" / "python_docs.jsonl", encoding="utf-8") as src:
+        corpus.write_text("".join(line for _, line in zip(range(150), src)))
+    config = {"num_training_steps": 6, "micro_batch_size": 2, "dp": 2, "gradient_accumulation_steps": 2,
+              "seq_length": 32, "dtype": "fp32", "model_path": str(write_tiny_model(root / "model")),
+              "train_data": str(corpus), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
+              "save_interval": 3, "seed": 7}
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    single_dir = root / "single"
+    torch.set_num_threads(1)
+    PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "save_dir": str(single_dir)})).train()
+    return root, path, single_dir
+
+
+def assert_same_run(got: Path, expected: Path, rel: float) -> None:
+    want, have = train_losses(expected), train_losses(got)
+    assert sorted(have) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    assert [have[s] for s in sorted(have)] == pytest.approx([want[s] for s in sorted(want)], rel=rel)
+    want_eval, have_eval = eval_losses(expected), eval_losses(got)
+    assert sorted(have_eval) == sorted(want_eval) == [3, 6]
+    assert [have_eval[s] for s in (3, 6)] == pytest.approx([want_eval[s] for s in (3, 6)], rel=rel)
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
+    root, config, single_dir = setup
+    straight, interrupted = root / f"{name}-straight", root / f"{name}-interrupted"
+    torchrun(config, *ENGINES[name], f"save_dir={straight}")
+    assert_same_run(straight, single_dir, rel=1e-5)
+
+    torchrun(config, *ENGINES[name], f"save_dir={interrupted}", "exit_interval=3")
+    assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
+    torchrun(config, *ENGINES[name], f"save_dir={interrupted}")  # the same command: resumes at step 3
+    assert train_losses(interrupted) == train_losses(straight)
+    assert eval_losses(interrupted) == eval_losses(straight)
+
+    exported = load_file(straight / "hf" / "model.safetensors")
+    reference = load_file(single_dir / "hf" / "model.safetensors")
+    assert exported.keys() == reference.keys()
+    for key, value in reference.items():
+        assert exported[key].shape == value.shape and exported[key].numel() > 0  # never size-0 shards
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp_checkpoint_resumes_on_one_process(setup):
+    """A checkpoint written by 2 FSDP ranks is resharded by DCP onto a single process and continues the run."""
+    root, config, single_dir = setup
+    save_dir = root / "fsdp-to-single"
+    torchrun(config, "engine=fsdp", f"save_dir={save_dir}", "exit_interval=3")
+    args = PreTrainingArguments.from_yaml(config, ["dp=1", "micro_batch_size=4", f"save_dir={save_dir}"])
+    PreTrainer(args).train()
+    assert_same_run(save_dir, single_dir, rel=1e-5)
