@@ -21,6 +21,8 @@ ENGINES = {
     "fsdp": ["engine=fsdp"],
     "fsdp-no-reshard": ["engine=fsdp", "fsdp_reshard_after_forward=false"],
     "fsdp-cpu-offload": ["engine=fsdp", "fsdp_cpu_offload=true"],
+    "fsdp-activation-checkpointing": ["engine=fsdp", "activation_checkpointing=full"],
+    "ddp-selective-checkpointing": ["engine=ddp", "activation_checkpointing=selective"],
 }
 
 

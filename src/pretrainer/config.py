@@ -106,6 +106,7 @@ class PreTrainingArguments:
     export_dtype: str | None = None
     engine: str = "auto"
     device: str = "auto"
+    activation_checkpointing: str = "none"
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
 
@@ -315,6 +316,9 @@ class PreTrainingArguments:
                              f"{', '.join(DECAY_STYLES)}")
         if self.engine not in ENGINES:
             raise _key_error("engine", f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise _key_error("activation_checkpointing", f"activation_checkpointing {self.activation_checkpointing!r} "
+                             "is not one of none, full, selective")
         if self.txt_mode not in TXT_MODES:
             raise _key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
         if self.warmup_steps is not None and self.warmup_fraction is not None:

@@ -43,7 +43,9 @@ def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed:
     device = next(iter(tensors.values())).device
     devices = [device.index or 0] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "cpu" else "cuda"):
-        torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        # Wrapper modules (activation checkpointing) do not change which seed a layer gets.
+        plain_name = name.replace("._checkpoint_wrapped_module", "")
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(plain_name.encode())) % 2**63)
         model._init_weights(module)
     for key, sharded in originals.items():
         full = _get(module, key)

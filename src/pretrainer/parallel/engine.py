@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..config import ConfigError
 from ..models import has_meta_tensors, materialize
+from .activation_checkpoint import apply_activation_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,9 @@ class Engine(ABC):
         if has_meta_tensors(model):
             materialize(model, self.device, self.args.seed)
 
+    def checkpoint_activations(self, model: torch.nn.Module) -> None:
+        apply_activation_checkpointing(model, self.args.activation_checkpointing)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
@@ -146,7 +150,8 @@ class Engine(ABC):
         pass
 
     def describe(self) -> str:
-        return f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.args.dtype}"
+        return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.args.dtype} "
+                f"activation_checkpointing={self.args.activation_checkpointing}")
 
 
 class SingleEngine(Engine):
@@ -155,5 +160,6 @@ class SingleEngine(Engine):
     name = "single"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.checkpoint_activations(model)
         self.materialize_if_meta(model)
         return model.to(self.device)

@@ -13,20 +13,10 @@ import logging
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from ..config import ConfigError
+from .activation_checkpoint import decoder_layers
 from .distributed import DistributedEngine
 
 logger = logging.getLogger(__name__)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks, found by the class names HF models declare in `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} to shard (no "
-                          "_no_split_modules); use engine: ddp for this model")
-    return layers
 
 
 class FSDPEngine(DistributedEngine):
@@ -38,6 +28,7 @@ class FSDPEngine(DistributedEngine):
         self.cpu_offload = args.fsdp_cpu_offload
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.checkpoint_activations(model)
         options = {"reshard_after_forward": self.reshard_after_forward}
         if self.precision.dtype != "fp32":
             # Compute in the low precision, keep fp32 shards and reduce gradients in fp32.

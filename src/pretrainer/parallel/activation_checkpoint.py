@@ -1,0 +1,68 @@
+"""Activation checkpointing of decoder layers, for every engine.
+
+- `full`: a layer keeps only its input; everything inside is recomputed in backward (least memory,
+  about one extra forward of compute).
+- `selective`: a layer keeps the outputs of its matrix multiplications and attention and recomputes
+  only the cheap element-wise ops (norms, activations, rotary), so most of the memory saving of
+  the element-wise activations for a few percent of compute.
+
+Layers are wrapped in place (the wrapper replaces the layer in its parent), before an engine shards them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..config import ConfigError
+
+MODES = ("none", "full", "selective")
+
+# Ops whose outputs `selective` keeps: the expensive ones.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks (their wrapper if checkpointed), by the class names in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(_inner(m)).__name__ in names]
+    wrapped = {id(m._checkpoint_wrapped_module) for m in found if isinstance(m, CheckpointWrapper)}
+    layers = [m for m in found if id(m) not in wrapped]
+    if not layers:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (it declares no "
+                          "_no_split_modules); use activation_checkpointing: none and engine: ddp or single")
+    return layers
+
+
+def _inner(module: torch.nn.Module) -> torch.nn.Module:
+    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    if mode not in MODES:
+        raise ConfigError(f"key 'activation_checkpointing': {mode!r} is not one of {', '.join(MODES)}")
+    options = {}
+    if mode == "selective":
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    layers = {id(layer) for layer in decoder_layers(model)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in layers:
+                parent.register_module(name, checkpoint_wrapper(child, **options))
