@@ -239,7 +239,9 @@ class PreTrainingArguments:
                 f"key 'dp': dp={self.dp} does not match the launch: {world_size} process(es)"
                 + (f" / model-parallel size {model_parallel}" if model_parallel > 1 else "")
                 + f" gives dp={expected}. Set dp: {expected} (or add `dp={expected}` on the command line), "
-                "or launch a matching number of processes.")
+                "or launch a matching number of processes"
+                + (" (e.g. torchrun --nproc_per_node N; `accelerate launch` with a MULTI_CPU config starts only one "
+                   "process on CPU)" if world_size == 1 else "") + ".")
 
     # ------------------------------------------------------------ validation
     def _coerce_scientific_strings(self) -> None:
