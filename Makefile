@@ -8,6 +8,8 @@ setup:
 
 setup-test:
 	VENV=$(VENV) EXTRAS=test scripts/setup_env.sh
+	scripts/setup_system.sh
+	$(VENV)/bin/python scripts/build_deepspeed_ops.py
 
 quickstart: setup
 	$(VENV)/bin/pretrainer train examples/quickstart.yaml

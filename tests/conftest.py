@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ QUICKSTART_MODEL = EXAMPLES / "models" / "tiny-llama"
 CORPUS = EXAMPLES / "data" / "python_docs.jsonl"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed's ops are built once into the environment by scripts/build_deepspeed_ops.py (make test).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def write_tiny_model(folder: Path, **overrides) -> Path:

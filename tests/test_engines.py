@@ -1,7 +1,12 @@
-"""DDP and FSDP2 with 2 real processes (torchrun, gloo): the same losses as one process, exact resume, export."""
+"""Every engine with 2 real processes (torchrun, gloo): the same losses as one process, exact resume, export.
+
+DeepSpeed runs use a DeepSpeed JSON without an optimizer block, so DeepSpeed trains with the run's own AdamW
+and schedule and the losses can be compared with the single-process run.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +28,19 @@ ENGINES = {
     "fsdp-cpu-offload": ["engine=fsdp", "fsdp_cpu_offload=true"],
     "fsdp-activation-checkpointing": ["engine=fsdp", "activation_checkpointing=full"],
     "ddp-selective-checkpointing": ["engine=ddp", "activation_checkpointing=selective"],
+    "deepspeed-zero1": ["deepspeed={root}/zero1.json"],
+    "deepspeed-zero2": ["deepspeed={root}/zero2.json"],
+    "deepspeed-zero3": ["deepspeed={root}/zero3.json"],
+    "deepspeed-zero2-offload": ["deepspeed={root}/zero2-offload.json"],
+}
+DEEPSPEED_JSON = {
+    "zero1.json": {"zero_optimization": {"stage": 1}},
+    "zero2.json": {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto",
+                   "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"},
+    "zero3.json": {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                         "stage3_prefetch_bucket_size": "auto",
+                                         "stage3_param_persistence_threshold": "auto"}},
+    "zero2-offload.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
 }
 
 
@@ -49,6 +67,8 @@ def setup(tmp_path_factory, request):
               "save_interval": 3, "seed": 7}
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    for name, content in DEEPSPEED_JSON.items():
+        (root / name).write_text(json.dumps(content))
     single_dir = root / "single"
     torch.set_num_threads(1)
     PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "save_dir": str(single_dir)})).train()
@@ -67,13 +87,14 @@ def assert_same_run(got: Path, expected: Path, rel: float) -> None:
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
     root, config, single_dir = setup
+    options = [option.format(root=root) for option in ENGINES[name]]
     straight, interrupted = root / f"{name}-straight", root / f"{name}-interrupted"
-    torchrun(config, *ENGINES[name], f"save_dir={straight}")
+    torchrun(config, *options, f"save_dir={straight}")
     assert_same_run(straight, single_dir, rel=1e-5)
 
-    torchrun(config, *ENGINES[name], f"save_dir={interrupted}", "exit_interval=3")
+    torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
     assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
-    torchrun(config, *ENGINES[name], f"save_dir={interrupted}")  # the same command: resumes at step 3
+    torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
     assert train_losses(interrupted) == train_losses(straight)
     assert eval_losses(interrupted) == eval_losses(straight)
 

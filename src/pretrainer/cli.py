@@ -59,6 +59,9 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)
     if out is None:
         raise ConfigError("no output folder: pass --output or set save_dir")
+    if ckpt.read_trainer_state(path).get("engine") == "deepspeed":
+        raise ConfigError(f"{path} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end; to rebuild "
+                          "weights from ZeRO shards use DeepSpeed's zero_to_fp32.py on it")
     engine = create_engine(args)
     spec = preflight(args)
     model = engine.wrap(build_model(args, spec))

@@ -107,6 +107,7 @@ class PreTrainingArguments:
     engine: str = "auto"
     device: str = "auto"
     activation_checkpointing: str = "none"
+    deepspeed: str | dict | None = None
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
 

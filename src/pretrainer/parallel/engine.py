@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
@@ -80,6 +81,17 @@ class Engine(ABC):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Place and wrap the model (DDP/FSDP/...); return what the loop calls forward on."""
 
+    def setup(self, model: torch.nn.Module, optimizer, scheduler, build_optimizer, build_scheduler):
+        """Wrap the model and pair it with an optimizer and schedule (given, or built over the wrapped model)."""
+        model = self.wrap(model)
+        optimizer = optimizer or build_optimizer(model)
+        return model, optimizer, scheduler or build_scheduler(optimizer)
+
+    def finish_step(self, optimizer, scheduler) -> None:
+        """After an update: advance the schedule once and clear gradients."""
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def autocast(self):
         """Context for forward passes: autocast to the compute dtype (engines that cast weights opt out)."""
         return self.precision.autocast()
@@ -123,6 +135,15 @@ class Engine(ABC):
 
     def barrier(self) -> None:
         pass
+
+    def save_state(self, folder, model: torch.nn.Module, optimizer) -> None:
+        """Write model and optimizer state into `folder` (every rank takes part)."""
+        dcp.save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder))
+
+    def load_state(self, folder, model: torch.nn.Module, optimizer) -> None:
+        state = self.checkpoint_state(model, optimizer)
+        dcp.load(state, checkpoint_id=str(folder))
+        self.load_checkpoint_state(model, optimizer, state)
 
     def checkpoint_state(self, model: torch.nn.Module, optimizer) -> dict:
         """Model and optimizer state for torch.distributed.checkpoint (sharded where the engine shards)."""

@@ -10,7 +10,7 @@ from .engine import Engine, SingleEngine
 
 ACCELERATE_FLAGS = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed",
                     "ACCELERATE_USE_MEGATRON_LM": "megatron"}
-NOT_YET = {"deepspeed": "DeepSpeed", "megatron": "Megatron"}
+NOT_YET = {"megatron": "Megatron"}
 
 
 def launcher_engine() -> str | None:
@@ -26,14 +26,16 @@ def select_engine(args) -> str:
     requested = launcher_engine()
     name = args.engine
     if name == "auto":
-        name = requested or ("ddp" if world_size > 1 else "single")
+        name = requested or ("deepspeed" if args.deepspeed is not None else "ddp" if world_size > 1 else "single")
     elif requested and requested != name:
         raise ConfigError(f"key 'engine': the config asks for {name!r} but the launcher asked for {requested!r} "
                           f"({[v for v, e in ACCELERATE_FLAGS.items() if e == requested][0]}=true); make them agree "
                           "or set engine: auto")
     if name in NOT_YET:
-        raise ConfigError(f"the {NOT_YET[name]} engine is not available in this version; use engine: ddp or fsdp "
-                          "(or an accelerate config with distributed_type MULTI_CPU/MULTI_GPU/FSDP)")
+        raise ConfigError(f"the {NOT_YET[name]} engine is not available in this version; use engine: ddp, fsdp or "
+                          "deepspeed (or an accelerate config with distributed_type MULTI_GPU, FSDP or DEEPSPEED)")
+    if args.deepspeed is not None and name != "deepspeed":
+        raise ConfigError(f"key 'deepspeed' is set but the engine is {name!r}; remove one of them")
     if name == "single" and world_size > 1:
         raise ConfigError(f"engine: single runs one process, but the launch started {world_size} processes "
                           f"(WORLD_SIZE={world_size}); use engine: ddp or fsdp, or launch one process")
@@ -48,6 +50,10 @@ def create_engine(args) -> Engine:
         from .ddp import DDPEngine
 
         engine = DDPEngine(args)
+    elif name == "deepspeed":
+        from .deepspeed import DeepSpeedEngine
+
+        engine = DeepSpeedEngine(args)
     else:
         from .fsdp import FSDPEngine
 

@@ -49,7 +49,7 @@ def save_checkpoint(save_dir: str | Path, step: int, *, engine, model, optimizer
         tmp.mkdir(parents=True)
     engine.barrier()
     with _single_process_ok():
-        dcp.save(engine.checkpoint_state(model, optimizer), checkpoint_id=str(tmp))
+        engine.save_state(tmp, model, optimizer)
     torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
                tmp / f"extra_state_rank{engine.rank}.pt")
     engine.barrier()
@@ -67,22 +67,23 @@ def save_checkpoint(save_dir: str | Path, step: int, *, engine, model, optimizer
     return final
 
 
+def read_trainer_state(path: str | Path) -> dict:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:
-    """Restore model and optimizer in place; return the trainer state and this rank's extra state."""
+    """Restore model and optimizer in place; return this rank's extra state (RNG, scaler, scheduler)."""
     path = Path(path)
-    state = engine.checkpoint_state(model, optimizer)
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(path))
-    engine.load_checkpoint_state(model, optimizer, state)
+        engine.load_state(path, model, optimizer)
     extra_file = path / f"extra_state_rank{engine.rank}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
         extra_file = path / "extra_state_rank0.pt"
-    return {"trainer_state": json.loads((path / STATE_FILE).read_text()),
-            "extra": torch.load(extra_file, weights_only=False)}
+    return torch.load(extra_file, weights_only=False)
 
 
 def load_model_weights(path: str | Path, *, engine, model) -> None:
-    """Only the model's weights from a checkpoint (for export)."""
+    """Only the model's weights from a checkpoint written by a torch-native engine (for export)."""
     state = {"model": get_model_state_dict(model)}
     with _single_process_ok():
         dcp.load(state, checkpoint_id=str(path))
@@ -90,7 +91,7 @@ def load_model_weights(path: str | Path, *, engine, model) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+    return (path / STATE_FILE).is_file()  # written last, after every rank's shards
 
 
 def find_latest(save_dir: str | Path) -> Path | None:
@@ -122,8 +123,8 @@ def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
     if not is_complete(path) and checkpoints_root(path).is_dir():  # a save_dir: take its newest checkpoint
         path = find_latest(path) or path
     if not is_complete(path):
-        raise ConfigError(f"key 'resume': {resume} is not a complete checkpoint folder (expected {STATE_FILE} and "
-                                ".metadata inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
+        raise ConfigError(f"key 'resume': {resume} is not a complete checkpoint folder (expected {STATE_FILE} "
+                                "inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
     return path
 
 
@@ -161,6 +162,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with open(child, "rb") as f:
-            os.fsync(f.fileno())
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())

@@ -91,13 +91,15 @@ class PreTrainer:
             model = build_model(args_, spec)
         else:
             model.config.use_cache = False
-        if optimizer is not None and self.engine.name == "fsdp":
-            raise ConfigError("engine fsdp shards the model's parameters, so an optimizer made before sharding "
-                              "cannot be used; leave optimizer= unset (configure it with lr, adam_*, weight_decay)")
+        if optimizer is not None and self.engine.name in ("fsdp", "deepspeed"):
+            raise ConfigError(f"engine {self.engine.name} shards the model's parameters, so an optimizer made "
+                              "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
+                              "adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
-        self.model = self.engine.wrap(model)
-        self.optimizer = optimizer or build_optimizer(self.model, args_, self.engine.device)
-        self.lr_scheduler = lr_scheduler or build_scheduler(self.optimizer, args_)
+        self.model, self.optimizer, self.lr_scheduler = self.engine.setup(
+            model, optimizer, lr_scheduler,
+            build_optimizer=lambda m: build_optimizer(m, args_, self.engine.device),
+            build_scheduler=lambda o: build_scheduler(o, args_))
         self.tokens_seen = 0
         self.skipped_updates = 0
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
@@ -191,8 +193,7 @@ class PreTrainer:
             self.skipped_updates += 1
             logger.warning("step %d: non-finite gradients, update skipped (fp16 loss scale lowered)",
                            self.completed_steps + 1)
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        engine.finish_step(self.optimizer, self.lr_scheduler)
         step_loss = engine.reduce_sum(local_loss)
         return step_loss, window_targets, grad_norm, lr
 
@@ -224,12 +225,19 @@ class PreTrainer:
         args, path = self.pretrain_args, self.resume_from
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer)
-        trainer_state, extra = state["trainer_state"], state["extra"]
+        trainer_state = ckpt.read_trainer_state(path)
+        saved_engine = trainer_state.get("engine")
+        if (saved_engine == "deepspeed") != (self.engine.name == "deepspeed"):
+            raise ConfigError(f"{path} was written by engine {saved_engine}; engine {self.engine.name} cannot read "
+                              "it. Resume with the same engine or start a new save_dir.")
+        if self.engine.name == "deepspeed" and trainer_state.get("world_size") != self.engine.world_size:
+            raise ConfigError(f"{path} holds DeepSpeed ZeRO shards for {trainer_state.get('world_size')} "
+                              f"process(es); resume it on the same number (this run has {self.engine.world_size})")
         if trainer_state.get("world_size", 1) != self.engine.world_size:
             logger.info("%s was saved by %d process(es) (%s); resharded onto %d (%s)", path,
                         trainer_state.get("world_size"), trainer_state.get("engine"), self.engine.world_size,
                         self.engine.name)
+        extra = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer)
         if trainer_state.get("config_hash") != args.config_hash():
             logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
         self.lr_scheduler.load_state_dict(extra["scheduler"])

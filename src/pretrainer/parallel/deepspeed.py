@@ -1,0 +1,116 @@
+"""DeepSpeed ZeRO stages 1-3 (with optimizer/parameter offload, bf16/fp16) behind the Engine interface.
+
+Driven by a DeepSpeed JSON (`deepspeed: path.json`, or what an `accelerate launch` DeepSpeed config put in
+the environment) whose "auto" values are filled from the pretraining config. The JSON's own optimizer and
+scheduler blocks are used when present; otherwise the run's AdamW groups and schedule are handed to
+DeepSpeed. DeepSpeed owns accumulation boundaries, clipping, loss scaling and the schedule step, so the
+loop's calls map onto `backward`/`step` of the DeepSpeed engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..config import ConfigError
+from .deepspeed_config import config_from_accelerate_env, fill_deepspeed_config, load_deepspeed_config
+from .distributed import DistributedEngine
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_TAG = "deepspeed"
+
+
+class DeepSpeedEngine(DistributedEngine):
+    name = "deepspeed"
+
+    def __init__(self, args):
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ConfigError("engine deepspeed needs the deepspeed package: pip install 'pretrainer[deepspeed]'") \
+                from None
+        super().__init__(args)
+        source = args.deepspeed if args.deepspeed is not None else config_from_accelerate_env()
+        self.raw_config = load_deepspeed_config(source)
+        self.ds_config: dict = {}
+        self.model_engine = None
+
+    @property
+    def zero_stage(self) -> int:
+        return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError("DeepSpeed wraps model, optimizer and schedule together: use setup()")
+
+    def setup(self, model, optimizer, scheduler, build_optimizer, build_scheduler):
+        import deepspeed
+
+        self.checkpoint_activations(model)
+        self.materialize_if_meta(model)
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        self.ds_config, filled = fill_deepspeed_config(self.raw_config, self.args, self.world_size, hidden)
+        if filled and self.is_main:
+            logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
+        if "optimizer" not in self.ds_config:
+            optimizer = build_optimizer(model)  # our AdamW groups (no decay on norms/biases/embeddings)
+            if "offload_optimizer" in (self.ds_config.get("zero_optimization") or {}):
+                self.ds_config["zero_force_ds_cpu_optimizer"] = False
+        elif optimizer is not None:
+            raise ConfigError("the DeepSpeed config has an optimizer block and an optimizer was passed too; "
+                              "keep one")
+        if "scheduler" not in self.ds_config and scheduler is None and optimizer is not None:
+            scheduler = build_scheduler(optimizer)
+        elif "scheduler" in self.ds_config:
+            logger.info("using the DeepSpeed config's scheduler %s", self.ds_config["scheduler"].get("type"))
+            scheduler = None
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad])
+        self.model_engine = engine
+        return engine, ds_optimizer, ds_scheduler
+
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed holds the weights in the compute dtype itself
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loss is already normalised over the whole accumulation window.
+        self.model_engine.backward(loss, scale_wrt_gas=False)
+        if not self.model_engine.is_gradient_accumulation_boundary():
+            self.model_engine.step()  # advances DeepSpeed's micro-step count; no update off the boundary
+
+    def step(self, model, optimizer, max_norm):
+        skipped_before = self.model_engine.skipped_steps
+        self.model_engine.step()  # clips (gradient_clipping), updates, steps the schedule, zeroes grads
+        norm = self.model_engine.get_global_grad_norm()
+        grad_norm = torch.tensor(float(norm) if norm is not None else float("nan"))
+        return grad_norm, self.model_engine.skipped_steps == skipped_before
+
+    def finish_step(self, optimizer, scheduler) -> None:
+        pass  # done inside DeepSpeed's step
+
+    def save_state(self, folder, model, optimizer) -> None:
+        self.model_engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, client_state={})
+
+    def load_state(self, folder, model, optimizer) -> None:
+        path, _ = self.model_engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        if path is None:
+            raise ConfigError(f"{folder}: no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) could be loaded")
+
+    def full_state_dict(self, model) -> dict:
+        if self.zero_stage == 3:  # gather the partitions (the seed's export wrote size-0 tensors here)
+            state = self.model_engine._zero3_consolidated_16bit_state_dict()
+            return {k: v.detach().cpu() for k, v in (state or {}).items()}
+        return {k: v.detach().cpu() for k, v in self.model_engine.module.state_dict().items()}
+
+    def unwrap(self, model):
+        return self.model_engine.module
+
+    def describe(self) -> str:
+        zero = self.ds_config.get("zero_optimization") or {}
+        offload = [k for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device") not in
+                   (None, "none")]
+        return super().describe() + f" zero_stage={self.zero_stage} offload={','.join(offload) or 'none'}"
