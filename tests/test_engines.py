@@ -114,3 +114,16 @@ def test_fsdp_checkpoint_resumes_on_one_process(setup):
     args = PreTrainingArguments.from_yaml(config, ["dp=1", "micro_batch_size=4", f"save_dir={save_dir}"])
     PreTrainer(args).train()
     assert_same_run(save_dir, single_dir, rel=1e-5)
+
+
+@pytest.mark.parametrize("options", [["engine=ddp"], ["engine=fsdp"], ["deepspeed={root}/zero2.json"]],
+                         ids=["ddp", "fsdp", "deepspeed-zero2"])
+def test_bf16_on_two_ranks_tracks_fp32(setup, options):
+    """bf16 (autocast for DDP, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16) for 2 steps."""
+    root, config, single_dir = setup
+    save_dir = root / f"bf16-{options[0].split('=')[0]}-{len(options[0])}"
+    torchrun(config, *[o.format(root=root) for o in options], "dtype=bf16", "num_training_steps=2",
+             "warmup_steps=1", "eval_interval=0", "export_hf=false", f"save_dir={save_dir}")
+    got, want = train_losses(save_dir), train_losses(single_dir)
+    assert sorted(got) == [1, 2]
+    assert got[1] == pytest.approx(want[1], rel=2e-2)  # same init and data, bf16 compute

@@ -55,7 +55,8 @@ def test_metrics_rows_have_the_documented_fields(base_config):
     trainer = run(base_config)
     rows = read_metrics(base_config["save_dir"])
     train_row = next(r for r in rows if "loss" in r)
-    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(train_row)
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_mb"} <= set(train_row)
+    assert 50 < train_row["peak_mem_mb"] < 20_000
     eval_row = next(r for r in rows if "eval_loss" in r)
     assert {"step", "eval_loss", "eval_ppl", "eval_acc"} <= set(eval_row)
     assert math.isclose(eval_row["eval_ppl"], math.exp(eval_row["eval_loss"]), rel_tol=1e-9)

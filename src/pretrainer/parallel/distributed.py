@@ -50,11 +50,13 @@ class DistributedEngine(Engine):
         dist.all_reduce(value)
         return value
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return self.reduce_sum(value) / self.world_size
-
     def reduce_count(self, count: int) -> int:
         return int(self.reduce_sum(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+
+    def reduce_max(self, value: float) -> float:
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def barrier(self) -> None:
         dist.barrier()

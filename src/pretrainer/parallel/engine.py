@@ -123,15 +123,16 @@ class Engine(ABC):
         optimizer.step()
         return grad_norm, True
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return value
-
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
     def reduce_count(self, count: int) -> int:
         """Sum a host-side integer over ranks (one process: itself, without touching the device)."""
         return count
+
+    def reduce_max(self, value: float) -> float:
+        """The largest of a host-side number over ranks."""
+        return value
 
     def barrier(self) -> None:
         pass

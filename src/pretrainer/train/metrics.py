@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import resource
 import logging
 import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -78,10 +80,17 @@ class Progress:
         self.bar.close()
 
 
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process: the accelerator's max allocated, or the CPU resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def format_train_line(row: dict, eta: str) -> str:
     return (f"step: {row['step']} | elapsed time per iteration (ms): {row['elapsed_ms']:.1f} | "
             f"learning rate: {row['lr']:.3E} | lm loss: {row['loss']:.6E} | grad norm: {row['grad_norm']:.3f} | "
-            f"tokens/s: {row['tokens_per_s']:.0f} | eta: {eta}")
+            f"tokens/s: {row['tokens_per_s']:.0f} | peak mem (MB): {row['peak_mem_mb']:.0f} | eta: {eta}")
 
 
 def format_eval_line(row: dict) -> str:

@@ -26,7 +26,7 @@ from . import checkpoint as ckpt
 from .evaluate import evaluate
 from .export import export_hf
 from .loss import batch_targets, count_targets, forward_logits, loss_sum, to_device
-from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
+from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, peak_memory_mb, setup_logging
 from .optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger("pretrainer")
@@ -140,7 +140,8 @@ class PreTrainer:
                 row = {"step": step, "loss": interval["loss"].item() / max(interval["targets"], 1), "lr": lr,
                        "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "step_tokens": step_targets,
                        "tokens_per_s": interval["targets"] / elapsed,
-                       "elapsed_ms": 1000 * elapsed / interval["steps"], "epoch": self.train_stream.epoch}
+                       "elapsed_ms": 1000 * elapsed / interval["steps"], "epoch": self.train_stream.epoch,
+                       "peak_mem_mb": engine.reduce_max(peak_memory_mb(engine.device))}
                 self._record(metrics, row)
                 if engine.is_main:
                     progress.log(format_train_line(row, progress.eta(step)))
