@@ -105,3 +105,17 @@ def test_seed_accelerate_deepspeed_flow_on_two_cpu_processes(tmp_path):
     done = launch(command[:-1] + ["gradient_accumulation_steps=4", f"save_dir={tmp_path / 'conflict'}"])
     assert done.returncode != 0
     assert "gradient_accumulation_steps=8 but the pretraining config gives 4" in done.stderr
+
+
+def test_deepspeed_launcher_runs_the_cli(base_config, tmp_path):
+    """`deepspeed --num_accelerators 2 pretrainer train ...` (the launcher passes --local_rank=N)."""
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**base_config, "dp": 2, "num_training_steps": 2, "warmup_steps": 1,
+                                      "deepspeed": {"zero_optimization": {"stage": 1}}, "eval_interval": 0,
+                                      "save_dir": str(tmp_path / "run")}))
+    done = launch([BIN / "deepspeed", "--num_accelerators", "2", BIN / "pretrainer", "train", config])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "engine=deepspeed world_size=2" in done.stdout + done.stderr
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2]

@@ -26,6 +26,7 @@ ENGINES = {
     "fsdp": ["engine=fsdp"],
     "fsdp-no-reshard": ["engine=fsdp", "fsdp_reshard_after_forward=false"],
     "fsdp-cpu-offload": ["engine=fsdp", "fsdp_cpu_offload=true"],
+    "fsdp-hybrid": ["engine=fsdp", "fsdp_shard_size=1"],  # 2 replicas x 1 shard: the replicate dimension
     "fsdp-activation-checkpointing": ["engine=fsdp", "activation_checkpointing=full"],
     "ddp-selective-checkpointing": ["engine=ddp", "activation_checkpointing=selective"],
     "deepspeed-zero1": ["deepspeed={root}/zero1.json"],
@@ -127,3 +128,46 @@ def test_bf16_on_two_ranks_tracks_fp32(setup, options):
     got, want = train_losses(save_dir), train_losses(single_dir)
     assert sorted(got) == [1, 2]
     assert got[1] == pytest.approx(want[1], rel=2e-2)  # same init and data, bf16 compute
+
+
+def test_ddp_accumulation_communicates_once_per_update(base_config):
+    """Accumulation micro-batches run under no_sync: gradient all-reduces happen only on the last one."""
+    import torch.distributed as dist
+
+    calls = {}
+    for ga in (1, 3):
+        trainer = PreTrainer(PreTrainingArguments(**{**base_config, "engine": "ddp", "num_training_steps": 2,
+                                                      "gradient_accumulation_steps": ga, "save_dir": None,
+                                                      "eval_interval": 0}))
+        count = [0]
+
+        def counting_allreduce(state, bucket, count=count):
+            count[0] += 1
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+        trainer.model.register_comm_hook(None, counting_allreduce)
+        trainer.train()
+        calls[ga] = count[0]
+        trainer.engine.close()
+    assert calls[1] > 0 and calls[3] == calls[1]  # 3 micro-batches per update, same number of all-reduces
+
+
+def test_multi_node_rendezvous(setup, tmp_path):
+    """Two torchrun 'nodes' (one process each) meeting through c10d rendezvous, as on a cluster."""
+    import socket
+
+    root, config, single_dir = setup
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    save_dir = tmp_path / "two-nodes"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+                               str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--rdzv-id", "pretrainer-test", str(BIN / "pretrainer"), "train", str(config),
+                               "engine=fsdp", f"save_dir={save_dir}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert_same_run(save_dir, single_dir, rel=1e-5)

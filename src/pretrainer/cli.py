@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", help="checkpoint folder (default: the latest in save_dir)")
     export.add_argument("--output", help="output folder (default: save_dir/hf)")
 
+    # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment
+    # says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     try:
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)

@@ -110,6 +110,7 @@ class PreTrainingArguments:
     deepspeed: str | dict | None = None
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
+    fsdp_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         self._coerce_scientific_strings()

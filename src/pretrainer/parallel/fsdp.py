@@ -11,7 +11,10 @@ import contextlib
 import logging
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ..config import ConfigError
 
 from .activation_checkpoint import decoder_layers
 from .distributed import DistributedEngine
@@ -26,10 +29,21 @@ class FSDPEngine(DistributedEngine):
         super().__init__(args)
         self.reshard_after_forward = args.fsdp_reshard_after_forward
         self.cpu_offload = args.fsdp_cpu_offload
+        self.mesh = self._device_mesh(args.fsdp_shard_size)
+
+    def _device_mesh(self, shard_size: int | None):
+        """1-D mesh: shard over all ranks. 2-D (hybrid): replicate across groups, shard within each group."""
+        shard = shard_size or self.world_size
+        if self.world_size % shard:
+            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {self.world_size} processes")
+        if shard == self.world_size:
+            return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
+        return init_device_mesh(self.device.type, (self.world_size // shard, shard),
+                                mesh_dim_names=("replicate", "shard"))
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.checkpoint_activations(model)
-        options = {"reshard_after_forward": self.reshard_after_forward}
+        options = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.mesh}
         if self.precision.dtype != "fp32":
             # Compute in the low precision, keep fp32 shards and reduce gradients in fp32.
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype,
@@ -68,5 +82,6 @@ class FSDPEngine(DistributedEngine):
         return skip_reduce_scatter()
 
     def describe(self) -> str:
-        return (super().describe() + f" reshard_after_forward={self.reshard_after_forward}"
+        mesh = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        return (super().describe() + f" mesh=({mesh}) reshard_after_forward={self.reshard_after_forward}"
                 f" cpu_offload={self.cpu_offload}")
