@@ -171,3 +171,12 @@ def test_multi_node_rendezvous(setup, tmp_path):
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert_same_run(save_dir, single_dir, rel=1e-5)
+
+
+def test_async_checkpoint_on_two_ranks(setup):
+    root, config, single_dir = setup
+    save_dir = root / "fsdp-async"
+    torchrun(config, "engine=fsdp", "async_checkpoint=true", f"save_dir={save_dir}", "exit_interval=3")
+    torchrun(config, "engine=fsdp", "async_checkpoint=true", f"save_dir={save_dir}")
+    assert_same_run(save_dir, single_dir, rel=1e-5)
+    assert sorted(p.name for p in (save_dir / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]

@@ -232,3 +232,14 @@ def test_launch_mismatches_are_refused(base_config, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
     with pytest.raises(ConfigError, match="Megatron engine"):
         PreTrainer(PreTrainingArguments(**base_config))
+
+
+def test_async_checkpoints_resume_like_synchronous_ones(base_config, tmp_path):
+    straight = tmp_path / "straight"
+    run(base_config, save_dir=str(straight))
+    interrupted = tmp_path / "async"
+    run(base_config, save_dir=str(interrupted), async_checkpoint=True, exit_interval=3)
+    assert (interrupted / "checkpoints" / "step-3" / "trainer_state.json").is_file()
+    run(base_config, save_dir=str(interrupted), async_checkpoint=True)
+    assert train_losses(interrupted) == train_losses(straight)
+    assert (interrupted / "checkpoints" / "latest").read_text() == "step-6"

@@ -102,6 +102,7 @@ class PreTrainingArguments:
     log_interval: int = 1
     resume: str = "auto"
     exit_interval: int | None = None
+    async_checkpoint: bool = False
     export_hf: bool = True
     export_dtype: str | None = None
     engine: str = "auto"

@@ -25,6 +25,7 @@ CHECKPOINT_TAG = "deepspeed"
 
 class DeepSpeedEngine(DistributedEngine):
     name = "deepspeed"
+    supports_async_save = False  # DeepSpeed writes its own checkpoints
 
     def __init__(self, args):
         try:

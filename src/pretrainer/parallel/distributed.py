@@ -10,6 +10,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from ..config import ConfigError
 from .engine import Engine, resolve_device
@@ -44,6 +45,14 @@ class DistributedEngine(Engine):
             atexit.register(_destroy_process_group)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+
+    def save_state_async(self, folder, model, optimizer):
+        # The background writer coordinates over its own gloo group, so its collectives never interleave
+        # with the training loop's on the main group.
+        if getattr(self, "_checkpoint_group", None) is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder),
+                              process_group=self._checkpoint_group)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.clone()

@@ -141,6 +141,12 @@ class Engine(ABC):
         """Write model and optimizer state into `folder` (every rank takes part)."""
         dcp.save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder))
 
+    supports_async_save = True
+
+    def save_state_async(self, folder, model: torch.nn.Module, optimizer):
+        """Stage the state in host memory and write it in the background; returns a future."""
+        return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder), no_dist=True)
+
     def load_state(self, folder, model: torch.nn.Module, optimizer) -> None:
         state = self.checkpoint_state(model, optimizer)
         dcp.load(state, checkpoint_id=str(folder))

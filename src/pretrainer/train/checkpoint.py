@@ -38,33 +38,65 @@ def checkpoints_root(save_dir: str | Path) -> Path:
     return Path(save_dir) / "checkpoints"
 
 
-def save_checkpoint(save_dir: str | Path, step: int, *, engine, model, optimizer, scheduler_state: dict,
-                    trainer_state: dict, config_yaml: str) -> Path:
-    root = checkpoints_root(save_dir)
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
-    if engine.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    engine.barrier()
-    with _single_process_ok():
-        engine.save_state(tmp, model, optimizer)
-    torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
-               tmp / f"extra_state_rank{engine.rank}.pt")
-    engine.barrier()
-    if engine.is_main:
-        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        _write_json(tmp / STATE_FILE, {**trainer_state, "step": step, "world_size": engine.world_size,
-                                       "engine": engine.name})  # written last: marks the folder complete
-        _fsync_dir(tmp)
-        if final.exists():  # a replay after resume saves the same step again
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_text_atomic(root / "latest", final.name)
-        logger.info("saved checkpoint %s", final)
-    engine.barrier()
-    return final
+class Checkpointer:
+    """Writes checkpoints; with `async_save`, the model/optimizer shards are written in the background.
+
+    An asynchronous save copies the state to host memory and returns; the write finishes while training
+    goes on, and the folder is completed (trainer_state.json, rename, `latest`) when the write is done:
+    at the next save, or at the end of the run (`wait`). Every rank calls the same methods in order.
+    """
+
+    def __init__(self, save_dir: str | Path, engine, async_save: bool = False):
+        self.root = checkpoints_root(save_dir)
+        self.engine = engine
+        self.async_save = async_save and engine.supports_async_save
+        if async_save and not engine.supports_async_save:
+            logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
+        self._pending = None
+
+    def save(self, step: int, *, model, optimizer, scheduler_state: dict, trainer_state: dict,
+             config_yaml: str) -> Path:
+        self.wait()
+        engine = self.engine
+        final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
+        if engine.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        engine.barrier()
+        torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
+                   tmp / f"extra_state_rank{engine.rank}.pt")
+        state = {**trainer_state, "step": step, "world_size": engine.world_size, "engine": engine.name}
+        with _single_process_ok():
+            if self.async_save:
+                self._pending = (engine.save_state_async(tmp, model, optimizer), tmp, final, state, config_yaml)
+                return final
+            engine.save_state(tmp, model, optimizer)
+        self._complete(tmp, final, state, config_yaml)
+        return final
+
+    def wait(self) -> None:
+        """Finish an asynchronous save, if one is under way."""
+        if self._pending is None:
+            return
+        future, *rest = self._pending
+        self._pending = None
+        future.result()
+        self._complete(*rest)
+
+    def _complete(self, tmp: Path, final: Path, state: dict, config_yaml: str) -> None:
+        engine = self.engine
+        engine.barrier()  # every rank's shards are on disk
+        if engine.is_main:
+            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            _write_json(tmp / STATE_FILE, state)  # written last: marks the folder complete
+            _fsync_dir(tmp)
+            if final.exists():  # a replay after resume saves the same step again
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_text_atomic(self.root / "latest", final.name)
+            logger.info("saved checkpoint %s", final)
+        engine.barrier()
 
 
 def read_trainer_state(path: str | Path) -> dict:

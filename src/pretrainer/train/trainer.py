@@ -103,6 +103,8 @@ class PreTrainer:
         self.tokens_seen = 0
         self.skipped_updates = 0
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
+        self.checkpointer = ckpt.Checkpointer(args_.save_dir, self.engine, args_.async_checkpoint) \
+            if args_.save_dir else None
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -163,6 +165,8 @@ class PreTrainer:
         progress.close()
         if not result["exited_early"]:
             self._finish(metrics, last)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
         metrics.close()
         engine.barrier()
         result.update(step=self.completed_steps, tokens=self.tokens_seen)
@@ -215,8 +219,8 @@ class PreTrainer:
     # --------------------------------------------------------- checkpoints
     def _save_checkpoint(self) -> Path:
         args = self.pretrain_args
-        return ckpt.save_checkpoint(
-            args.save_dir, self.completed_steps, engine=self.engine, model=self.model, optimizer=self.optimizer,
+        return self.checkpointer.save(
+            self.completed_steps, model=self.model, optimizer=self.optimizer,
             scheduler_state=self.lr_scheduler.state_dict(),
             trainer_state={"tokens": self.tokens_seen, "data": self.train_stream.state_dict(),
                            "skipped_updates": self.skipped_updates, "config_hash": args.config_hash()},
