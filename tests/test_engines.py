@@ -33,6 +33,7 @@ ENGINES = {
     "deepspeed-zero2": ["deepspeed={root}/zero2.json"],
     "deepspeed-zero3": ["deepspeed={root}/zero3.json"],
     "deepspeed-zero2-offload": ["deepspeed={root}/zero2-offload.json"],
+    "deepspeed-zero3-offload": ["deepspeed={root}/zero3-offload.json"],
 }
 DEEPSPEED_JSON = {
     "zero1.json": {"zero_optimization": {"stage": 1}},
@@ -42,6 +43,8 @@ DEEPSPEED_JSON = {
                                          "stage3_prefetch_bucket_size": "auto",
                                          "stage3_param_persistence_threshold": "auto"}},
     "zero2-offload.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "zero3-offload.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                 "offload_param": {"device": "cpu"}}},
 }
 
 
@@ -105,6 +108,18 @@ def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
     for key, value in reference.items():
         assert exported[key].shape == value.shape and exported[key].numel() > 0  # never size-0 shards
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup):
+    root, config, single_dir = setup
+    save_dir = root / "zero2-to-single"
+    torchrun(config, f"deepspeed={root}/zero2.json", f"save_dir={save_dir}", "exit_interval=3")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "1", str(BIN / "pretrainer"),
+                           "train", str(config), f"deepspeed={root}/zero2.json", "dp=1", "micro_batch_size=4",
+                           f"save_dir={save_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "holds DeepSpeed ZeRO shards for 2 process(es); resume it on the same number" in done.stderr
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(setup):
