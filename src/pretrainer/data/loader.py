@@ -10,6 +10,7 @@ workers prefetch ahead.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,57 @@ def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
                 len(documents), train.num_target_tokens + 1, len(train), seq_length, len(eval_documents),
                 f"{len(evaluation)} windows" if evaluation else "no eval windows")
     return BuiltData(train, evaluation, len(documents), len(eval_documents))
+
+
+def build_indexed_datasets(args, seq_length: int) -> BuiltData:
+    """Train/valid streams from a prepared `.bin/.idx` prefix, split by Megatron's contiguous document ranges."""
+    from .indexed import IndexedDataset
+
+    config = args.get_dataloader_config()
+    prefixes = args.data_path if args.data_path is not None else config.get("data_path")
+    if prefixes is None:
+        raise DataError("megatron_dataset_flag is true but no data_path (or dataloader_config.data_path) names a "
+                        ".bin/.idx prefix")
+    if isinstance(prefixes, str):
+        prefixes = prefixes.split()  # Megatron's "weight prefix weight prefix ..." string form too
+    if any(_is_number(p) for p in prefixes) or len(prefixes) != 1:
+        raise DataError(f"data_path {prefixes}: blending several prefixes (with weights) is not supported yet; "
+                        "give one prefix")
+    megatron = (args.plugin_args or {}).get("other_megatron_args") or {}
+    split = str(config.get("split") or megatron.get("split") or "969,30,1")
+    dataset = IndexedDataset(prefixes[0])
+    ranges = split_ranges(split, dataset.num_documents)
+    streams = [dataset.tokens[slice(*dataset.document_token_range(*r))] for r in ranges[:2]]
+    train = PackedDataset(streams[0], seq_length)
+    if len(train) == 0:
+        raise DataError(f"data_path {prefixes[0]}: split {split!r} leaves no training documents out of "
+                        f"{dataset.num_documents}")
+    evaluation = PackedDataset(streams[1], seq_length) if len(streams[1]) > 1 else None
+    logger.info("data: %s, %d documents, split %s -> %d train windows of %d, %s", prefixes[0],
+                dataset.num_documents, split, len(train), seq_length,
+                f"{len(evaluation)} eval windows" if evaluation else "no eval split")
+    return BuiltData(train, evaluation, ranges[0][1] - ranges[0][0], ranges[1][1] - ranges[1][0])
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Megatron's split string ("969,30,1", "100,0,0") as contiguous [begin, end) document ranges."""
+    parts = [float(x) for x in re.findall(r"[0-9]*\.?[0-9]+", split)]
+    if not 1 <= len(parts) <= 3 or sum(parts) <= 0:
+        raise DataError(f"split {split!r}: give up to three non-negative weights for train,valid,test, e.g. 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    bounds = [0.0]
+    for part in parts:
+        bounds.append(bounds[-1] + part / total)
+    return [(int(round(lo * num_documents)), int(round(hi * num_documents))) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _is_number(text) -> bool:
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def split_documents(documents: list[Document], eval_split: float | int, seed: int):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, PreTrainingArguments
-from ..data import BatchStream, EvalBatches, SampleStream, build_datasets
+from ..data import BatchStream, EvalBatches, SampleStream, build_datasets, build_indexed_datasets
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from . import checkpoint as ckpt
@@ -62,16 +62,17 @@ class PreTrainer:
             self.tokenizer = load_tokenizer(args_.resolved_tokenizer_path, Path(args_.resolved_tokenizer_path))
 
         if train_dataloader is None:
-            if not args_.resolved_train_data:
-                raise ConfigError("no training data: set `train_data` (files, globs or folders of "
-                                  "json/jsonl/csv/txt) or pass train_dataloader=")
             if args_.megatron_dataset_flag:
-                raise ConfigError("megatron_dataset_flag: true (Megatron .bin/.idx data) is not supported in this "
-                                  "version; point train_data at json/jsonl/csv/txt files")
-            if args_.dataloader_config:
-                logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the built-in "
-                            "pipeline packs sequences without padding and does not use it")
-            data = build_datasets(args_, self.tokenizer, spec.seq_length)
+                data = build_indexed_datasets(args_, spec.seq_length)
+            else:
+                if not args_.resolved_train_data:
+                    raise ConfigError("no training data: set `train_data` (files, globs or folders of "
+                                      "json/jsonl/csv/txt), or data_path with megatron_dataset_flag: true for "
+                                      "prepared .bin/.idx data, or pass train_dataloader=")
+                if args_.dataloader_config:
+                    logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the "
+                                "built-in pipeline packs sequences without padding and does not use it")
+                data = build_datasets(args_, self.tokenizer, spec.seq_length)
             pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
                 else self.tokenizer.eos_token_id
             shard = {"rank": self.engine.rank, "world_size": self.engine.world_size}

@@ -1,0 +1,130 @@
+"""Megatron-Core's indexed dataset on disk (`PREFIX.bin` + `PREFIX.idx`), written and read byte-compatibly.
+
+`.bin` holds the token ids of all sequences back to back (no header). `.idx` (little-endian): magic
+`MMIDIDX\\0\\0`, version 1 (u64), dtype code (u8), sequence count N (u64), document-index length D (u64),
+then int32[N] sequence lengths, int64[N] byte pointers into `.bin`, int64[D] document indices (sequence
+boundaries of documents, starting at 0). One document is one sequence here.
+
+The writer streams tokens to hidden temporary files and renames them into place only in `finalize`, the
+`.idx` last, so an interrupted write never leaves a pair that looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .readers import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7,
+               np.uint16: 8}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def optimal_dtype(vocab_size: int):
+    """Megatron's rule: uint16 below 65,500 tokens, int32 otherwise."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def paths(prefix: str | Path) -> tuple[Path, Path]:
+    prefix = str(prefix)
+    return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+class IndexedDatasetWriter:
+    def __init__(self, prefix: str | Path, dtype=np.uint16):
+        self.bin_path, self.idx_path = paths(prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self.dtype = dtype
+        self._tmp_bin = self.bin_path.with_name(f".{self.bin_path.name}.tmp-{os.getpid()}")
+        self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp-{os.getpid()}")
+        self._bin = open(self._tmp_bin, "wb")
+        self.lengths: list[int] = []
+
+    def add_document(self, tokens) -> None:
+        array = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(array.tobytes(order="C"))
+        self.lengths.append(len(array))
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.asarray(self.lengths, dtype=np.int32)
+        itemsize = np.dtype(self.dtype).itemsize
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
+        documents = np.arange(len(lengths) + 1, dtype=np.int64)
+        with open(self._tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", DTYPE_CODES[self.dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(documents)))
+            f.write(lengths.tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(documents.tobytes(order="C"))
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(self._tmp_idx, self.idx_path)  # last: the pair is complete once the .idx exists
+
+    def abort(self) -> None:
+        self._bin.close()
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            tmp.unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """Read-only view: `tokens` is the whole `.bin` as a memory-mapped array."""
+
+    def __init__(self, prefix: str | Path):
+        self.bin_path, self.idx_path = paths(prefix)
+        for path in (self.idx_path, self.bin_path):
+            if not path.is_file():
+                raise DataError(f"data_path {prefix}: {path} does not exist (prepare data with `pretrainer "
+                                "prepare`, which writes PREFIX.bin and PREFIX.idx)")
+        raw = self.idx_path.read_bytes()
+        if raw[:9] != MAGIC:
+            raise DataError(f"{self.idx_path}: not a Megatron indexed-dataset index (bad magic)")
+        version, = struct.unpack_from("<Q", raw, 9)
+        if version != VERSION:
+            raise DataError(f"{self.idx_path}: index version {version}, expected {VERSION}")
+        code, = struct.unpack_from("<B", raw, 17)
+        if code not in CODE_DTYPES:
+            raise DataError(f"{self.idx_path}: unknown dtype code {code}")
+        self.dtype = CODE_DTYPES[code]
+        count, doc_count = struct.unpack_from("<QQ", raw, 18)
+        offset = 34
+        self.sequence_lengths = np.frombuffer(raw, np.int32, count, offset)
+        offset += 4 * count
+        self.sequence_pointers = np.frombuffer(raw, np.int64, count, offset)
+        offset += 8 * count
+        self.document_indices = np.frombuffer(raw, np.int64, doc_count, offset)
+        if doc_count == 0 or self.document_indices[-1] != count:
+            raise DataError(f"{self.idx_path}: document indices do not end at the sequence count")
+        itemsize = np.dtype(self.dtype).itemsize
+        expected = int(self.sequence_lengths.astype(np.int64).sum()) * itemsize
+        if self.bin_path.stat().st_size != expected:
+            raise DataError(f"{self.bin_path}: {self.bin_path.stat().st_size} bytes, but its index describes "
+                            f"{expected}; the pair is from different runs or truncated — prepare it again")
+        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if expected else np.zeros(0, self.dtype)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def document_token_range(self, first: int, last: int) -> tuple[int, int]:
+        """Token offsets [start, end) of documents [first, last) in `tokens`."""
+        itemsize = np.dtype(self.dtype).itemsize
+        seq_first, seq_last = int(self.document_indices[first]), int(self.document_indices[last])
+        if seq_first == seq_last:
+            return 0, 0
+        start = int(self.sequence_pointers[seq_first]) // itemsize
+        end = int(self.sequence_pointers[seq_last - 1]) // itemsize + int(self.sequence_lengths[seq_last - 1])
+        return start, end
+
+    def __getitem__(self, sequence: int) -> np.ndarray:
+        start = int(self.sequence_pointers[sequence]) // np.dtype(self.dtype).itemsize
+        return np.asarray(self.tokens[start:start + int(self.sequence_lengths[sequence])])

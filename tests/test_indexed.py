@@ -1,0 +1,125 @@
+"""Prepared data: Megatron-Core byte compatibility, `pretrainer prepare`, and training from .bin/.idx."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CORPUS, QUICKSTART_MODEL, REPO, train_losses
+from pretrainer import DataError, PreTrainer, PreTrainingArguments
+from pretrainer.data import split_ranges
+from pretrainer.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+BIN = Path(sys.executable).parent
+DOCS = [[5, 6, 7], [1], list(range(100, 140)), [9, 9]]
+
+
+def test_writer_is_byte_identical_to_megatron_core(tmp_path):
+    ours = IndexedDatasetWriter(tmp_path / "ours", np.uint16)
+    theirs = indexed_dataset.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
+    import torch
+
+    for doc in DOCS:
+        ours.add_document(doc)
+        theirs.add_document(torch.tensor(doc), [len(doc)])
+    ours.finalize()
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"theirs{suffix}").read_bytes()
+    read_back = indexed_dataset.IndexedDataset(str(tmp_path / "ours"))
+    assert [read_back[i].tolist() for i in range(len(DOCS))] == DOCS
+
+
+def test_reader_takes_megatron_files_with_multi_sequence_documents(tmp_path):
+    """The reference layout: lengths [10,3,20,5,3,3,2], the last document made of two sequences."""
+    import torch
+
+    builder = indexed_dataset.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    lengths = [10, 3, 20, 5, 3, 3, 2]
+    sequences = [torch.arange(n, dtype=torch.int64) + 10 * i for i, n in enumerate(lengths)]
+    for seq in sequences[:5]:
+        builder.add_item(seq)
+        builder.end_document()
+    builder.add_document(torch.cat(sequences[5:]), lengths[5:])
+    builder.finalize(str(tmp_path / "m.idx"))
+    assert (tmp_path / "m.bin").stat().st_size == 92
+    dataset = IndexedDataset(tmp_path / "m")
+    assert dataset.num_documents == 6 and dataset.document_indices.tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert dataset.sequence_pointers.tolist() == [0, 20, 26, 66, 76, 82, 88]
+    start, end = dataset.document_token_range(5, 6)
+    assert dataset.tokens[start:end].tolist() == torch.cat(sequences[5:]).tolist()
+
+
+def test_truncated_pair_and_split_strings_are_clear_errors(tmp_path):
+    writer = IndexedDatasetWriter(tmp_path / "d")
+    for doc in DOCS:
+        writer.add_document(doc)
+    writer.finalize()
+    with open(tmp_path / "d.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="bytes, but its index describes"):
+        IndexedDataset(tmp_path / "d")
+    with pytest.raises(DataError, match="does not exist"):
+        IndexedDataset(tmp_path / "missing")
+    assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges("100,0,0", 7) == [(0, 7), (7, 7), (7, 7)]
+    with pytest.raises(DataError, match="up to three"):
+        split_ranges("1,2,3,4", 10)
+
+
+def prepare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "pretrainer"), "prepare", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_prepare_matches_the_tokenizer_and_megatron_reads_it(tmp_path):
+    done = prepare("--input", str(CORPUS), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                   str(tmp_path / "docs"), "--append-eod", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    assert "documents: 1,603" in done.stdout
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
+    theirs = indexed_dataset.IndexedDataset(str(tmp_path / "docs_text_document"))
+    assert len(theirs) == len(texts) and theirs.index.dtype == np.uint16
+    for i in (0, 1, 777, len(texts) - 1):
+        assert theirs[i].tolist() == tokenizer(texts[i])["input_ids"] + [tokenizer.eos_token_id]
+    summary = json.loads((tmp_path / "docs_summary.json").read_text())
+    assert summary["documents"] == 1603 and summary["tokens"] == int(theirs.sequence_lengths.sum())
+
+
+def test_prepare_other_keys_and_a_bad_record_leaves_no_pair(tmp_path):
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"text": "a b", "title": "T1"}\n{"text": "c", "title": "T2"}\n')
+    done = prepare("--input", str(records), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                   str(tmp_path / "out"), "--json-keys", "text", "title")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out_title_document.idx").is_file() and (tmp_path / "out_text_document.bin").is_file()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    done = prepare("--input", str(bad), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix", str(tmp_path / "b"))
+    assert done.returncode == 2 and "bad.jsonl:2: invalid JSON" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("b_", ".b_"))) == []
+
+
+def test_training_from_prepared_data_resumes_exactly(base_config, tmp_path):
+    prefix = tmp_path / "docs"
+    assert prepare("--input", base_config["train_data"], "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                   str(prefix), "--append-eod").returncode == 0
+    config = {**base_config, "train_data": None, "megatron_dataset_flag": True,
+              "data_path": str(prefix) + "_text_document", "dataloader_config": {"split": "90,10,0"}}
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
+    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
+    assert train_losses(interrupted) == train_losses(straight)
+    with pytest.raises(DataError, match="leaves no training documents"):
+        PreTrainer(PreTrainingArguments(**{**config, "dataloader_config": {"split": "0,100,0"}}))
