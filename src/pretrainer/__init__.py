@@ -1,10 +1,19 @@
 """pretrainer: pretrain and continue pretraining causal language models from a YAML config."""
 
 from .config import ConfigError, PreTrainingArguments
-from .data import DataError
-from .train import PreTrainer
+from .data.readers import DataError
 from .utils import get_pretrain_config_file
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "DataError", "PreTrainer", "PreTrainingArguments", "get_pretrain_config_file"]
+
+
+def __getattr__(name: str):
+    # The trainer (torch, transformers) loads on first use, so `pretrainer prepare` and its worker
+    # processes start without it.
+    if name == "PreTrainer":
+        from .train import PreTrainer
+
+        return PreTrainer
+    raise AttributeError(f"module 'pretrainer' has no attribute {name!r}")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, PreTrainingArguments
-from .data import DataError
+from .data.readers import DataError
 
 logger = logging.getLogger("pretrainer")
 

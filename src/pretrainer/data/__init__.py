@@ -1,10 +1,23 @@
-"""Data: readers for local files, tokenize-and-pack, and the resumable batch stream."""
+"""Data: readers for local files, tokenize-and-pack, indexed .bin/.idx, preparation, sharded sampling.
 
-from .loader import BatchStream, BuiltData, build_datasets, build_indexed_datasets, split_documents, split_ranges
-from .packing import PackedDataset, collate_packed, tokenize_documents
-from .sampling import EvalBatches, SampleStream
-from .readers import DataError, Document, expand_paths, read_documents, record_to_text
+Names are loaded on first use, so the readers and `prepare` work without importing torch.
+"""
 
-__all__ = ["BatchStream", "BuiltData", "DataError", "Document", "EvalBatches", "PackedDataset", "SampleStream",
-           "build_datasets", "build_indexed_datasets", "collate_packed", "expand_paths", "read_documents", "record_to_text",
-           "split_documents", "split_ranges", "tokenize_documents"]
+import importlib
+
+_HOMES = {
+    "BatchStream": "loader", "BuiltData": "loader", "build_datasets": "loader", "build_indexed_datasets": "loader",
+    "split_documents": "loader", "split_ranges": "loader",
+    "PackedDataset": "packing", "collate_packed": "packing", "tokenize_documents": "packing",
+    "EvalBatches": "sampling", "SampleStream": "sampling",
+    "DataError": "readers", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
+    "record_to_text": "readers",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pretrainer.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

@@ -49,13 +49,21 @@ def tokenizer_file(path: str | Path) -> Path:
     return candidate
 
 
-def eod_token_id(path: str | Path) -> int:
-    from transformers import AutoTokenizer
+def eod_token_id(tokenizer_json: Path) -> int:
+    """The EOS id, from the tokenizer folder's tokenizer_config.json / special_tokens_map.json."""
+    from tokenizers import Tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(path) if Path(path).is_dir() else Path(path).parent))
-    if tokenizer.eos_token_id is None:
-        raise DataError(f"--tokenizer {path}: has no EOS token to append with --append-eod")
-    return tokenizer.eos_token_id
+    folder = tokenizer_json.parent
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            token_id = Tokenizer.from_file(str(tokenizer_json)).token_to_id(eos) if eos else None
+            if token_id is not None:
+                return token_id
+    raise DataError(f"--tokenizer {folder}: no eos_token in tokenizer_config.json or special_tokens_map.json, so "
+                    "--append-eod has nothing to append")
 
 
 def _init_worker(tokenizer_json: str) -> None:
@@ -83,7 +91,7 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
 
     vocab_size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
     dtype = optimal_dtype(vocab_size)
-    eod = eod_token_id(tokenizer) if append_eod else None
+    eod = eod_token_id(tokenizer_json) if append_eod else None
     summary = PrepareSummary()
     start = time.perf_counter()
     # fork: workers start at once and load only the `tokenizers` library; the parent has run no torch op.

@@ -94,12 +94,11 @@ def record_to_text(record, where: str, text_key: str) -> str:
 
 
 def _read_txt(path: Path, mode: str) -> Iterator[Document]:
-    text = _read_text(path)
     if mode == "file":
-        yield Document(text, str(path))
+        yield Document(_read_text(path), str(path))
         return
-    for number, line in enumerate(text.splitlines(), start=1):
-        yield Document(line, f"{path}:{number}")
+    for number, line in _lines(path):
+        yield Document(line.rstrip("\r\n"), f"{path}:{number}")
 
 
 def _read_csv(path: Path, text_key: str) -> Iterator[Document]:
@@ -115,8 +114,8 @@ def _read_csv(path: Path, text_key: str) -> Iterator[Document]:
 
 
 def _read_json(path: Path, text_key: str) -> Iterator[Document]:
-    text = _read_text(path)
-    if text.lstrip().startswith("["):
+    if _first_char(path) == "[":  # a JSON array is parsed whole; JSON lines stream one line at a time
+        text = _read_text(path)
         try:
             records = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -125,7 +124,7 @@ def _read_json(path: Path, text_key: str) -> Iterator[Document]:
             where = f"{path}: record {index}"
             yield Document(record_to_text(record, where, text_key), where)
         return
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in _lines(path):
         if not line.strip():
             continue
         try:
@@ -133,6 +132,22 @@ def _read_json(path: Path, text_key: str) -> Iterator[Document]:
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         yield Document(record_to_text(record, f"{path}:{number}", text_key), f"{path}:{number}")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Numbered lines, decoded one at a time (memory stays flat whatever the file size)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{number}: not valid UTF-8 (byte {exc.start} of the line)") from None
+
+
+def _first_char(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8-sig", errors="ignore").lstrip()
+    return head[:1]
 
 
 def _read_text(path: Path) -> str:
