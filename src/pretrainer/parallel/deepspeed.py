@@ -55,18 +55,17 @@ class DeepSpeedEngine(DistributedEngine):
         self.ds_config, filled = fill_deepspeed_config(self.raw_config, self.args, self.world_size, hidden)
         if filled and self.is_main:
             logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
+        # (A user optimizer never reaches here: it would hold unsharded parameters; PreTrainer refuses it.)
         if "optimizer" not in self.ds_config:
             optimizer = build_optimizer(model)  # our AdamW groups (no decay on norms/biases/embeddings)
             if "offload_optimizer" in (self.ds_config.get("zero_optimization") or {}):
                 self.ds_config["zero_force_ds_cpu_optimizer"] = False
-        elif optimizer is not None:
-            raise ConfigError("the DeepSpeed config has an optimizer block and an optimizer was passed too; "
-                              "keep one")
-        if "scheduler" not in self.ds_config and scheduler is None and optimizer is not None:
-            scheduler = build_scheduler(optimizer)
-        elif "scheduler" in self.ds_config:
+        if "scheduler" in self.ds_config:
             logger.info("using the DeepSpeed config's scheduler %s", self.ds_config["scheduler"].get("type"))
             scheduler = None
+        elif scheduler is None:
+            # Our schedule; over DeepSpeed's own optimizer when the JSON defines one (a callable it applies).
+            scheduler = build_scheduler(optimizer) if optimizer is not None else build_scheduler
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad])

@@ -62,24 +62,8 @@ class PreTrainer:
             self.tokenizer = load_tokenizer(args_.resolved_tokenizer_path, Path(args_.resolved_tokenizer_path))
 
         if train_dataloader is None:
-            if args_.megatron_dataset_flag:
-                data = build_indexed_datasets(args_, spec.seq_length)
-            else:
-                if not args_.resolved_train_data:
-                    raise ConfigError("no training data: set `train_data` (files, globs or folders of "
-                                      "json/jsonl/csv/txt), or data_path with megatron_dataset_flag: true for "
-                                      "prepared .bin/.idx data, or pass train_dataloader=")
-                if args_.dataloader_config:
-                    logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the "
-                                "built-in pipeline packs sequences without padding and does not use it")
-                data = build_datasets(args_, self.tokenizer, spec.seq_length)
-            pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-                else self.tokenizer.eos_token_id
-            shard = {"rank": self.engine.rank, "world_size": self.engine.world_size}
-            self.train_stream = SampleStream(data.train, args_.micro_batch_size, pad_id, seed=args_.seed,
-                                             num_workers=args_.num_workers, **shard)
-            if eval_dataloader is None and data.eval is not None:
-                eval_dataloader = EvalBatches(data.eval, args_.micro_batch_size, pad_id, **shard)
+            self.train_stream, built_eval = self._built_in_data(spec)
+            eval_dataloader = eval_dataloader if eval_dataloader is not None else built_eval
         else:
             if self.engine.world_size > 1:
                 logger.info("a user DataLoader is iterated as given on each rank: give each rank its own part "
@@ -106,6 +90,29 @@ class PreTrainer:
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.checkpointer = ckpt.Checkpointer(args_.save_dir, self.engine, args_.async_checkpoint) \
             if args_.save_dir else None
+
+    def _built_in_data(self, spec):
+        """This rank's train stream and eval batches from the configured files or prepared prefix."""
+        args = self.pretrain_args
+        if args.megatron_dataset_flag:
+            data = build_indexed_datasets(args, spec.seq_length)
+        else:
+            if not args.resolved_train_data:
+                raise ConfigError("no training data: set `train_data` (files, globs or folders of "
+                                  "json/jsonl/csv/txt), or data_path with megatron_dataset_flag: true for "
+                                  "prepared .bin/.idx data, or pass train_dataloader=")
+            if args.dataloader_config:
+                logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the "
+                            "built-in pipeline packs sequences without padding and does not use it")
+            data = build_datasets(args, self.tokenizer, spec.seq_length)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        shard = {"rank": self.engine.rank, "world_size": self.engine.world_size}
+        stream = SampleStream(data.train, args.micro_batch_size, pad_id, seed=args.seed,
+                              num_workers=args.num_workers, **shard)
+        evaluation = EvalBatches(data.eval, args.micro_batch_size, pad_id, **shard) if data.eval is not None \
+            else None
+        return stream, evaluation
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
