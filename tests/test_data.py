@@ -173,3 +173,25 @@ def test_batch_stream_resumes_a_shuffled_user_dataloader_exactly():
     resumed.load_state_dict(first.state_dict())
     assert head + [next(resumed)["input_ids"].tolist() for _ in range(4)] == reference
     assert reference[0] != reference[4]  # epochs are reshuffled
+
+
+def test_gzip_and_zstd_inputs_read_like_plain_files(tmp_path):
+    import gzip
+
+    import zstandard
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "packed").mkdir()
+    files = {"a.jsonl": '{"text": "one"}\n{"text": "two"}\n', "b.csv": 'text\n"three, 3"\n',
+             "c.txt": "four\nfive\n"}
+    for name, content in files.items():
+        (tmp_path / "plain" / name).write_text(content)
+    (tmp_path / "packed" / "a.jsonl.gz").write_bytes(gzip.compress(files["a.jsonl"].encode()))
+    (tmp_path / "packed" / "b.csv.zst").write_bytes(zstandard.ZstdCompressor().compress(files["b.csv"].encode()))
+    (tmp_path / "packed" / "c.txt.gz").write_bytes(gzip.compress(files["c.txt"].encode()))
+    plain = [d.text for d in docs(tmp_path / "plain")]
+    packed = [d.text for d in docs(tmp_path / "packed")]
+    assert packed == plain == ["one", "two", "three, 3", "four", "five"]
+    (tmp_path / "x.bin.gz").write_bytes(gzip.compress(b"x"))
+    with pytest.raises(DataError, match=r"unsupported type \.bin\.gz"):
+        expand_paths([str(tmp_path / "x.bin.gz")])

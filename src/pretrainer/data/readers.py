@@ -10,6 +10,8 @@ sure no `<s>` is doubled).
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import glob
 import json
 import os
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".txt")
+COMPRESSED_SUFFIXES = (".gz", ".zst")  # e.g. docs.jsonl.gz, rows.csv.zst
 
 # The usual alpaca prompt layout, so alpaca records read as the same text other tools train on.
 ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
@@ -43,7 +46,7 @@ def expand_paths(patterns: list[str], what: str = "train_data") -> list[Path]:
     for pattern in patterns:
         path = Path(pattern)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in SUPPORTED_SUFFIXES and p.is_file())
+            found = sorted(p for p in path.rglob("*") if record_format(p) in SUPPORTED_SUFFIXES and p.is_file())
             if not found:
                 raise DataError(f"{what}: directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
             files.extend(found)
@@ -57,17 +60,27 @@ def expand_paths(patterns: list[str], what: str = "train_data") -> list[Path]:
         else:
             raise DataError(f"{what}: file {pattern} does not exist")
     for path in files:
-        if path.suffix not in SUPPORTED_SUFFIXES:
-            raise DataError(f"{what}: {path} has an unsupported type {path.suffix or '(no suffix)'}; "
-                            f"supported: {', '.join(SUPPORTED_SUFFIXES)}")
+        if record_format(path) not in SUPPORTED_SUFFIXES:
+            raise DataError(f"{what}: {path} has an unsupported type {''.join(path.suffixes) or '(no suffix)'}; "
+                            f"supported: {', '.join(SUPPORTED_SUFFIXES)}, optionally compressed "
+                            f"({', '.join(COMPRESSED_SUFFIXES)})")
     return files
+
+
+def record_format(path: Path) -> str:
+    """The record suffix, looking through a compression suffix (`a.jsonl.gz` -> `.jsonl`)."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        return suffixes[-2] if len(suffixes) > 1 else ""
+    return path.suffix
 
 
 def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "line") -> Iterator[Document]:
     for path in files:
-        if path.suffix == ".txt":
+        kind = record_format(path)
+        if kind == ".txt":
             yield from _read_txt(path, txt_mode)
-        elif path.suffix == ".csv":
+        elif kind == ".csv":
             yield from _read_csv(path, text_key)
         else:
             yield from _read_json(path, text_key)
@@ -134,9 +147,23 @@ def _read_json(path: Path, text_key: str) -> Iterator[Document]:
         yield Document(record_to_text(record, f"{path}:{number}", text_key), f"{path}:{number}")
 
 
+def _open_binary(path: Path):
+    """The file's bytes, decompressed on the fly for .gz and .zst."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") \
+                from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """Numbered lines, decoded one at a time (memory stays flat whatever the file size)."""
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         for number, raw in enumerate(f, start=1):
             try:
                 yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -145,13 +172,14 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _first_char(path: Path) -> str:
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         head = f.read(4096).decode("utf-8-sig", errors="ignore").lstrip()
     return head[:1]
 
 
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
+    with _open_binary(path) as f:
+        raw = f.read()
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
