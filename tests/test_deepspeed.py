@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -10,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import EXAMPLES, REPO, eval_losses, read_metrics, train_losses
+from conftest import EXAMPLES, REPO, eval_losses, train_losses
 from pretrainer import ConfigError, PreTrainingArguments
 from pretrainer.parallel.deepspeed_config import fill_deepspeed_config, load_deepspeed_config
 

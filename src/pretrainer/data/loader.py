@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 class BuiltData:
     train: PackedDataset
     eval: PackedDataset | None
-    num_documents: int
-    num_eval_documents: int
 
 
 def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
@@ -55,7 +53,7 @@ def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
     logger.info("data: %d train documents -> %d tokens in %d windows of %d; %d eval documents -> %s",
                 len(documents), train.num_target_tokens + 1, len(train), seq_length, len(eval_documents),
                 f"{len(evaluation)} windows" if evaluation else "no eval windows")
-    return BuiltData(train, evaluation, len(documents), len(eval_documents))
+    return BuiltData(train, evaluation)
 
 
 def build_indexed_datasets(args, seq_length: int) -> BuiltData:
@@ -85,7 +83,7 @@ def build_indexed_datasets(args, seq_length: int) -> BuiltData:
     logger.info("data: %s, %d documents, split %s -> %d train windows of %d, %s", prefixes[0],
                 dataset.num_documents, split, len(train), seq_length,
                 f"{len(evaluation)} eval windows" if evaluation else "no eval split")
-    return BuiltData(train, evaluation, ranges[0][1] - ranges[0][0], ranges[1][1] - ranges[1][0])
+    return BuiltData(train, evaluation)
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
