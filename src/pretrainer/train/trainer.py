@@ -141,13 +141,14 @@ class PreTrainer:
             self.completed_steps += 1
             step = self.completed_steps
             self.tokens_seen += step_targets
-            interval["loss"] += step_loss
+            interval["loss"] += step_loss  # this rank's token-loss sum; summed over ranks only when logged
             interval["targets"] += step_targets
             interval["steps"] += 1
             interval["seconds"] += time.perf_counter() - step_start
             if step % args.log_interval == 0 or step == args.num_training_steps:
                 elapsed = interval["seconds"]
-                row = {"step": step, "loss": interval["loss"].item() / max(interval["targets"], 1), "lr": lr,
+                loss_sum = engine.reduce_sum(interval["loss"]).item()
+                row = {"step": step, "loss": loss_sum / max(interval["targets"], 1), "lr": lr,
                        "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "step_tokens": step_targets,
                        "tokens_per_s": interval["targets"] / elapsed,
                        "elapsed_ms": 1000 * elapsed / interval["steps"], "epoch": self.train_stream.epoch,
@@ -207,8 +208,7 @@ class PreTrainer:
             logger.warning("step %d: non-finite gradients, update skipped (fp16 loss scale lowered)",
                            self.completed_steps + 1)
         engine.finish_step(self.optimizer, self.lr_scheduler)
-        step_loss = engine.reduce_sum(local_loss)
-        return step_loss, window_targets, grad_norm, lr
+        return local_loss, window_targets, grad_norm, lr
 
     # ---------------------------------------------------------- evaluation
     def _evaluate(self, metrics: MetricsLog) -> dict:
