@@ -57,6 +57,39 @@ def test_chat_rows_get_no_doubled_bos_and_no_extra_eos(tokenizer):
     assert stream[-1] == eos and stream[-2] != eos
 
 
+def test_parquet_and_chat_messages_records(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chat = [{"role": "user", "content": "What is a tuple?"}, {"role": "assistant", "content": "An immutable list."}]
+    pq.write_table(pa.table({"text": ["alpha", "beta"], "n": [1, 2]}), tmp_path / "t.parquet", row_group_size=1)
+    pq.write_table(pa.table({"messages": [chat]}), tmp_path / "m.parquet")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    assert [(d.text, d.where.split(": ")[-1]) for d in docs(tmp_path / "t.parquet")] == [("alpha", "row 0"),
+                                                                                          ("beta", "row 1")]
+    expected = "<s>Human: What is a tuple?\n</s><s>Assistant: An immutable list.\n</s>"
+    assert docs(tmp_path / "m.parquet")[0].text == docs(tmp_path / "m.jsonl")[0].text == expected
+    # the same conversation as a Human/Assistant CSV row reads as the same text
+    (tmp_path / "c.csv").write_text('text\n"<s>Human: What is a tuple?\n</s><s>Assistant: An immutable list.\n</s>"\n')
+    assert docs(tmp_path / "c.csv")[0].text == expected
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: messages\[0\] must be an object with string"):
+        docs(tmp_path / "bad.jsonl")
+
+
+def test_skip_mode_reports_each_bad_record_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"text": "good one"}\n{"text": oops}\n{"title": "no text"}\n{"text": 5}\n'
+                     b'{"text": "bad \xff byte"}\n{"text": "good two"}\n')
+    bad = []
+    kept = docs(path, on_bad=bad.append)
+    assert [d.text for d in kept] == ["good one", "good two"]
+    assert [e.reason for e in bad] == ["invalid JSON", "missing field", "wrong field type", "not UTF-8"]
+    assert [str(e).split(": ")[0] for e in bad] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
+    (tmp_path / "gaps.txt").write_text("one\n\n   \ntwo\n")
+    assert [d.where.rsplit(":", 1)[1] for d in docs(tmp_path / "gaps.txt")] == ["1", "4"]  # blank lines: no documents
+
+
 def test_plain_documents_get_bos_and_eos_between_them(tokenizer):
     stream, skipped = tokenize_documents([Document("hello world", "x:1"), Document("", "x:2"),
                                           Document("second doc", "x:3")], tokenizer)
@@ -114,9 +147,12 @@ def test_undecodable_bytes_and_missing_or_unsupported_files(tmp_path):
         docs(path)
     with pytest.raises(DataError, match="does not exist"):
         expand_paths([str(tmp_path / "missing.jsonl")])
-    (tmp_path / "x.parquet").write_bytes(b"")
-    with pytest.raises(DataError, match="unsupported type .parquet"):
-        expand_paths([str(tmp_path / "x.parquet")])
+    (tmp_path / "x.xlsx").write_bytes(b"")
+    with pytest.raises(DataError, match="unsupported type .xlsx"):
+        expand_paths([str(tmp_path / "x.xlsx")])
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"broken\.parquet: not a readable parquet file"):
+        docs(tmp_path / "broken.parquet")
     with pytest.raises(DataError, match="matches no file"):
         expand_paths([str(tmp_path / "*.zzz")])
 

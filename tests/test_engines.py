@@ -195,3 +195,38 @@ def test_async_checkpoint_on_two_ranks(setup):
     torchrun(config, "engine=fsdp", "async_checkpoint=true", f"save_dir={save_dir}")
     assert_same_run(save_dir, single_dir, rel=1e-5)
     assert sorted(p.name for p in (save_dir / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]
+
+
+def test_prepared_blend_on_two_ranks_matches_one_process_and_resumes_on_one(setup, tmp_path):
+    """Prepared data: rank 0 builds the sample indices while rank 1 waits, both map them; 2 ranks train on
+    the batches of 1 process; a checkpoint from 2 ranks continues on 1 with the next samples."""
+    from pretrainer.data.indexed import IndexedDatasetWriter
+
+    root, config, single_dir = setup
+    tokens = torch.Generator().manual_seed(0)
+    prefixes = []
+    for name in ("web", "code"):
+        writer = IndexedDatasetWriter(tmp_path / name)
+        for _ in range(30):
+            writer.add_document(torch.randint(3, 4000, (int(torch.randint(5, 120, (1,), generator=tokens)),),
+                                              generator=tokens).tolist() + [1])
+        writer.finalize()
+        prefixes.append(str(tmp_path / name))
+    data = ["train_data=null", "megatron_dataset_flag=true", f"data_path=0.6 {prefixes[0]} 0.4 {prefixes[1]}",
+            "dataloader_config={split: '90,10,0'}"]
+    args = PreTrainingArguments.from_yaml(config, [*data, "dp=1", "micro_batch_size=4",
+                                                   f"save_dir={tmp_path / 'single'}"])
+    PreTrainer(args).train()
+    cache = tmp_path / "cache" / "pretrainer_indices"
+    built = sorted(p.name for p in cache.iterdir())
+    torchrun(config, "engine=ddp", *data, f"save_dir={tmp_path / 'two'}")
+    assert sorted(p.name for p in cache.iterdir()) == built  # same parameters: the cached indices are reused
+    assert_same_run(tmp_path / "two", tmp_path / "single", rel=1e-5)
+    for p in cache.iterdir():
+        p.unlink()
+    torchrun(config, "engine=ddp", *data, f"save_dir={tmp_path / 'moved'}", "exit_interval=3")
+    assert sorted(p.name for p in cache.iterdir()) == built  # built afresh, by one rank, identically
+    args = PreTrainingArguments.from_yaml(config, [*data, "dp=1", "micro_batch_size=4",
+                                                   f"save_dir={tmp_path / 'moved'}"])
+    PreTrainer(args).train()
+    assert_same_run(tmp_path / "moved", tmp_path / "single", rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,49 @@ def test_training_from_prepared_data_resumes_exactly(base_config, tmp_path):
     assert train_losses(interrupted) == train_losses(straight)
     with pytest.raises(DataError, match="leaves no training documents"):
         PreTrainer(PreTrainingArguments(**{**config, "dataloader_config": {"split": "0,100,0"}}))
+
+
+def test_prepare_skip_mode_summary_chat_rows_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "in" / "a.jsonl"
+    good.parent.mkdir()
+    good.write_bytes(b'{"text": "first"}\n{"text": ""}\n{"text": oops}\n'
+                     b'{"text": "<s>Human: hi\\n</s><s>Assistant: yo\\n</s>"}\n')
+    pq.write_table(pa.table({"text": ["from parquet"]}), tmp_path / "in" / "b.parquet")
+    args = ("--input", str(tmp_path / "in"), "--tokenizer", str(QUICKSTART_MODEL), "--append-eod")
+    failed = prepare(*args, "--output-prefix", str(tmp_path / "f"))
+    assert failed.returncode == 2 and "a.jsonl:2: empty text" in failed.stderr
+    done = prepare(*args, "--output-prefix", str(tmp_path / "s"), "--on-error", "skip")
+    assert done.returncode == 0, done.stderr
+    assert "skipped: 2 bad record(s) (empty text: 1, invalid JSON: 1)" in done.stdout
+    summary = json.loads((tmp_path / "s_summary.json").read_text())
+    assert summary["documents"] == 3 and summary["skipped"] == {"empty text": 1, "invalid JSON": 1}
+    assert summary["skipped_examples"][1].startswith(f"{good}:3: invalid JSON")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    written = IndexedDataset(tmp_path / "s_text_document")
+    chat = written[1].tolist()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert chat[:2] != [bos, bos] and chat[0] == bos and chat[-1] == eos and chat[-2] != eos  # no doubled BOS/EOS
+    assert chat == tokenizer("<s>Human: hi\n</s><s>Assistant: yo\n</s>", add_special_tokens=False)["input_ids"]
+    assert written[2].tolist() == tokenizer("from parquet")["input_ids"] + [eos]
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM source tree "
+                    "(its tools/preprocess_data.py; not installable from the package registry) to run this check")
+def test_prepare_is_byte_identical_to_megatron_lm_preprocess_data(tmp_path):
+    tree = Path(os.environ["MEGATRON_LM_DIR"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    theirs = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(CORPUS), "--output-prefix",
+                             str(tmp_path / "theirs"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                             str(QUICKSTART_MODEL), "--workers", "2", "--append-eod"], cwd=tree, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert prepare("--input", str(CORPUS), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                   str(tmp_path / "ours"), "--workers", "2", "--append-eod").returncode == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"theirs_text_document{suffix}").read_bytes()

@@ -33,13 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     # says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     prep = commands.add_parser("prepare", help="tokenize a corpus into Megatron-compatible .bin/.idx files")
-    prep.add_argument("--input", nargs="+", required=True, help="files, globs or folders (json, jsonl, csv, txt)")
+    prep.add_argument("--input", nargs="+", required=True, help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
     prep.add_argument("--tokenizer", required=True, help="HF tokenizer folder (with tokenizer.json) or the file")
     prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     prep.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output each")
     prep.add_argument("--append-eod", action="store_true", help="append the EOS token to every document")
     prep.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
+    prep.add_argument("--on-error", choices=["fail", "skip"], default="fail",
+                      help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
     ns = parser.parse_args(argv)
     try:
         if ns.command == "prepare":
@@ -61,7 +63,7 @@ def prepare_command(ns) -> int:
     from .data.prepare import prepare, write_summary
 
     summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
-                      ns.txt_mode, progress=sys.stderr.isatty())
+                      ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error)
     for line in summary.lines():
         print(line)
     print(f"summary: {write_summary(summary, ns.output_prefix)}")

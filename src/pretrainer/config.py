@@ -45,6 +45,9 @@ MEGATRON_KEY_TO_FIELD = {
     "clip_grad": "clip_grad",
     "seed": "seed",
     "eval_iters": "eval_iters",
+    "data_cache_path": "data_cache_path",
+    "reset_position_ids": "reset_position_ids",
+    "reset_attention_mask": "reset_attention_mask",
 }
 
 
@@ -81,6 +84,9 @@ class PreTrainingArguments:
     text_key: str = "text"
     txt_mode: str = "line"
     num_workers: int = 0
+    data_cache_path: str | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
     # --- optimisation ---
     lr: float = 3e-4

@@ -8,7 +8,10 @@ import importlib
 _HOMES = {
     "BatchStream": "loader", "BuiltData": "loader", "build_datasets": "loader", "build_indexed_datasets": "loader",
     "split_documents": "loader", "split_ranges": "loader",
+    "parse_data_path": "loader",
     "PackedDataset": "packing", "collate_packed": "packing", "tokenize_documents": "packing",
+    "DocumentMasking": "packing", "document_position_ids": "packing",
+    "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
     "EvalBatches": "sampling", "SampleStream": "sampling",
     "DataError": "readers", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
     "record_to_text": "readers",

@@ -44,16 +44,20 @@ class IndexedDatasetWriter:
         self._tmp_bin = self.bin_path.with_name(f".{self.bin_path.name}.tmp-{os.getpid()}")
         self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp-{os.getpid()}")
         self._bin = open(self._tmp_bin, "wb")
-        self.lengths: list[int] = []
+        self.lengths: list[np.ndarray] = []  # one int32 array per batch of documents
 
     def add_document(self, tokens) -> None:
         array = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(array.tobytes(order="C"))
-        self.lengths.append(len(array))
+        self.add_documents(array.tobytes(order="C"), np.array([len(array)], dtype=np.int32))
+
+    def add_documents(self, tokens: bytes, lengths: np.ndarray) -> None:
+        """Several documents at once: their tokens back to back in this writer's dtype, and their lengths."""
+        self._bin.write(tokens)
+        self.lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finalize(self) -> None:
         self._bin.close()
-        lengths = np.asarray(self.lengths, dtype=np.int32)
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int32)
         itemsize = np.dtype(self.dtype).itemsize
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])

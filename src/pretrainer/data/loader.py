@@ -10,34 +10,38 @@ workers prefetch ahead.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .packing import PackedDataset, tokenize_documents
-from .readers import DataError, Document, expand_paths, read_documents
+from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class BuiltData:
-    train: PackedDataset
-    eval: PackedDataset | None
+    train: torch.utils.data.Dataset
+    eval: torch.utils.data.Dataset | None
+    shuffled: bool = False  # the samples are already in a seeded random order (prepared data)
 
 
 def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
     """Read, tokenize and pack the configured files; hold out an eval split when no eval files are given."""
     train_files = expand_paths(args.resolved_train_data, "train_data")
-    documents = list(read_documents(train_files, args.text_key, args.txt_mode))
+    special = SpecialTokens(tokenizer.bos_token or "", tokenizer.eos_token or "")
+    documents = list(read_documents(train_files, args.text_key, args.txt_mode, special=special))
     if not documents:
         raise DataError(f"train_data: {', '.join(map(str, train_files))} holds no documents")
     eval_documents: list[Document] = []
     if args.resolved_eval_data:
         eval_files = expand_paths(args.resolved_eval_data, "eval_data")
-        eval_documents = list(read_documents(eval_files, args.text_key, args.txt_mode))
+        eval_documents = list(read_documents(eval_files, args.text_key, args.txt_mode, special=special))
     elif args.eval_split:
         documents, eval_documents = split_documents(documents, args.eval_split, args.seed)
     train_stream, skipped = tokenize_documents(documents, tokenizer)
@@ -56,34 +60,88 @@ def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
     return BuiltData(train, evaluation)
 
 
-def build_indexed_datasets(args, seq_length: int) -> BuiltData:
-    """Train/valid streams from a prepared `.bin/.idx` prefix, split by Megatron's contiguous document ranges."""
+def build_indexed_datasets(args, seq_length: int, world_size: int = 1, is_main: bool = True,
+                           barrier=lambda: None) -> BuiltData:
+    """GPT-style train/valid samples from prepared `.bin/.idx` prefixes, split by Megatron's contiguous
+    document ranges and blended by weight when several prefixes are given."""
+    from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
     from .indexed import IndexedDataset
 
     config = args.get_dataloader_config()
-    prefixes = args.data_path if args.data_path is not None else config.get("data_path")
-    if prefixes is None:
-        raise DataError("megatron_dataset_flag is true but no data_path (or dataloader_config.data_path) names a "
-                        ".bin/.idx prefix")
-    if isinstance(prefixes, str):
-        prefixes = prefixes.split()  # Megatron's "weight prefix weight prefix ..." string form too
-    if any(_is_number(p) for p in prefixes) or len(prefixes) != 1:
-        raise DataError(f"data_path {prefixes}: blending several prefixes (with weights) is not supported yet; "
-                        "give one prefix")
     megatron = (args.plugin_args or {}).get("other_megatron_args") or {}
+    raw = args.data_path if args.data_path is not None else config.get("data_path")
+    prefixes, weights = parse_data_path(raw)
     split = str(config.get("split") or megatron.get("split") or "969,30,1")
-    dataset = IndexedDataset(prefixes[0])
-    ranges = split_ranges(split, dataset.num_documents)
-    streams = [dataset.tokens[slice(*dataset.document_token_range(*r))] for r in ranges[:2]]
-    train = PackedDataset(streams[0], seq_length)
-    if len(train) == 0:
-        raise DataError(f"data_path {prefixes[0]}: split {split!r} leaves no training documents out of "
-                        f"{dataset.num_documents}")
-    evaluation = PackedDataset(streams[1], seq_length) if len(streams[1]) > 1 else None
-    logger.info("data: %s, %d documents, split %s -> %d train windows of %d, %s", prefixes[0],
-                dataset.num_documents, split, len(train), seq_length,
-                f"{len(evaluation)} eval windows" if evaluation else "no eval split")
-    return BuiltData(train, evaluation)
+    cache_folder = args.data_cache_path or megatron.get("data_cache_path")
+    cache = IndexCache(Path(cache_folder) if cache_folder else _writable(default_cache_folder(prefixes[0]), args),
+                       build_on_this_rank=is_main, barrier=barrier)
+    datasets = [IndexedDataset(p) for p in prefixes]
+    ranges = [split_ranges(split, d.num_documents) for d in datasets]
+    train_samples = args.num_training_steps * args.micro_batch_size * args.gradient_accumulation_steps * world_size
+    eval_samples = args.eval_iters * args.micro_batch_size * world_size if args.eval_iters else None
+
+    def build(part: int, name: str, num_samples: int | None):
+        usable = [i for i, r in enumerate(ranges) if r[part][1] > r[part][0]]
+        if not usable:
+            return None
+        if len(prefixes) == 1:
+            return GPTSamples(datasets[0], ranges[0][part], seq_length, num_samples, args.seed, cache, name)
+        blend_weights = [weights[i] if weights else _split_tokens(datasets[i], ranges[i][part]) for i in usable]
+        total = num_samples or sum(_split_tokens(datasets[i], ranges[i][part]) for i in usable) // seq_length
+        norm = np.asarray(blend_weights, dtype=np.float64) / float(np.sum(blend_weights))
+        parts = [GPTSamples(datasets[i], ranges[i][part], seq_length, n, args.seed, cache, name)
+                 for i, n in zip(usable, samples_per_dataset(norm, max(total, 1)))]
+        description = {"prefixes": [str(Path(prefixes[i]).resolve()) for i in usable], "split": split,
+                       "part": name, "seq_length": seq_length, "seed": args.seed}
+        return BlendedSamples(parts, blend_weights, max(total, 1), cache, name, description)
+
+    for i, r in enumerate(ranges):
+        if r[0][1] <= r[0][0]:
+            raise DataError(f"data_path {prefixes[i]}: split {split!r} leaves no training documents out of "
+                            f"{datasets[i].num_documents}; give the first (train) part a non-zero share")
+    train = build(0, "train", train_samples)
+    evaluation = build(1, "valid", eval_samples)
+    logger.info("data: %s, split %s -> %d train samples of %d tokens, %s", " + ".join(prefixes), split,
+                len(train), seq_length + 1, f"{len(evaluation)} eval samples" if evaluation else "no eval split")
+    return BuiltData(train, evaluation, shuffled=True)
+
+
+def parse_data_path(raw) -> tuple[list[str], list[float] | None]:
+    """One prefix, a list of prefixes, or Megatron's weighted form `w1 p1 w2 p2 ...` (string or list)."""
+    if raw is None:
+        raise DataError("megatron_dataset_flag is true but no data_path (or dataloader_config.data_path) names a "
+                        ".bin/.idx prefix (written by `pretrainer prepare`)")
+    items = raw.split() if isinstance(raw, str) else [str(x) for x in raw]
+    if not items:
+        raise DataError("data_path is empty: give a prefix, or `weight prefix weight prefix ...`")
+    numeric = [_is_number(x) for x in items]
+    if not any(numeric):
+        return items, None
+    if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
+        raise DataError(f"data_path {items}: a weighted list alternates weight and prefix (`0.7 web 0.3 code`); "
+                        f"got {len(items)} item(s) in another shape")
+    weights = [float(w) for w in items[0::2]]
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"data_path {items}: weights must be non-negative with a positive sum")
+    return items[1::2], weights
+
+
+def _split_tokens(dataset, document_range: tuple[int, int]) -> int:
+    start, end = dataset.document_token_range(*document_range)
+    return end - start
+
+
+def _writable(folder: Path, args) -> Path:
+    """The cache folder next to the data, or under save_dir when the data's folder is read-only."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if os.access(probe, os.W_OK):
+        return folder
+    fallback = Path(args.save_dir or ".") / "data_cache"
+    logger.info("%s is not writable; sample indices are cached in %s (set data_cache_path to choose)", folder,
+                fallback)
+    return fallback
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:

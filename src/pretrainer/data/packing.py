@@ -11,6 +11,8 @@ final window may be shorter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -66,8 +68,43 @@ class PackedDataset(torch.utils.data.Dataset):
         return max(0, len(self.stream) - 1)
 
 
-def collate_packed(samples: list[dict], pad_token_id: int) -> dict:
+@dataclass(frozen=True)
+class DocumentMasking:
+    """Megatron's reset_position_ids / reset_attention_mask for packed windows.
+
+    Positions restart after every EOS, so each document is encoded as if it began the window. With
+    `attention` set the model also gets no attention mask: HF models then read the restarting positions
+    as packed sequences and mask attention block-diagonally (flash-attention varlen kernels do this for
+    free; SDPA and eager build a [batch, 1, seq, seq] mask, which costs memory and rules out SDPA's flash
+    kernel). Without `attention` an all-ones mask keeps attention causal over the whole window.
+    """
+    eod_token_id: int
+    attention: bool = False
+
+    def apply(self, batch: dict) -> dict:
+        batch["position_ids"] = document_position_ids(batch["input_ids"], self.eod_token_id)
+        if self.attention:
+            batch.pop("attention_mask", None)  # padding targets are ignored; causality keeps them out of the rest
+        elif "attention_mask" not in batch:
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+
+def document_position_ids(input_ids: torch.Tensor, eod_token_id: int) -> torch.Tensor:
+    """Position of each token within its document: 0 at the window start and right after every EOS."""
+    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eod_token_id
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+
+
+def collate_packed(samples: list[dict], pad_token_id: int, masking: DocumentMasking | None = None) -> dict:
     """Stack windows; only a short final window is padded (padding masked out of attention and loss)."""
+    batch = _stack_windows(samples, pad_token_id)
+    return masking.apply(batch) if masking is not None else batch
+
+
+def _stack_windows(samples: list[dict], pad_token_id: int) -> dict:
     length = max(s["input_ids"].shape[0] for s in samples)
     if all(s["input_ids"].shape[0] == length for s in samples):
         return {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "shift_labels")}

@@ -3,7 +3,9 @@
 Worker processes load only the `tokenizers` library (no torch, no transformers) and encode batches of
 documents; the parent reads records, keeps their order, and streams tokens to the writer. Each document
 is encoded as the model's tokenizer encodes a text (its special tokens, e.g. a Llama BOS, included), with
-the EOS appended when `append_eod` is set, as Megatron-LM's preprocess_data.py does.
+the EOS appended when `append_eod` is set, as Megatron-LM's preprocess_data.py does. Unlike that tool, a
+text that already starts with the BOS (`<s>Human: ...` rows) does not get a second one, and one that
+already ends with the EOS does not get another.
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ import json
 import logging
 import multiprocessing
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from .indexed import IndexedDatasetWriter, optimal_dtype
-from .readers import DataError, expand_paths, read_documents
+from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
 
 BATCH = 256
-_worker_tokenizer = None
+MAX_EXAMPLES = 10  # bad records quoted in the summary in skip mode
+ON_ERROR = ("fail", "skip")
+_worker = {}
 
 
 @dataclass
@@ -32,13 +38,23 @@ class PrepareSummary:
     outputs: list[str] = field(default_factory=list)
     documents: int = 0
     tokens: int = 0
-    skipped_empty: int = 0
+    skipped: dict = field(default_factory=dict)  # reason -> count
+    skipped_examples: list = field(default_factory=list)  # the first bad records' messages
     seconds: float = 0.0
+
+    def skip(self, exc: DataError) -> None:
+        self.skipped[exc.reason] = self.skipped.get(exc.reason, 0) + 1
+        if len(self.skipped_examples) < MAX_EXAMPLES:
+            self.skipped_examples.append(str(exc))
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.seconds if self.seconds else 0.0
-        return [f"documents: {self.documents:,}", f"tokens: {self.tokens:,} ({rate:,.0f} tokens/s)",
-                f"skipped: {self.skipped_empty:,} empty document(s)", *[f"wrote {o}.bin/.idx" for o in self.outputs]]
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{reason}: {count:,}" for reason, count in Counter(self.skipped).most_common())
+        lines = [f"documents: {self.documents:,}", f"tokens: {self.tokens:,} ({rate:,.0f} tokens/s)",
+                 f"skipped: {skipped:,} bad record(s)" + (f" ({reasons})" if reasons else "")]
+        lines += [f"  e.g. {example}" for example in self.skipped_examples]
+        return lines + [f"wrote {o}.bin/.idx" for o in self.outputs]
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -49,33 +65,45 @@ def tokenizer_file(path: str | Path) -> Path:
     return candidate
 
 
-def eod_token_id(tokenizer_json: Path) -> int:
-    """The EOS id, from the tokenizer folder's tokenizer_config.json / special_tokens_map.json."""
-    from tokenizers import Tokenizer
-
-    folder = tokenizer_json.parent
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = folder / name
+def special_token_strings(tokenizer_json: Path) -> dict:
+    """bos/eos token strings from the tokenizer folder's tokenizer_config.json / special_tokens_map.json."""
+    found = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later file wins
+        path = tokenizer_json.parent / name
         if path.is_file():
-            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            token_id = Tokenizer.from_file(str(tokenizer_json)).token_to_id(eos) if eos else None
-            if token_id is not None:
-                return token_id
-    raise DataError(f"--tokenizer {folder}: no eos_token in tokenizer_config.json or special_tokens_map.json, so "
-                    "--append-eod has nothing to append")
+            config = json.loads(path.read_text(encoding="utf-8"))
+            for key in ("bos_token", "eos_token"):
+                value = config.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if value:
+                    found[key] = value
+    return found
 
 
-def _init_worker(tokenizer_json: str) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_json: str, bos: int | None, eod: int | None, dtype) -> None:
     from tokenizers import Tokenizer
 
-    _worker_tokenizer = Tokenizer.from_file(tokenizer_json)
+    _worker.update(tokenizer=Tokenizer.from_file(tokenizer_json), bos=bos, eod=eod, dtype=dtype)
 
 
-def _encode(texts: list[str]) -> list[list[int]]:
-    encode = getattr(_worker_tokenizer, "encode_batch_fast", _worker_tokenizer.encode_batch)
-    return [e.ids for e in encode(texts, add_special_tokens=True)]
+def _encode(texts: list[str]) -> tuple[bytes, np.ndarray]:
+    """A batch's tokens back to back (in the output dtype) and each document's length.
+
+    Returned as two arrays rather than lists of ints: pickling them back to the parent is nearly free.
+    """
+    tokenizer, bos, eod, dtype = _worker["tokenizer"], _worker["bos"], _worker["eod"], _worker["dtype"]
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    pieces = []
+    for encoding in encode(texts, add_special_tokens=True):
+        ids = encoding.ids
+        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            del ids[0]  # the text began with the BOS itself
+        if eod is not None and (not ids or ids[-1] != eod):
+            ids.append(eod)
+        pieces.append(ids)
+    lengths = np.fromiter(map(len, pieces), dtype=np.int32, count=len(pieces))
+    tokens = np.fromiter(chain.from_iterable(pieces), dtype=dtype, count=int(lengths.sum()))
+    return tokens.tobytes(), lengths
 
 
 def _batches(iterator, size: int):
@@ -84,38 +112,50 @@ def _batches(iterator, size: int):
 
 
 def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: list[str], append_eod: bool = False,
-            workers: int = 1, txt_mode: str = "line", progress: bool = True) -> PrepareSummary:
+            workers: int = 1, txt_mode: str = "line", progress: bool = True, on_error: str = "fail") \
+        -> PrepareSummary:
+    if on_error not in ON_ERROR:
+        raise DataError(f"--on-error {on_error!r}: choose one of {', '.join(ON_ERROR)}")
     files = expand_paths(inputs, "--input")
     tokenizer_json = tokenizer_file(tokenizer)
     from tokenizers import Tokenizer
 
-    vocab_size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
-    dtype = optimal_dtype(vocab_size)
-    eod = eod_token_id(tokenizer_json) if append_eod else None
+    vocab = Tokenizer.from_file(str(tokenizer_json))
+    dtype = optimal_dtype(vocab.get_vocab_size(with_added_tokens=True))
+    strings = special_token_strings(tokenizer_json)
+    bos = vocab.token_to_id(strings["bos_token"]) if "bos_token" in strings else None
+    eod = vocab.token_to_id(strings["eos_token"]) if "eos_token" in strings else None
+    if append_eod and eod is None:
+        raise DataError(f"--tokenizer {tokenizer_json.parent}: no eos_token in tokenizer_config.json or "
+                        "special_tokens_map.json, so --append-eod has nothing to append")
+    special = SpecialTokens(strings.get("bos_token", ""), strings.get("eos_token", ""))
     summary = PrepareSummary()
+    on_bad = summary.skip if on_error == "skip" else None
     start = time.perf_counter()
     # fork: workers start at once and load only the `tokenizers` library; the parent has run no torch op.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with context.Pool(max(1, workers), initializer=_init_worker, initargs=(str(tokenizer_json),)) as pool:
+    initargs = (str(tokenizer_json), bos, eod if append_eod else None, dtype)
+    with context.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool:
         for key in json_keys:
             prefix = f"{output_prefix}_{key}_document"
             writer = IndexedDatasetWriter(prefix, dtype)
             bar = tqdm(unit="doc", disable=not progress, desc=key)
+            written = 0
             try:
-                texts = (doc.text for doc in read_documents(files, text_key=key, txt_mode=txt_mode))
-                for encoded in pool.imap(_encode, _batches(texts, BATCH)):
-                    for ids in encoded:
-                        if not ids:
-                            summary.skipped_empty += 1
-                            continue
-                        if eod is not None:
-                            ids.append(eod)
-                        writer.add_document(ids)
-                        summary.documents += 1
-                        summary.tokens += len(ids)
-                    bar.update(len(encoded))
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix(tokens_per_s=f"{summary.tokens / max(elapsed, 1e-9):,.0f}")
+                documents = (_non_empty(doc, on_bad) for doc in read_documents(files, key, txt_mode, on_bad, special))
+                texts = (doc.text for doc in documents if doc is not None)
+                for tokens, lengths in pool.imap(_encode, _batches(texts, BATCH)):
+                    writer.add_documents(tokens, lengths)
+                    summary.tokens += int(lengths.sum())
+                    summary.documents += len(lengths)
+                    written += len(lengths)
+                    bar.update(len(lengths))
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(docs_per_s=f"{summary.documents / elapsed:,.0f}",
+                                    tokens_per_s=f"{summary.tokens / elapsed:,.0f}")
+                if written == 0:
+                    raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
+                                    + (" (every record was skipped)" if summary.skipped else ""))
                 writer.finalize()
             except BaseException:
                 writer.abort()  # no .bin/.idx pair that looks complete
@@ -125,6 +165,17 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
             summary.outputs.append(prefix)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _non_empty(doc: Document, on_bad) -> Document | None:
+    """An empty or whitespace-only text is a bad record (it would be a document of special tokens only)."""
+    if doc.text.strip():
+        return doc
+    exc = DataError(f"{doc.where}: empty text", "empty text")
+    if on_bad is None:
+        raise exc
+    on_bad(exc)
+    return None
 
 
 def write_summary(summary: PrepareSummary, output_prefix: str) -> Path:

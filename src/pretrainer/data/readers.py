@@ -1,25 +1,31 @@
-"""Read documents from local json / jsonl / csv / txt files.
+"""Read documents from local json / jsonl / csv / txt / parquet files.
 
 Each record becomes one document's text, with its file and line kept for error
 messages. Record templates: a `text` field (name configurable), alpaca records
-(`instruction` / `input` / `output`), and rows already written as
+(`instruction` / `input` / `output`), chat records (`messages`: a list of
+`{"role", "content"}`), and rows already written as
 `<s>Human: ...</s><s>Assistant: ...</s>` (plain text; the tokenizer step makes
 sure no `<s>` is doubled).
+
+Every file type is read as a stream of `(where, record)` pairs, where a record
+that could not even be parsed arrives as a `DataError`. `read_documents` turns
+them into documents and either raises on the first bad one or hands it to an
+`on_bad` callback (the `--on-error skip` mode).
 """
 
 from __future__ import annotations
 
 import csv
+import glob
 import gzip
 import io
-import glob
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".txt")
+SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".zst")  # e.g. docs.jsonl.gz, rows.csv.zst
 
 # The usual alpaca prompt layout, so alpaca records read as the same text other tools train on.
@@ -28,16 +34,31 @@ ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with
                      "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
 ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# Chat turns are written in the Human/Assistant row form, so a `messages` record and the same conversation
+# as a CSV row train on identical tokens.
+CHAT_ROLE_NAMES = {"user": "Human", "human": "Human", "assistant": "Assistant", "gpt": "Assistant",
+                   "system": "System"}
 
 
 class DataError(ValueError):
-    """Bad input data; the message names the file and line."""
+    """Bad input data; the message names the file and line. `reason` groups bad records in summaries."""
+
+    def __init__(self, message: str, reason: str = "bad data"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
 class Document:
     text: str
-    where: str  # "path:line" (or "path" for a whole-file document)
+    where: str  # "path:line", "path: record N" (or "path" for a whole-file document)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's BOS/EOS strings, used to write chat turns."""
+    bos: str = "<s>"
+    eos: str = "</s>"
 
 
 def expand_paths(patterns: list[str], what: str = "train_data") -> list[Path]:
@@ -75,76 +96,143 @@ def record_format(path: Path) -> str:
     return path.suffix
 
 
-def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "line") -> Iterator[Document]:
+def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "line",
+                   on_bad: Callable[[DataError], None] | None = None,
+                   special: SpecialTokens = SpecialTokens()) -> Iterator[Document]:
+    """Documents of all files in order. A bad record raises, or goes to `on_bad` and is left out."""
     for path in files:
-        kind = record_format(path)
-        if kind == ".txt":
-            yield from _read_txt(path, txt_mode)
-        elif kind == ".csv":
-            yield from _read_csv(path, text_key)
-        else:
-            yield from _read_json(path, text_key)
+        for where, record in _records(path, text_key, txt_mode):
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                text = record if isinstance(record, str) else record_to_text(record, where, text_key, special)
+            except DataError as exc:
+                if on_bad is None:
+                    raise
+                on_bad(exc)
+                continue
+            yield Document(text, where)
 
 
-def record_to_text(record, where: str, text_key: str) -> str:
+def _records(path: Path, text_key: str, txt_mode: str) -> Iterator[tuple[str, object]]:
+    kind = record_format(path)
+    if kind == ".txt":
+        return _txt_records(path, txt_mode)
+    if kind == ".csv":
+        return _csv_records(path, text_key)
+    if kind == ".parquet":
+        return _parquet_records(path)
+    return _json_records(path)
+
+
+def record_to_text(record, where: str, text_key: str, special: SpecialTokens = SpecialTokens()) -> str:
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected an object with a {text_key!r} field, got {type(record).__name__}")
+        raise DataError(f"{where}: expected an object with a {text_key!r} field, got {type(record).__name__}",
+                        "not an object")
     if text_key in record:
         text = record[text_key]
         if not isinstance(text, str):
-            raise DataError(f"{where}: field {text_key!r} must be a string, got {type(text).__name__}")
+            raise DataError(f"{where}: field {text_key!r} must be a string, got {type(text).__name__}",
+                            "wrong field type")
         return text
     if "instruction" in record:
         fields = {k: record.get(k) or "" for k in ("instruction", "input", "output")}
         for key, value in fields.items():
             if not isinstance(value, str):
-                raise DataError(f"{where}: alpaca field {key!r} must be a string, got {type(value).__name__}")
+                raise DataError(f"{where}: alpaca field {key!r} must be a string, got {type(value).__name__}",
+                                "wrong field type")
         template = ALPACA_WITH_INPUT if fields["input"] else ALPACA_NO_INPUT
         return template.format(**fields) + fields["output"]
+    if "messages" in record:
+        return messages_to_text(record["messages"], where, special)
     keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
-    raise DataError(f"{where}: record has no {text_key!r} field and is not an alpaca record "
-                    f"(instruction/input/output); its keys: {keys}. Set `text_key` to the field holding the text.")
+    raise DataError(f"{where}: record has no {text_key!r} field and is not an alpaca (instruction/input/output) "
+                    f"or chat (messages) record; its keys: {keys}. Set `text_key` to the field holding the text.",
+                    "missing field")
 
 
-def _read_txt(path: Path, mode: str) -> Iterator[Document]:
+def messages_to_text(messages, where: str, special: SpecialTokens) -> str:
+    """`[{"role": "user", "content": ...}, ...]` as `<s>Human: ...\\n</s><s>Assistant: ...\\n</s>`."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects",
+                        "bad messages")
+    turns = []
+    for number, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"{where}: messages[{number}] must be an object with string 'role' and 'content'",
+                            "bad messages")
+        role = CHAT_ROLE_NAMES.get(message["role"].lower(), message["role"].capitalize())
+        turns.append(f"{special.bos}{role}: {message['content']}\n{special.eos}")
+    return "".join(turns)
+
+
+def _txt_records(path: Path, mode: str) -> Iterator[tuple[str, object]]:
     if mode == "file":
-        yield Document(_read_text(path), str(path))
+        try:
+            yield str(path), _read_text(path)
+        except DataError as exc:
+            yield str(path), exc
         return
     for number, line in _lines(path):
-        yield Document(line.rstrip("\r\n"), f"{path}:{number}")
+        if isinstance(line, DataError) or line.strip():  # blank lines separate documents; they are none
+            yield f"{path}:{number}", line if isinstance(line, DataError) else line.rstrip("\r\n")
 
 
-def _read_csv(path: Path, text_key: str) -> Iterator[Document]:
-    text = _read_text(path)
+def _csv_records(path: Path, text_key: str) -> Iterator[tuple[str, object]]:
+    text = _read_text(path)  # a CSV field may span lines, so the file is parsed whole
     reader = csv.DictReader(text.splitlines(keepends=True))
     if reader.fieldnames is None:
         return
-    if text_key not in reader.fieldnames and "instruction" not in reader.fieldnames:
+    if text_key not in reader.fieldnames and not {"instruction", "messages"} & set(reader.fieldnames):
         raise DataError(f"{path}:1: CSV header has no {text_key!r} column (columns: {', '.join(reader.fieldnames)}); "
                         "set `text_key` to the column holding the text")
     for row in reader:
-        yield Document(record_to_text(row, f"{path}:{reader.line_num}", text_key), f"{path}:{reader.line_num}")
+        yield f"{path}:{reader.line_num}", row
 
 
-def _read_json(path: Path, text_key: str) -> Iterator[Document]:
+def _json_records(path: Path) -> Iterator[tuple[str, object]]:
     if _first_char(path) == "[":  # a JSON array is parsed whole; JSON lines stream one line at a time
-        text = _read_text(path)
         try:
-            records = json.loads(text)
+            records = json.loads(_read_text(path))
+        except DataError as exc:
+            yield str(path), exc
+            return
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+            yield f"{path}:{exc.lineno}", DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}); the whole "
+                                                    "array is unreadable", "invalid JSON")
+            return
         for index, record in enumerate(records):
-            where = f"{path}: record {index}"
-            yield Document(record_to_text(record, where, text_key), where)
+            yield f"{path}: record {index}", record
         return
     for number, line in _lines(path):
+        where = f"{path}:{number}"
+        if isinstance(line, DataError):
+            yield where, line
+            continue
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-        yield Document(record_to_text(record, f"{path}:{number}", text_key), f"{path}:{number}")
+            yield where, DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})", "invalid JSON")
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet files needs the pyarrow package "
+                        "(pip install pyarrow, or pip install 'pretrainer[parquet]')") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises its own error types for a corrupt or non-parquet file
+        raise DataError(f"{path}: not a readable parquet file ({exc})") from None
+    index = 0
+    for batch in table.iter_batches(batch_size=1024):  # row groups stream; memory stays bounded
+        for record in batch.to_pylist():
+            yield f"{path}: row {index}", record
+            index += 1
 
 
 def _open_binary(path: Path):
@@ -161,14 +249,15 @@ def _open_binary(path: Path):
     return open(path, "rb")
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def _lines(path: Path) -> Iterator[tuple[int, str | DataError]]:
     """Numbered lines, decoded one at a time (memory stays flat whatever the file size)."""
     with _open_binary(path) as f:
         for number, raw in enumerate(f, start=1):
             try:
                 yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}:{number}: not valid UTF-8 (byte {exc.start} of the line)") from None
+                yield number, DataError(f"{path}:{number}: not valid UTF-8 (byte {exc.start} of the line)",
+                                        "not UTF-8")
 
 
 def _first_char(path: Path) -> str:
@@ -184,4 +273,4 @@ def _read_text(path: Path) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 (byte offset {exc.start})") from None
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte offset {exc.start})", "not UTF-8") from None

@@ -17,16 +17,16 @@ import functools
 import numpy as np
 import torch
 
-from .packing import collate_packed
+from .packing import DocumentMasking, collate_packed
 
 
 class _PositionBatches:
     """Batch sampler: index lists for one rank, from a global position onward, forever."""
 
     def __init__(self, num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 start: int):
+                 start: int, shuffle: bool = True):
         self.num_samples, self.mbs, self.rank, self.world = num_samples, micro_batch_size, rank, world_size
-        self.seed, self.start = seed, start
+        self.seed, self.start, self.shuffle = seed, start, shuffle
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -40,7 +40,7 @@ class _PositionBatches:
         out = []
         for p in range(position + self.rank * self.mbs, position + (self.rank + 1) * self.mbs):
             epoch, offset = divmod(p, self.num_samples)
-            out.append(int(self.permutation(epoch)[offset]))
+            out.append(int(self.permutation(epoch)[offset]) if self.shuffle else offset)
         return out
 
     def __iter__(self):
@@ -51,14 +51,17 @@ class _PositionBatches:
 
 
 class SampleStream:
-    """This rank's micro-batches of a packed dataset, prefetched by DataLoader workers, resumable exactly."""
+    """This rank's micro-batches of a packed dataset, prefetched by DataLoader workers, resumable exactly.
+
+    `shuffle=False` takes the dataset's own order (prepared data whose sample index is already shuffled).
+    """
 
     def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, num_workers: int = 0):
+                 seed: int = 0, num_workers: int = 0, shuffle: bool = True, masking: DocumentMasking | None = None):
         self.dataset = dataset
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
-        self.seed, self.num_workers = seed, num_workers
-        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id)
+        self.seed, self.num_workers, self.shuffle = seed, num_workers, shuffle
+        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id, masking=masking)
         self.position = 0  # global samples consumed (all ranks)
         self._iterator = None
 
@@ -79,7 +82,7 @@ class SampleStream:
     def __next__(self) -> dict:
         if self._iterator is None:
             sampler = _PositionBatches(len(self.dataset), self.micro_batch_size, self.rank, self.world_size,
-                                       self.seed, self.position)
+                                       self.seed, self.position, self.shuffle)
             loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate,
                                                  num_workers=self.num_workers)
             self._iterator = iter(loader)
@@ -95,10 +98,11 @@ class EvalBatches:
     whose slice runs past the end gets a stand-in window with every target ignored.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1,
+                 masking: DocumentMasking | None = None):
         self.dataset = dataset
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
-        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id)
+        self.collate = functools.partial(collate_packed, pad_token_id=pad_token_id, masking=masking)
 
     def __iter__(self):
         n, global_batch = len(self.dataset), self.micro_batch_size * self.world_size

@@ -20,6 +20,7 @@ import torch
 
 from ..config import ConfigError, PreTrainingArguments
 from ..data import BatchStream, EvalBatches, SampleStream, build_datasets, build_indexed_datasets
+from ..data.packing import DocumentMasking
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from . import checkpoint as ckpt
@@ -94,12 +95,13 @@ class PreTrainer:
     def _built_in_data(self, spec):
         """This rank's train stream and eval batches from the configured files or prepared prefix."""
         args = self.pretrain_args
+        engine = self.engine
         if args.megatron_dataset_flag:
-            data = build_indexed_datasets(args, spec.seq_length)
+            data = build_indexed_datasets(args, spec.seq_length, engine.world_size, engine.is_main, engine.barrier)
         else:
             if not args.resolved_train_data:
                 raise ConfigError("no training data: set `train_data` (files, globs or folders of "
-                                  "json/jsonl/csv/txt), or data_path with megatron_dataset_flag: true for "
+                                  "json/jsonl/csv/txt/parquet), or data_path with megatron_dataset_flag: true for "
                                   "prepared .bin/.idx data, or pass train_dataloader=")
             if args.dataloader_config:
                 logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the "
@@ -107,9 +109,14 @@ class PreTrainer:
             data = build_datasets(args, self.tokenizer, spec.seq_length)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
-        shard = {"rank": self.engine.rank, "world_size": self.engine.world_size}
+        masking = None
+        if args.reset_position_ids or args.reset_attention_mask:
+            masking = DocumentMasking(self.tokenizer.eos_token_id, attention=args.reset_attention_mask)
+            logger.info("document masking: positions restart after each EOS%s", "; attention stays within each "
+                        "document" if args.reset_attention_mask else "")
+        shard = {"rank": engine.rank, "world_size": engine.world_size, "masking": masking}
         stream = SampleStream(data.train, args.micro_batch_size, pad_id, seed=args.seed,
-                              num_workers=args.num_workers, **shard)
+                              num_workers=args.num_workers, shuffle=not data.shuffled, **shard)
         evaluation = EvalBatches(data.eval, args.micro_batch_size, pad_id, **shard) if data.eval is not None \
             else None
         return stream, evaluation
