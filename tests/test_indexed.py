@@ -55,6 +55,15 @@ def test_reader_takes_megatron_files_with_multi_sequence_documents(tmp_path):
     assert dataset.sequence_pointers.tolist() == [0, 20, 26, 66, 76, 82, 88]
     start, end = dataset.document_token_range(5, 6)
     assert dataset.tokens[start:end].tolist() == torch.cat(sequences[5:]).tolist()
+    from pretrainer.data import GPTSamples, IndexCache
+
+    # GPT samples over Megatron's file: one epoch's samples, put back in stream order, tile the documents
+    samples = GPTSamples(dataset, (0, 6), 5, 10, 0, IndexCache(tmp_path / "cache"))  # 46 tokens: 10 samples
+    by_start = sorted(range(10), key=lambda i: int(samples.sample_order[i]))
+    stream = [t for i in by_start for t in samples.tokens(i)[:-1].tolist()]
+    documents = [torch.cat(sequences[:5][i:i + 1]).tolist() for i in range(5)] + [torch.cat(sequences[5:]).tolist()]
+    order = samples.document_order[:6].tolist()
+    assert stream[:46] == [t for d in order for t in documents[d]]
 
 
 def test_truncated_pair_and_split_strings_are_clear_errors(tmp_path):
