@@ -16,17 +16,13 @@ import filecmp
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
-import time
 from pathlib import Path
 
-import psutil
+from common import REPO, measure
 
-REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "examples" / "models" / "tiny-llama"
 BIN = Path(sys.executable).parent
 
@@ -80,32 +76,6 @@ def make_corpus(path: Path, megabytes: int) -> None:
             line = json.dumps({"text": text}) + "\n"
             f.write(line)
             size += len(line)
-
-
-def measure(command: list[str], env: dict | None = None, cwd: Path = REPO) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS of the whole process tree (MB), stdout."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                               env=env)
-    peak = [0.0]
-
-    def watch():
-        root = psutil.Process(process.pid)
-        while process.poll() is None:
-            try:
-                tree = [root, *root.children(recursive=True)]
-                peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree if p.is_running()) / 2**20)
-            except psutil.Error:
-                pass
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    out, err = process.communicate()
-    watcher.join()
-    if process.returncode != 0:
-        raise SystemExit(f"{command[:3]} failed:\n{err[-2000:]}")
-    return time.perf_counter() - start, peak[0], out
 
 
 def main() -> None:

@@ -72,3 +72,15 @@ def train_losses(save_dir) -> dict[int, float]:
 
 def eval_losses(save_dir) -> dict[int, float]:
     return {row["step"]: row["eval_loss"] for row in read_metrics(save_dir) if "eval_loss" in row}
+
+
+def assert_resume_reproduces(config: dict, folder: Path) -> None:
+    """6 steps straight vs 3 steps, exit, and the same run again: identical per-step losses."""
+    from pretrainer import PreTrainer, PreTrainingArguments
+
+    straight, interrupted = folder / "straight", folder / "interrupted"
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
+    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
+    assert train_losses(interrupted) == train_losses(straight)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import train_losses
-from pretrainer import DataError, PreTrainer, PreTrainingArguments
+from conftest import assert_resume_reproduces
+from pretrainer import DataError
 from pretrainer.data import BlendedSamples, DocumentMasking, GPTSamples, IndexCache, document_position_ids, \
     parse_data_path
 from pretrainer.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -143,10 +143,5 @@ def test_training_from_a_weighted_blend_with_document_masking_resumes_exactly(ba
     config = {**base_config, "train_data": None, "megatron_dataset_flag": True,
               "data_path": f"0.7 {prefixes[0]} 0.3 {prefixes[1]}", "dataloader_config": {"split": "90,10,0"},
               "reset_position_ids": True, "reset_attention_mask": True}
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
-    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
-    assert train_losses(interrupted) == train_losses(straight)
+    assert_resume_reproduces(config, tmp_path)
     assert len(list((tmp_path / "cache" / "pretrainer_indices").glob("*-train-blend-dataset_index.npy"))) == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CORPUS, QUICKSTART_MODEL, REPO, train_losses
+from conftest import CORPUS, QUICKSTART_MODEL, REPO, assert_resume_reproduces
 from pretrainer import DataError, PreTrainer, PreTrainingArguments
 from pretrainer.data import split_ranges
 from pretrainer.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -125,12 +125,7 @@ def test_training_from_prepared_data_resumes_exactly(base_config, tmp_path):
                    str(prefix), "--append-eod").returncode == 0
     config = {**base_config, "train_data": None, "megatron_dataset_flag": True,
               "data_path": str(prefix) + "_text_document", "dataloader_config": {"split": "90,10,0"}}
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
-    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
-    assert train_losses(interrupted) == train_losses(straight)
+    assert_resume_reproduces(config, tmp_path)
     with pytest.raises(DataError, match="leaves no training documents"):
         PreTrainer(PreTrainingArguments(**{**config, "dataloader_config": {"split": "0,100,0"}}))
 

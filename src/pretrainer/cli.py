@@ -9,10 +9,14 @@ from pathlib import Path
 
 from .config import ConfigError, PreTrainingArguments
 from .data.readers import DataError
+from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 
 logger = logging.getLogger("pretrainer")
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_CHECKPOINT = 4
+EXIT_COLLECTIVE = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"pretrainer: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (TrainingDiverged, CheckpointError, CollectiveFailure) as exc:
+        print(f"pretrainer: error: {exc}", file=sys.stderr)
+        codes = {TrainingDiverged: EXIT_DIVERGED, CheckpointError: EXIT_CHECKPOINT}
+        return codes.get(type(exc), EXIT_COLLECTIVE)
     return 0
 
 

@@ -46,6 +46,7 @@ MEGATRON_KEY_TO_FIELD = {
     "seed": "seed",
     "eval_iters": "eval_iters",
     "data_cache_path": "data_cache_path",
+    "distributed_timeout_minutes": "distributed_timeout_minutes",
     "reset_position_ids": "reset_position_ids",
     "reset_attention_mask": "reset_attention_mask",
 }
@@ -109,11 +110,19 @@ class PreTrainingArguments:
     resume: str = "auto"
     exit_interval: int | None = None
     async_checkpoint: bool = False
+    keep_last_checkpoints: int | None = None
+    keep_checkpoints_every: int | None = None
+    checkpoint_checksums: bool = True
     export_hf: bool = True
     export_dtype: str | None = None
     engine: str = "auto"
     device: str = "auto"
     activation_checkpointing: str = "none"
+    compile: bool = False
+    max_skipped_updates: int = 10
+    loss_spike_factor: float | None = None
+    distributed_timeout_minutes: float = 30.0
+    peak_tflops: float | None = None
     deepspeed: str | dict | None = None
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
@@ -316,7 +325,8 @@ class PreTrainingArguments:
         for name in positive:
             if getattr(self, name) < 1:
                 raise _key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seq_length", "save_interval", "eval_interval", "exit_interval"):
+        for name in ("seq_length", "save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints",
+                     "keep_checkpoints_every", "max_skipped_updates"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise _key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
@@ -349,6 +359,11 @@ class PreTrainingArguments:
             self.export_dtype = self.export_dtype.lower()
             if self.export_dtype not in DTYPES:
                 raise _key_error("export_dtype", f"export_dtype {self.export_dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
+            raise _key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
+                             "exceeds this many times the running mean), or null")
+        if self.distributed_timeout_minutes <= 0:
+            raise _key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
         if isinstance(self.eval_split, float) and not 0 <= self.eval_split < 1:
             raise _key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
         if isinstance(self.eval_split, int) and self.eval_split < 0:

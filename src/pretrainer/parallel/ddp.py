@@ -12,7 +12,7 @@ class DDPEngine(DistributedEngine):
     name = "ddp"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.checkpoint_activations(model)
+        self.prepare_layers(model)
         self.materialize_if_meta(model)  # same seeded init on every rank; DDP also broadcasts rank 0's weights
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type != "cpu" else None

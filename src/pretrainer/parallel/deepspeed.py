@@ -49,7 +49,7 @@ class DeepSpeedEngine(DistributedEngine):
     def setup(self, model, optimizer, scheduler, build_optimizer, build_scheduler):
         import deepspeed
 
-        self.checkpoint_activations(model)
+        self.prepare_layers(model)
         self.materialize_if_meta(model)
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         self.ds_config, filled = fill_deepspeed_config(self.raw_config, self.args, self.world_size, hidden)
@@ -81,7 +81,8 @@ class DeepSpeedEngine(DistributedEngine):
         if not self.model_engine.is_gradient_accumulation_boundary():
             self.model_engine.step()  # advances DeepSpeed's micro-step count; no update off the boundary
 
-    def step(self, model, optimizer, max_norm):
+    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False):
+        # DeepSpeed decides itself: its fp16 loss scaler skips non-finite steps; bf16/fp32 updates are applied.
         skipped_before = self.model_engine.skipped_steps
         self.model_engine.step()  # clips (gradient_clipping), updates, steps the schedule, zeroes grads
         norm = self.model_engine.get_global_grad_norm()

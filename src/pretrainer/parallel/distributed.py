@@ -34,7 +34,8 @@ class DistributedEngine(Engine):
             self.precision.device = self.device
         if not dist.is_initialized():
             backend = {"cpu": "gloo", "cuda": "nccl"}.get(self.device.type)
-            options = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+            # A rank that dies or hangs makes the others' next collective fail after this long.
+            options = {"backend": backend, "timeout": datetime.timedelta(minutes=args.distributed_timeout_minutes)}
             if "MASTER_ADDR" not in os.environ:
                 if launch_world_size() > 1:
                     raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the "
@@ -59,8 +60,10 @@ class DistributedEngine(Engine):
         dist.all_reduce(value)
         return value
 
-    def reduce_count(self, count: int) -> int:
-        return int(self.reduce_sum(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        counts = super().reduce_counts(counts)
+        dist.all_reduce(counts)
+        return counts
 
     def reduce_max(self, value: float) -> float:
         tensor = torch.tensor(value, dtype=torch.float64, device=self.device)
@@ -69,6 +72,18 @@ class DistributedEngine(Engine):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any_rank(self, flag: bool) -> bool:
+        if getattr(self, "_host_group", None) is None:  # CPU tensors need a gloo group beside NCCL
+            self._host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._host_group)
+        return bool(value.item())
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..config import ConfigError
 from ..models import has_meta_tensors, materialize
-from .activation_checkpoint import apply_activation_checkpointing
+from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,19 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
+    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change."""
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class Engine(ABC):
@@ -103,8 +116,15 @@ class Engine(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
 
-    def step(self, model: torch.nn.Module, optimizer, max_norm: float | None) -> tuple[torch.Tensor, bool]:
-        """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied)."""
+    def step(self, model: torch.nn.Module, optimizer, max_norm: float | None,
+             skip_nonfinite: bool = True, skip: bool = False) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied).
+
+        With `skip_nonfinite`, a non-finite gradient norm (a NaN/inf loss or gradient on any rank: the norm
+        is global) skips the update; that check reads the norm, the one device sync of a step. fp16 runs
+        leave it to the loss scaler, which skips and lowers the scale. `skip` drops this update regardless
+        (a loss spike); the norm is still computed, for the log.
+        """
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -115,20 +135,27 @@ class Engine(ABC):
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is a partial sum until gathered
             grad_norm = grad_norm.full_tensor()
+        if skip:
+            if scaler is not None:
+                scaler.update()  # keeps the scaler's per-step bookkeeping consistent
+            return grad_norm, False
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
             return grad_norm, scaler.get_scale() >= scale_before
+        if skip_nonfinite and not torch.isfinite(grad_norm):
+            return grad_norm, False
         optimizer.step()
         return grad_norm, True
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
-    def reduce_count(self, count: int) -> int:
-        """Sum a host-side integer over ranks (one process: itself, without touching the device)."""
-        return count
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Host-side integer counts, summed over ranks, as a device tensor. Never waits for the device: the
+        copy is asynchronous from pinned memory and the all-reduce (distributed engines) is queued."""
+        return to_device_async(counts, self.device)
 
     def reduce_max(self, value: float) -> float:
         """The largest of a host-side number over ranks."""
@@ -136,6 +163,14 @@ class Engine(ABC):
 
     def barrier(self) -> None:
         pass
+
+    def broadcast_object(self, obj):
+        """The main rank's `obj` on every rank (picklable objects)."""
+        return obj
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (a host-side collective: never waits for the device)."""
+        return flag
 
     def save_state(self, folder, model: torch.nn.Module, optimizer) -> None:
         """Write model and optimizer state into `folder` (every rank takes part)."""
@@ -168,8 +203,11 @@ class Engine(ABC):
         if has_meta_tensors(model):
             materialize(model, self.device, self.args.seed)
 
-    def checkpoint_activations(self, model: torch.nn.Module) -> None:
+    def prepare_layers(self, model: torch.nn.Module) -> None:
+        """Per-layer transforms, before an engine wraps or shards the model: checkpointing, then compile."""
         apply_activation_checkpointing(model, self.args.activation_checkpointing)
+        if self.args.compile:
+            compile_layers(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -188,6 +226,6 @@ class SingleEngine(Engine):
     name = "single"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.checkpoint_activations(model)
+        self.prepare_layers(model)
         self.materialize_if_meta(model)
         return model.to(self.device)

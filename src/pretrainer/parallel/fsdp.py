@@ -42,7 +42,7 @@ class FSDPEngine(DistributedEngine):
                                 mesh_dim_names=("replicate", "shard"))
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.checkpoint_activations(model)
+        self.prepare_layers(model)
         options = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.mesh}
         if self.precision.dtype != "fp32":
             # Compute in the low precision, keep fp32 shards and reduce gradients in fp32.

@@ -6,7 +6,11 @@ which DCP reshards). Beside them: `extra_state_rank<R>.pt` (RNG, loss scaler,
 scheduler), `config.yaml`, and `trainer_state.json` (step, tokens, data position),
 written last. All of it goes into a hidden temporary folder that is renamed into
 place only when complete, so a folder named `step-<N>` is always whole; `latest`
-names the newest one.
+names the newest one. `manifest.json` lists every file with its size and CRC-32,
+and a checkpoint that no longer matches it (truncated, corrupted) is skipped on
+resume with a message naming the file. Before a save, the free space is checked
+against the previous checkpoint's size; after one, older checkpoints beyond the
+retention settings are deleted (never before the new one is complete).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config import ConfigError
+from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
 
 
 def checkpoints_root(save_dir: str | Path) -> Path:
@@ -46,9 +53,11 @@ class Checkpointer:
     at the next save, or at the end of the run (`wait`). Every rank calls the same methods in order.
     """
 
-    def __init__(self, save_dir: str | Path, engine, async_save: bool = False):
+    def __init__(self, save_dir: str | Path, engine, async_save: bool = False, keep_last: int | None = None,
+                 keep_every: int | None = None, checksums: bool = True):
         self.root = checkpoints_root(save_dir)
         self.engine = engine
+        self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.async_save = async_save and engine.supports_async_save
         if async_save and not engine.supports_async_save:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
@@ -63,17 +72,35 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        engine.barrier()
-        torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
-                   tmp / f"extra_state_rank{engine.rank}.pt")
+        engine.barrier()  # the folder exists before any rank writes into it
+        self._check_free_space()
         state = {**trainer_state, "step": step, "world_size": engine.world_size, "engine": engine.name}
-        with _single_process_ok():
-            if self.async_save:
-                self._pending = (engine.save_state_async(tmp, model, optimizer), tmp, final, state, config_yaml)
-                return final
-            engine.save_state(tmp, model, optimizer)
+        try:
+            torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
+                       tmp / f"extra_state_rank{engine.rank}.pt")
+            with _single_process_ok():
+                if self.async_save:
+                    self._pending = (engine.save_state_async(tmp, model, optimizer), tmp, final, state, config_yaml)
+                    return final
+                engine.save_state(tmp, model, optimizer)
+        except OSError as exc:  # ENOSPC, EIO, ...: leave nothing half-written, keep the previous checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"writing checkpoint {final} failed ({exc}); the previous checkpoint "
+                                  f"{find_latest(self.root.parent, verify=False) or '(none)'} is intact") from None
         self._complete(tmp, final, state, config_yaml)
         return final
+
+    def _check_free_space(self) -> None:
+        """Refuse to start a save that will not fit: the previous checkpoint's size is the estimate."""
+        previous = find_latest(self.root.parent, verify=False)
+        if previous is None:
+            return
+        needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.root).free
+        if free < needed * 1.05:
+            raise CheckpointError(f"not enough disk space for a checkpoint in {self.root}: about {needed / 2**30:.2f} "
+                                  f"GiB needed (the size of {previous.name}), {free / 2**30:.2f} GiB free. Free "
+                                  "space or set keep_last_checkpoints; the previous checkpoint is intact")
 
     def wait(self) -> None:
         """Finish an asynchronous save, if one is under way."""
@@ -89,6 +116,8 @@ class Checkpointer:
         engine.barrier()  # every rank's shards are on disk
         if engine.is_main:
             (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            _fsync_dir(tmp)
+            _write_json(tmp / MANIFEST, manifest(tmp, state, self.checksums))
             _write_json(tmp / STATE_FILE, state)  # written last: marks the folder complete
             _fsync_dir(tmp)
             if final.exists():  # a replay after resume saves the same step again
@@ -96,7 +125,21 @@ class Checkpointer:
             os.replace(tmp, final)
             _write_text_atomic(self.root / "latest", final.name)
             logger.info("saved checkpoint %s", final)
+            self._apply_retention(final)
         engine.barrier()
+
+    def _apply_retention(self, newest: Path) -> None:
+        """Keep the newest `keep_last` complete checkpoints and every `keep_every`-th step; delete the rest."""
+        if not self.keep_last:
+            return
+        steps = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)))
+        complete = [(step, p) for step, p in steps if is_complete(p)]
+        keep = {p for _, p in complete[-self.keep_last:]} | {newest}
+        keep |= {p for step, p in complete if self.keep_every and step % self.keep_every == 0}
+        for step, path in steps:
+            if path not in keep and step < int(STEP_DIR.match(newest.name).group(1)):
+                shutil.rmtree(path, ignore_errors=True)
+                logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", path, self.keep_last)
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -126,24 +169,67 @@ def is_complete(path: Path) -> bool:
     return (path / STATE_FILE).is_file()  # written last, after every rank's shards
 
 
-def find_latest(save_dir: str | Path) -> Path | None:
-    """The checkpoint named by `latest`, or else the highest complete `step-<N>`."""
+def manifest(folder: Path, state: dict, checksums: bool) -> dict:
+    """Step, config hash, world layout, and every file's size (and CRC-32) in the checkpoint folder."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, STATE_FILE)):
+        entry = {"bytes": path.stat().st_size}
+        if checksums:
+            entry["crc32"] = _crc32(path)
+        files[path.relative_to(folder).as_posix()] = entry
+    return {"step": state["step"], "config_hash": state.get("config_hash"), "engine": state["engine"],
+            "world_size": state["world_size"], "files": files}
+
+
+def verify_checkpoint(path: Path, checksums: bool = True) -> str | None:
+    """What is wrong with a complete-looking checkpoint, or None. Older checkpoints without a manifest pass."""
+    listing = path / MANIFEST
+    if not listing.is_file():
+        return None
+    try:
+        files = json.loads(listing.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"its {MANIFEST} is unreadable ({exc})"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} is {size:,} bytes, its manifest says {entry['bytes']:,} (truncated or overwritten)"
+        if checksums and "crc32" in entry and _crc32(file) != entry["crc32"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def find_latest(save_dir: str | Path, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint that matches its manifest (`latest` first, then by step)."""
     root = checkpoints_root(save_dir)
     if not root.is_dir():
         return None
+    candidates = []
     pointer = root / "latest"
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if is_complete(candidate):
-            return candidate
-        logger.warning("checkpoint pointer %s names %s, which is not complete; looking for another", pointer,
-                       candidate)
+        candidates.append(root / pointer.read_text().strip())
     steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
-    for _, candidate in steps:
-        if is_complete(candidate):
+    candidates += [p for _, p in steps if p not in candidates]
+    for candidate in candidates:
+        if not is_complete(candidate):
+            logger.warning("skipping incomplete checkpoint %s", candidate)
+            continue
+        problem = verify_checkpoint(candidate) if verify else None
+        if problem is None:
             return candidate
-        logger.warning("skipping incomplete checkpoint %s", candidate)
+        logger.warning("skipping checkpoint %s: %s", candidate, problem)
     return None
+
+
+def _crc32(path: Path) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
 
 
 def resolve_resume(resume: str, save_dir: str | None) -> Path | None:

@@ -32,6 +32,12 @@ def count_targets(batch: dict) -> torch.Tensor:
     return (batch_targets(batch) != IGNORE).sum()
 
 
+def count_inputs(batch: dict) -> int:
+    """Useful (non-padding) input tokens of a host batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     return model(**inputs, use_cache=False).logits

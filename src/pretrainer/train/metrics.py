@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import resource
 import logging
 import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -29,10 +27,12 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line, flushed as written; a resumed run continues the same file."""
+    """Appends one JSON object per line, flushed as written; a resumed run continues the same file.
+    Rows also go to the trackers `report_to` names (TensorBoard, wandb)."""
 
-    def __init__(self, save_dir: str | None, enabled: bool = True):
+    def __init__(self, save_dir: str | None, enabled: bool = True, trackers: list | None = None):
         self.file = None
+        self.trackers = trackers or []
         if save_dir and enabled:
             path = Path(save_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,11 +42,16 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        for tracker in self.trackers:
+            tracker.write(row)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 class Progress:
@@ -80,17 +85,11 @@ class Progress:
         self.bar.close()
 
 
-def peak_memory_mb(device) -> float:
-    """Peak memory of this process: the accelerator's max allocated, or the CPU resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def format_train_line(row: dict, eta: str) -> str:
     return (f"step: {row['step']} | elapsed time per iteration (ms): {row['elapsed_ms']:.1f} | "
             f"learning rate: {row['lr']:.3E} | lm loss: {row['loss']:.6E} | grad norm: {row['grad_norm']:.3f} | "
-            f"tokens/s: {row['tokens_per_s']:.0f} | peak mem (MB): {row['peak_mem_mb']:.0f} | eta: {eta}")
+            f"tokens/s: {row['tokens_per_s']:.0f} | MFU: {100 * row['mfu']:.1f}% | "
+            f"peak mem (MB): {row['peak_mem_mb']:.0f} | eta: {eta}")
 
 
 def format_eval_line(row: dict) -> str:

@@ -23,12 +23,18 @@ from ..data import BatchStream, EvalBatches, SampleStream, build_datasets, build
 from ..data.packing import DocumentMasking
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
+from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from . import checkpoint as ckpt
 from .evaluate import evaluate
 from .export import export_hf
-from .loss import batch_targets, count_targets, forward_logits, loss_sum, to_device
-from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, peak_memory_mb, setup_logging
+from .loss import batch_targets, count_inputs, count_targets, forward_logits, loss_sum, to_device
+from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
 from .optim import build_optimizer, build_scheduler
+from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
+from .signals import StopRequests, TrainingInterrupted
+from .spikes import LossSpikeGuard
+from .trackers import open_trackers
+from .trackers import requested as requested_trackers
 
 logger = logging.getLogger("pretrainer")
 
@@ -46,13 +52,12 @@ class PreTrainer:
             raise ConfigError("an optimizer was passed without its model; pass model= as well")
         if lr_scheduler is not None and optimizer is None:
             raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
-        if args_.report_to and args_.report_to not in ("jsonl", "none"):
-            logger.warning("report_to=%r: only metrics.jsonl is written in this version", args_.report_to)
+        requested_trackers(args_.report_to)  # an unknown name fails before any heavy work
         self.completed_steps = 0
         self.engine = create_engine(args_)
         if not self.engine.is_main:  # one copy of the info lines; warnings still come from every rank
             logging.getLogger("pretrainer").setLevel(logging.WARNING)
-        self.resume_from = ckpt.resolve_resume(args_.resume, args_.save_dir)
+        self.resume_from = self._resolve_resume()
         seed_everything(args_.seed)
 
         self.tokenizer, spec = None, None
@@ -82,15 +87,39 @@ class PreTrainer:
                               "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
                               "adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
+        seq_length = spec.seq_length if spec is not None else (args_.seq_length or model.config.max_position_embeddings)
+        self.flops = flops_per_token(model, seq_length)  # counted before an engine shards the model
         self.model, self.optimizer, self.lr_scheduler = self.engine.setup(
             model, optimizer, lr_scheduler,
             build_optimizer=lambda m: build_optimizer(m, args_, self.engine.device),
             build_scheduler=lambda o: build_scheduler(o, args_))
         self.tokens_seen = 0
         self.skipped_updates = 0
+        self.stop_requests = StopRequests()
+        self.skipped_in_a_row = 0
+        self.spike_guard = LossSpikeGuard(args_.loss_spike_factor) if args_.loss_spike_factor else None
+        if self.spike_guard is not None and self.engine.name == "deepspeed":
+            raise ConfigError("loss_spike_factor is not available with engine deepspeed (DeepSpeed applies every "
+                              "update it is given); remove it or use engine fsdp")
+        self._pending_rows: list[dict] = []  # rows produced inside a step, written after it
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
-        self.checkpointer = ckpt.Checkpointer(args_.save_dir, self.engine, args_.async_checkpoint) \
-            if args_.save_dir else None
+        self.checkpointer = ckpt.Checkpointer(args_.save_dir, self.engine, args_.async_checkpoint,
+                                              keep_last=args_.keep_last_checkpoints,
+                                              keep_every=args_.keep_checkpoints_every,
+                                              checksums=args_.checkpoint_checksums) if args_.save_dir else None
+
+    def _resolve_resume(self):
+        """The checkpoint to resume from, chosen (and verified against its manifest) by the main rank only."""
+        outcome = None
+        if self.engine.is_main:
+            try:
+                outcome = ("path", ckpt.resolve_resume(self.pretrain_args.resume, self.pretrain_args.save_dir))
+            except ConfigError as exc:
+                outcome = ("error", str(exc))
+        kind, value = self.engine.broadcast_object(outcome)
+        if kind == "error":
+            raise ConfigError(value)
+        return value
 
     def _built_in_data(self, spec):
         """This rank's train stream and eval batches from the configured files or prepared prefix."""
@@ -123,9 +152,29 @@ class PreTrainer:
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
+        """Train to `num_training_steps` (resuming first). SIGTERM/SIGINT end it after a checkpoint by raising
+        `TrainingInterrupted` (a SystemExit with code 75)."""
+        self.stop_requests.install()
+        try:
+            return self._train()
+        except RuntimeError as exc:
+            if self.engine.world_size == 1 or not is_collective_failure(exc):
+                raise
+            message = (f"rank {self.engine.rank}: a collective failed at step {self.completed_steps + 1} (after "
+                       f"{self.pretrain_args.distributed_timeout_minutes:g} min at most, distributed_timeout_minutes)"
+                       f"; another rank died or hangs. Rerun the same command to resume from the last checkpoint. "
+                       f"Cause: {str(exc).splitlines()[0][:300]}")
+            logger.error(message)
+            raise CollectiveFailure(message) from exc
+        finally:
+            self.stop_requests.uninstall()
+
+    def _train(self) -> dict:
         args, engine = self.pretrain_args, self.engine
         self._maybe_resume()
-        metrics = MetricsLog(args.save_dir, enabled=engine.is_main)
+        trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
+            if engine.is_main else []
+        metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
         metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
                        "config_hash": args.config_hash()})
         if self.completed_steps >= args.num_training_steps:
@@ -135,87 +184,129 @@ class PreTrainer:
                 self.export(Path(args.save_dir) / "hf")
             metrics.close()
             return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
-        self._print_banner()
+        meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
+                                                              args.peak_tflops))
+        self._print_banner(meter)
         progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
-        interval = {"loss": torch.zeros((), dtype=torch.float64, device=engine.device), "targets": 0, "steps": 0,
-                    "seconds": 0.0}
         last = {"saved": None, "evaluated": None}
         result = {"exited_early": False}
         step_start = time.perf_counter()
         self.model.train()
         while self.completed_steps < args.num_training_steps:
-            step_loss, step_targets, grad_norm, lr = self._train_step()
+            step_loss, counts, grad_norm, lr = self._train_step(meter.phases)
             self.completed_steps += 1
             step = self.completed_steps
-            self.tokens_seen += step_targets
-            interval["loss"] += step_loss  # this rank's token-loss sum; summed over ranks only when logged
-            interval["targets"] += step_targets
-            interval["steps"] += 1
-            interval["seconds"] += time.perf_counter() - step_start
+            meter.add(step_loss, counts, time.perf_counter() - step_start)
+            for pending in self._pending_rows:
+                self._record(metrics, pending)
+            self._pending_rows.clear()
             if step % args.log_interval == 0 or step == args.num_training_steps:
-                elapsed = interval["seconds"]
-                loss_sum = engine.reduce_sum(interval["loss"]).item()
-                row = {"step": step, "loss": loss_sum / max(interval["targets"], 1), "lr": lr,
-                       "grad_norm": float(grad_norm), "tokens": self.tokens_seen, "step_tokens": step_targets,
-                       "tokens_per_s": interval["targets"] / elapsed,
-                       "elapsed_ms": 1000 * elapsed / interval["steps"], "epoch": self.train_stream.epoch,
-                       "peak_mem_mb": engine.reduce_max(peak_memory_mb(engine.device))}
+                self.tokens_seen += meter.take_targets()
+                row = {"step": step, **meter.row(), "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens": self.tokens_seen, "epoch": self.train_stream.epoch}
                 self._record(metrics, row)
                 if engine.is_main:
                     progress.log(format_train_line(row, progress.eta(step)))
-                interval = {"loss": torch.zeros_like(interval["loss"]), "targets": 0, "steps": 0, "seconds": 0.0}
             progress.update(step)
             if args.save_interval and args.save_dir and step % args.save_interval == 0:
+                self.tokens_seen += meter.take_targets()
                 self._save_checkpoint()
                 last["saved"] = step
             if args.eval_interval and step % args.eval_interval == 0 and self.eval_dataloader is not None:
                 self._evaluate(metrics)
                 last["evaluated"] = step
+            if engine.any_rank(self.stop_requests.received is not None) and step < args.num_training_steps:
+                if args.save_dir and last["saved"] != step:
+                    self.tokens_seen += meter.take_targets()
+                    self._save_checkpoint()
+                result["interrupted"] = True
+                break
             if args.exit_interval and step % args.exit_interval == 0 and step < args.num_training_steps:
                 if args.save_dir and last["saved"] != step:
+                    self.tokens_seen += meter.take_targets()
                     self._save_checkpoint()
                 logger.info("exit_interval: stopping after step %d; rerun the same command to continue", step)
                 result["exited_early"] = True
                 break
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         progress.close()
-        if not result["exited_early"]:
+        self.tokens_seen += meter.take_targets()
+        interrupted = result.pop("interrupted", False)
+        if not result["exited_early"] and not interrupted:
             self._finish(metrics, last)
         if self.checkpointer is not None:
             self.checkpointer.wait()
         metrics.close()
         engine.barrier()
         result.update(step=self.completed_steps, tokens=self.tokens_seen)
+        if interrupted:
+            name = self.stop_requests.name or "a stop request on another rank"
+            logger.warning("stopped after step %d on %s%s; rerun the same command to continue", self.completed_steps,
+                           name, " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
+            raise TrainingInterrupted(self.completed_steps, name)
         return result
 
-    def _train_step(self):
-        """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens."""
+    def _train_step(self, phases: StepPhases):
+        """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens.
+
+        Returns this rank's loss sum, the global [targets, useful tokens] (device tensors: nothing here waits
+        for the device), the gradient norm and the learning rate used.
+        """
         args, engine = self.pretrain_args, self.engine
-        host_batches = [next(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
-        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. Counted on
-        # the host batches, so no device sync is needed.
-        window_targets = engine.reduce_count(sum(int(count_targets(b)) for b in host_batches))
-        denominator = max(window_targets, 1)
-        micro_batches = [to_device(b, engine.device) for b in host_batches]
+        with phases.host("data"):
+            host_batches = [next(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
+            local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
+                                         sum(count_inputs(b) for b in host_batches)], dtype=torch.int64)
+            micro_batches = [to_device(b, engine.device) for b in host_batches]
+        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. The counts
+        # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
+        with phases.host("comm"):
+            counts = engine.reduce_counts(local_counts)
+        denominator = counts[0].clamp(min=1)
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
-        for index, batch in enumerate(micro_batches):
-            is_last = index == len(micro_batches) - 1
-            with (contextlib.nullcontext() if is_last else engine.no_sync(self.model)):
-                with engine.autocast():
-                    logits = forward_logits(self.model, batch)
-                summed = loss_sum(logits, batch_targets(batch))
-                # Data-parallel engines average gradients over ranks; scaling by world_size makes the result
-                # the gradient of (sum of token losses on all ranks) / (tokens on all ranks).
-                engine.backward(summed / denominator * engine.world_size)
-            local_loss += summed.detach().double()
+        with phases.device("compute"):
+            for index, batch in enumerate(micro_batches):
+                is_last = index == len(micro_batches) - 1
+                with (contextlib.nullcontext() if is_last else engine.no_sync(self.model)):
+                    with engine.autocast():
+                        logits = forward_logits(self.model, batch)
+                    summed = loss_sum(logits, batch_targets(batch))
+                    # Data-parallel engines average gradients over ranks; scaling by world_size makes the result
+                    # the gradient of (sum of token losses on all ranks) / (tokens on all ranks).
+                    engine.backward(summed / denominator * engine.world_size)
+                local_loss += summed.detach().double()
+        spike = False
+        if self.spike_guard is not None:  # reads the loss each step: one sync, only with the rule on
+            step_loss = engine.reduce_sum(local_loss).item() / max(float(counts[0].item()), 1.0)
+            spike = self.spike_guard.is_spike(step_loss)
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad)
-        if not applied:
-            self.skipped_updates += 1
-            logger.warning("step %d: non-finite gradients, update skipped (fp16 loss scale lowered)",
-                           self.completed_steps + 1)
-        engine.finish_step(self.optimizer, self.lr_scheduler)
-        return local_loss, window_targets, grad_norm, lr
+        with phases.device("optimizer"):
+            grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad,
+                                             skip_nonfinite=args.max_skipped_updates > 0, skip=spike)
+            if applied:
+                engine.finish_step(self.optimizer, self.lr_scheduler)
+            else:
+                self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
+        self._count_skipped_update(applied, grad_norm, "loss spike" if spike else "non-finite gradient norm")
+        return local_loss, counts, grad_norm, lr
+
+    def _count_skipped_update(self, applied: bool, grad_norm, reason: str) -> None:
+        """Skipped updates are counted and logged; too many in a row stop the run."""
+        if applied:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_updates += 1
+        self.skipped_in_a_row += 1
+        step, limit = self.completed_steps + 1, self.pretrain_args.max_skipped_updates
+        logger.warning("step %d: %s (gradient norm %s), update skipped (%d in a row, %d in the run)", step, reason,
+                       float(grad_norm), self.skipped_in_a_row, self.skipped_updates)
+        self._pending_rows.append({"step": step, "skipped_update": True, "reason": reason,
+                                   "grad_norm": float(grad_norm), "skipped_in_a_row": self.skipped_in_a_row})
+        if limit and self.skipped_in_a_row >= limit:
+            raise TrainingDiverged(f"{self.skipped_in_a_row} updates in a row were skipped (last at step {step}: "
+                                   f"{reason}); the run stops without saving this state. Resume from the last "
+                                   "checkpoint with a lower lr, more warmup or clip_grad, or raise "
+                                   "max_skipped_updates")
 
     # ---------------------------------------------------------- evaluation
     def _evaluate(self, metrics: MetricsLog) -> dict:
@@ -238,6 +329,7 @@ class PreTrainer:
             self.completed_steps, model=self.model, optimizer=self.optimizer,
             scheduler_state=self.lr_scheduler.state_dict(),
             trainer_state={"tokens": self.tokens_seen, "data": self.train_stream.state_dict(),
+                           "loss_history": self.spike_guard.state_dict() if self.spike_guard else [],
                            "skipped_updates": self.skipped_updates, "config_hash": args.config_hash()},
             config_yaml=args.to_yaml())
 
@@ -266,6 +358,8 @@ class PreTrainer:
         self.completed_steps = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state.get("tokens", 0))
         self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
+        if self.spike_guard is not None:
+            self.spike_guard.load_state_dict(trainer_state.get("loss_history", []))
         ckpt.set_rng_state(extra["rng"])
         logger.info("resumed from %s at step %d", path, self.completed_steps)
 
@@ -289,7 +383,7 @@ class PreTrainer:
         self.engine.barrier()
         return out
 
-    def _print_banner(self) -> None:
+    def _print_banner(self, meter: IntervalMeter) -> None:
         args, engine = self.pretrain_args, self.engine
         if not engine.is_main:
             return
@@ -302,7 +396,9 @@ class PreTrainer:
                      f"  {engine.describe()}",
                      f"  Model parameters = {self.num_parameters:,}",
                      f"  LR = {args.lr:g} ({args.lr_decay_style}, warmup {args.warmup_steps_resolved()} steps, "
-                     f"min {args.min_lr:g}), weight decay {args.weight_decay:g}, clip {args.clip_grad}"):
+                     f"min {args.min_lr:g}), weight decay {args.weight_decay:g}, clip {args.clip_grad}",
+                     f"  MFU = useful tokens/s per device x model FLOPs/token / peak; {meter.flops.describe()}; "
+                     f"{meter.peak.describe()}"):
             logger.info(line)
         logger.info("[before the start of training step] datetime: %s", time.strftime("%Y-%m-%d %H:%M:%S"))
 

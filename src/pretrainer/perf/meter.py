@@ -1,0 +1,67 @@
+"""Per-interval training figures: loss, useful tokens/s (overall and per device), MFU, step-phase times.
+
+Everything is accumulated as device tensors and read once per logged row, so steps between log rows
+never wait for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flops import FlopsCount
+from .peak import DevicePeak
+from .timer import StepPhases
+
+
+class IntervalMeter:
+    def __init__(self, engine, flops: FlopsCount, peak: DevicePeak):
+        self.engine, self.flops, self.peak = engine, flops, peak
+        self.phases = StepPhases(engine.device)
+        self.pending_targets = torch.zeros((), dtype=torch.int64, device=engine.device)  # not yet in tokens_seen
+        self._reset()
+
+    def _reset(self) -> None:
+        device = self.engine.device
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # this rank's token-loss sum
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # global [targets, useful inputs]
+        self.steps, self.seconds = 0, 0.0
+
+    def add(self, loss: torch.Tensor, counts: torch.Tensor, seconds: float) -> None:
+        self.loss += loss
+        self.counts += counts
+        self.pending_targets += counts[0]
+        self.steps += 1
+        self.seconds += seconds
+
+    def take_targets(self) -> int:
+        """Targets trained on since the last call (all ranks): one device read."""
+        value = int(self.pending_targets.item())
+        self.pending_targets.zero_()
+        return value
+
+    def row(self) -> dict:
+        """The interval's figures (a collective: every rank calls it at the same step), then a fresh interval."""
+        engine = self.engine
+        loss_sum = engine.reduce_sum(self.loss).item()
+        targets, inputs = self.counts.tolist()
+        tokens_per_s = inputs / self.seconds
+        per_device = tokens_per_s / engine.world_size
+        phases = {k: v / self.steps for k, v in self.phases.collect().items()}
+        row = {"loss": loss_sum / max(targets, 1), "tokens_per_s": tokens_per_s,
+               "tokens_per_s_per_device": per_device,
+               "mfu": per_device * self.flops.per_token / (self.peak.tflops * 1e12),
+               "step_tokens": inputs // self.steps, "elapsed_ms": 1000 * self.seconds / self.steps, **phases}
+        row.update(memory_row(engine))
+        self._reset()
+        return row
+
+
+def memory_row(engine) -> dict:
+    """Peak memory, the largest over ranks: CUDA max allocated and reserved, or the process's peak RSS."""
+    device = engine.device
+    if device.type == "cuda":
+        return {"peak_mem_mb": engine.reduce_max(torch.cuda.max_memory_allocated(device) / 2**20),
+                "peak_reserved_mb": engine.reduce_max(torch.cuda.max_memory_reserved(device) / 2**20)}
+    import resource
+
+    return {"peak_mem_mb": engine.reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}

@@ -1,0 +1,262 @@
+"""Faults: SIGTERM mid-run (one process and two ranks) then a rerun, a second signal, non-finite gradients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, read_metrics, train_losses
+from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.train.errors import TrainingDiverged
+from pretrainer.train.signals import EXIT_PREEMPTED
+
+BIN = Path(sys.executable).parent
+
+
+def start(command: list, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(save_dir: Path, step: int, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = read_metrics(save_dir) if (save_dir / "metrics.jsonl").exists() else []
+        if any(r.get("step", 0) >= step and "loss" in r for r in rows):
+            return
+        assert process.poll() is None, f"the run ended (rc {process.returncode}) before step {step}"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+@pytest.fixture
+def long_config(base_config, tmp_path) -> Path:
+    config = {**base_config, "num_training_steps": 40, "eval_interval": 0, "save_interval": 0, "export_hf": False,
+              "warmup_steps": 2}
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run(long_config, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    command = [BIN / "pretrainer", "train", long_config]
+    assert subprocess.run([*map(str, command), f"save_dir={straight}"], cwd=REPO, capture_output=True,
+                          timeout=300).returncode == 0
+    process = start([*command, f"save_dir={stopped}"], tmp_path / "stopped.log")
+    wait_for_step(stopped, 5, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == EXIT_PREEMPTED, (tmp_path / "stopped.log").read_text()[-3000:]
+    log = (tmp_path / "stopped.log").read_text()
+    assert "SIGTERM received: finishing this step" in log and "rerun the same command to continue" in log
+    saved = sorted(int(p.name.split("-")[1]) for p in (stopped / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and 5 <= saved[0] < 40
+    assert max(train_losses(stopped)) == saved[0]  # stopped right after the step it saved
+    assert subprocess.run([*map(str, command), f"save_dir={stopped}"], cwd=REPO, capture_output=True,
+                          timeout=300).returncode == 0
+    assert train_losses(stopped) == train_losses(straight)
+
+
+def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_path):
+    save_dir = tmp_path / "two"
+    process = start([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", BIN / "pretrainer", "train",
+                     long_config, "dp=2", "micro_batch_size=1", f"save_dir={save_dir}"], tmp_path / "two.log")
+    wait_for_step(save_dir, 4, process)
+    os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets the signal
+    process.wait(timeout=120)
+    log = (tmp_path / "two.log").read_text()
+    assert log.count("SIGTERM received") >= 1, log[-3000:]
+    saved = sorted((save_dir / "checkpoints").glob("step-*"))
+    assert len(saved) == 1, log[-3000:]
+    state = json.loads((saved[0] / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and len(list(saved[0].glob("extra_state_rank*.pt"))) == 2
+    rerun = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(BIN / "pretrainer"),
+                            "train", str(long_config), "dp=2", "micro_batch_size=1", f"save_dir={save_dir}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert sorted(train_losses(save_dir)) == list(range(1, 41))
+
+
+def test_a_second_signal_aborts_at_once(tmp_path):
+    script = ("import os, signal, time\nfrom pretrainer.train.signals import StopRequests\n"
+              "s = StopRequests(); s.install()\nos.kill(os.getpid(), signal.SIGTERM)\nprint('first handled', "
+              "flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and "first handled" in done.stdout and "not reached" not in done.stdout
+
+
+def nan_logits_on(calls: set):
+    """A forward hook that turns the logits of the given forward calls (1-based) into NaN."""
+    count = [0]
+
+    def hook(module, inputs, output):
+        count[0] += 1
+        if count[0] in calls:
+            output.logits = output.logits * float("nan")  # keeps the graph: NaN gradients follow
+        return output
+    return hook
+
+
+def test_a_nan_loss_skips_the_update_and_the_run_goes_on(base_config, tmp_path):
+    config = {**base_config, "eval_interval": 0, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.register_forward_hook(nan_logits_on({3}))  # step 2's first micro-batch (2 per step)
+    trainer.train()
+    rows = read_metrics(tmp_path / "run")
+    skipped = [r for r in rows if r.get("skipped_update")]
+    assert [r["step"] for r in skipped] == [2] and skipped[0]["grad_norm"] != skipped[0]["grad_norm"]  # NaN
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[2] != losses[2]  # the NaN is logged as it was
+    assert all(losses[s] == losses[s] for s in (1, 3, 4, 5, 6))
+    assert trainer.skipped_updates == 1
+    assert all(torch.isfinite(v).all() for v in trainer.model.state_dict().values())
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_too_many_skipped_updates_in_a_row_stop_the_run(base_config, tmp_path):
+    config = {**base_config, "eval_interval": 0, "save_interval": 0, "max_skipped_updates": 2,
+              "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    trainer.model.register_forward_hook(nan_logits_on(set(range(3, 100))))
+    with pytest.raises(TrainingDiverged, match=r"2 updates in a row were skipped \(last at step 3: non-finite gradient norm\)"):
+        trainer.train()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def run_cli(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "pretrainer"), "train", str(config), *overrides], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte"])
+def test_a_damaged_checkpoint_is_skipped_with_a_message_naming_it(base_config, tmp_path, damage):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**base_config, "eval_interval": 0, "export_hf": False}))
+    save_dir = tmp_path / "run"
+    assert run_cli(config, f"save_dir={save_dir}").returncode == 0
+    straight = train_losses(save_dir)
+    manifest = json.loads((save_dir / "checkpoints" / "step-6" / "manifest.json").read_text())
+    assert manifest["step"] == 6 and manifest["world_size"] == 1 and manifest["config_hash"]
+    shard = save_dir / "checkpoints" / "step-6" / "__0_0.distcp"
+    assert manifest["files"]["__0_0.distcp"]["bytes"] == shard.stat().st_size
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[:100])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+    rerun = run_cli(config, f"save_dir={save_dir}", "num_training_steps=6")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    expected = "is 100 bytes, its manifest says" if damage == "truncate" else "does not match its checksum"
+    assert f"skipping checkpoint {save_dir / 'checkpoints' / 'step-6'}: __0_0.distcp {expected}" in rerun.stdout
+    assert "resumed from" in rerun.stdout and "step-3 at step 3" in rerun.stdout
+    assert train_losses(save_dir) == straight  # steps 4-6 trained again, identically
+
+
+def test_retention_keeps_the_last_k_and_every_mth(base_config, tmp_path):
+    config = {**base_config, "num_training_steps": 9, "save_interval": 1, "eval_interval": 0, "export_hf": False,
+              "keep_last_checkpoints": 2, "keep_checkpoints_every": 4, "save_dir": str(tmp_path / "run")}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert kept == [4, 8, 9]
+
+
+def test_no_space_and_a_failing_writer_are_clear_errors_that_keep_the_previous_checkpoint(base_config, tmp_path,
+                                                                                            monkeypatch):
+    from pretrainer.train import checkpoint as ckpt
+
+    config = {**base_config, "eval_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    real_usage = ckpt.shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+    with pytest.raises(ckpt.CheckpointError, match=r"not enough disk space .* the previous checkpoint is intact"):
+        trainer.train()  # step-3 fits (nothing to compare with); step-6 does not
+    monkeypatch.undo()
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text() == "step-3" and ckpt.verify_checkpoint(root / "step-3") is None
+
+    trainer = PreTrainer(PreTrainingArguments(**config))  # resumes at step 3
+    monkeypatch.setattr(trainer.engine, "save_state", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(ckpt.CheckpointError, match=r"writing checkpoint .*step-6 failed .*No space left.*step-3 is "
+                                                   "intact"):
+        trainer.train()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"]
+
+
+def trained_samples(record: Path) -> dict[int, list[str]]:
+    """Per step, the samples of the last launch that trained it (a relaunch redoes steps after its checkpoint)."""
+    launches: list[dict] = []
+    for line in record.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("start"):
+            launches.append({})
+        else:
+            launches[-1].setdefault(row["step"], []).append(row["sample"])
+    final: dict[int, list[str]] = {}
+    for launch in launches:
+        final.update(launch)
+    return final
+
+
+def fault_run(config: Path, save_dir: Path, record: Path, *fault: str, timeout: int = 300):
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests" /
+                           "fault_run.py"), str(config), "dp=2", "micro_batch_size=1", f"save_dir={save_dir}",
+                           "--record", str(record), *fault], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_sample(base_config, tmp_path, fault):
+    """SIGKILL of rank 1 (torchrun stops the job), or rank 1 hanging (rank 0's collective times out naming
+    the rank and step); the same command then resumes from the last complete checkpoint and every step
+    trains on exactly the samples of an uninterrupted run."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**base_config, "num_training_steps": 8, "save_interval": 2,
+                                      "eval_interval": 0, "export_hf": False, "distributed_timeout_minutes": 0.1}))
+    straight = fault_run(config, tmp_path / "straight", tmp_path / "straight-record")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    failed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record", "--fault", fault, "--step", "5")
+    assert failed.returncode != 0
+    if fault == "hang":
+        assert "rank 0: a collective failed at step 5" in failed.stdout + failed.stderr
+    assert sorted(p.name for p in (tmp_path / "faulty" / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
+    resumed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        want = trained_samples(tmp_path / "straight-record" / f"rank{rank}.jsonl")
+        got = trained_samples(tmp_path / "faulty-record" / f"rank{rank}.jsonl")
+        assert sorted(got) == list(range(1, 9)) and got == want
+    assert train_losses(tmp_path / "faulty") == train_losses(tmp_path / "straight")
+
+
+def test_loss_spike_rule_skips_a_step_far_above_the_running_mean(base_config, tmp_path):
+    config = {**base_config, "num_training_steps": 9, "eval_interval": 0, "save_interval": 0, "export_hf": False,
+              "loss_spike_factor": 2.0, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    count = [0]
+
+    def scale_logits(module, inputs, output):  # step 8 (forwards 15 and 16): a loss several times the mean
+        count[0] += 1
+        if count[0] in (15, 16):
+            output.logits = output.logits * 60.0
+        return output
+    trainer.model.register_forward_hook(scale_logits)
+    trainer.train()
+    rows = read_metrics(tmp_path / "run")
+    skipped = [r for r in rows if r.get("skipped_update")]
+    assert [(r["step"], r["reason"]) for r in skipped] == [(8, "loss spike")]
+    losses = train_losses(tmp_path / "run")
+    assert losses[8] > 2 * sum(losses[s] for s in range(3, 8)) / 5 and losses[9] < losses[8] / 2
+    assert trainer.skipped_updates == 1

@@ -1,0 +1,98 @@
+"""FLOPs per token, device peaks, MFU and step phases in the log, and `compile: true`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_metrics, train_losses
+from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.perf import device_peak, flops_per_token
+from pretrainer.perf.peak import rated_peak
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_is_6n_plus_attention_term(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    hidden, kv = 64, 2 * 16
+    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * 160 + 2 * hidden  # q,o  k,v  mlp  norms
+    n = 3 * per_layer + hidden + 1000 * hidden  # layers, final norm, output projection (tied or not)
+    count = flops_per_token(model, seq_length=128)
+    assert count.matmul_parameters == n
+    assert count.per_token == 6 * n + 12 * 3 * 4 * 16 * 128
+
+
+def test_rated_peaks_match_the_right_device_and_dtype():
+    assert rated_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.0
+    assert rated_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756.0
+    assert rated_peak("NVIDIA H200", torch.bfloat16) == 989.0
+    assert rated_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312.0
+    assert rated_peak("NVIDIA A10G", torch.float16) == 70.0
+    assert rated_peak("NVIDIA A10", torch.bfloat16) == 125.0
+    assert rated_peak("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5  # fp32 matmuls at "highest" precision
+    assert rated_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = device_peak(torch.device("cpu"), torch.float32)
+    assert 0.001 < first.tflops < 100 and "measured fp32 GEMM" in first.source
+    cache = tmp_path / "pretrainer" / "gemm_peak.json"
+    assert cache.is_file()
+    monkeypatch.setattr("pretrainer.perf.peak._measure", lambda *a: pytest.fail("measured again"))
+    assert device_peak(torch.device("cpu"), torch.float32).tflops == first.tflops
+    assert device_peak(torch.device("cpu"), torch.float32, override_tflops=2.5).tflops == 2.5
+
+
+def test_log_rows_carry_mfu_phases_and_memory(base_config, tmp_path):
+    config = {**base_config, "num_training_steps": 4, "log_interval": 2, "peak_tflops": 0.05,
+              "eval_interval": 0, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:
+        assert row["step_tokens"] == 2 * 2 * 32  # micro-batch 2 x accumulation 2 x seq 32, no padding
+        assert row["tokens_per_s"] == pytest.approx(row["step_tokens"] / (row["elapsed_ms"] / 1000))
+        assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * trainer.flops.per_token / 0.05e12)
+        assert row["data_ms"] + row["compute_ms"] + row["optimizer_ms"] <= row["elapsed_ms"] * 1.01
+        assert row["compute_ms"] > row["data_ms"] and row["peak_mem_mb"] > 50
+
+
+def test_compile_trains_like_eager(base_config, tmp_path):
+    config = {**base_config, "num_training_steps": 3, "eval_interval": 0, "save_interval": 0, "export_hf": False}
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(tmp_path / "eager")})).train()
+    compiled = PreTrainer(PreTrainingArguments(**{**config, "compile": True, "save_dir": str(tmp_path / "compiled")}))
+    layers = compiled.model.model.layers
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+    compiled.train()
+    eager, got = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert sorted(got) == [1, 2, 3]
+    assert [got[s] for s in (1, 2, 3)] == pytest.approx([eager[s] for s in (1, 2, 3)], rel=1e-4)
+
+
+def test_report_to_tensorboard_writes_real_event_files(base_config, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {**base_config, "report_to": "tensorboard", "save_dir": str(tmp_path / "run")}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu", "train/peak_mem_mb",
+            "eval/loss", "eval/ppl", "eval/acc"} <= tags
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert losses == pytest.approx(train_losses(tmp_path / "run"), rel=1e-6)  # float32 in the event file
+    assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+
+
+def test_report_to_names_are_checked_before_any_work(base_config):
+    from pretrainer import ConfigError
+
+    with pytest.raises(ConfigError, match="'report_to': 'mlflow' is not supported"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "report_to": "mlflow"}))
