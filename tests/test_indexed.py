@@ -103,6 +103,17 @@ def test_prepare_matches_the_tokenizer_and_megatron_reads_it(tmp_path):
         assert theirs[i].tolist() == tokenizer(texts[i])["input_ids"] + [tokenizer.eos_token_id]
     summary = json.loads((tmp_path / "docs_summary.json").read_text())
     assert summary["documents"] == 1603 and summary["tokens"] == int(theirs.sequence_lengths.sum())
+    # Megatron-LM's own flags give the same files
+    same = prepare("--input", str(CORPUS), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                   str(QUICKSTART_MODEL), "--output-prefix", str(tmp_path / "flags"), "--append-eod", "--workers", "2",
+                   "--partitions", "1", "--log-interval", "1000", "--keep-sequential-samples")
+    assert same.returncode == 0, same.stderr
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"flags_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"docs_text_document{suffix}").read_bytes()
+    refused = prepare("--input", str(CORPUS), "--tokenizer-model", str(QUICKSTART_MODEL), "--output-prefix",
+                      str(tmp_path / "x"), "--split-sentences")
+    assert refused.returncode == 2 and "--split-sentences is not supported" in refused.stderr
 
 
 def test_prepare_other_keys_and_a_bad_record_leaves_no_pair(tmp_path):

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     prep = commands.add_parser("prepare", help="tokenize a corpus into Megatron-compatible .bin/.idx files")
     prep.add_argument("--input", nargs="+", required=True, help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
-    prep.add_argument("--tokenizer", required=True, help="HF tokenizer folder (with tokenizer.json) or the file")
+    prep.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
+                      help="HF tokenizer folder (with tokenizer.json) or the file")
     prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     prep.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output each")
     prep.add_argument("--append-eod", action="store_true", help="append the EOS token to every document")
@@ -46,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
     prep.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                       help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
+    # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
+    megatron = prep.add_argument_group("Megatron-LM preprocess_data.py compatibility")
+    megatron.add_argument("--tokenizer-type", help="HuggingFaceTokenizer (the only kind: a tokenizer.json)")
+    megatron.add_argument("--partitions", type=int, default=1, help="accepted; the input is streamed in one pass")
+    megatron.add_argument("--log-interval", type=int, help="accepted; the progress bar shows live rates")
+    megatron.add_argument("--keep-sequential-samples", action="store_true", help="accepted; order is always kept")
+    megatron.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "prepare":
@@ -69,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare_command(ns) -> int:
     from .data.prepare import prepare, write_summary
+
+    if not ns.tokenizer:
+        raise DataError("prepare: give the tokenizer with --tokenizer PATH (or Megatron's --tokenizer-model PATH)")
+    if ns.tokenizer_type and ns.tokenizer_type != "HuggingFaceTokenizer":
+        raise DataError(f"--tokenizer-type {ns.tokenizer_type}: only HuggingFaceTokenizer is supported (a folder "
+                        "with tokenizer.json); convert other tokenizers with transformers' AutoTokenizer first")
+    if ns.split_sentences:
+        raise DataError("--split-sentences is not supported: documents are written whole (one sequence each)")
 
     summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
                       ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error)
