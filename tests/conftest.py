@@ -40,14 +40,17 @@ def tiny_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory) -> Path:
-    """The first 150 documents of the shipped corpus."""
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+def small_corpus_file(path: Path) -> Path:
+    """The first 150 documents of the shipped corpus, written to `path`."""
     with open(CORPUS, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
         for _, line in zip(range(150), src):
             dst.write(line)
     return path
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    return small_corpus_file(tmp_path_factory.mktemp("corpus") / "docs.jsonl")
 
 
 @pytest.fixture

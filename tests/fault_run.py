@@ -42,6 +42,7 @@ def hook(module, args, kwargs):
     if ns.fault and rank == ns.rank and step == ns.step:
         if ns.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hung, but torchrun's SIGTERM ends it without a grace wait
         time.sleep(3600)
     ids = kwargs["input_ids"].cpu().numpy().tobytes()
     record.write(json.dumps({"step": step, "sample": hashlib.sha1(ids).hexdigest()}) + "\n")

@@ -88,6 +88,12 @@ def assert_same_run(got: Path, expected: Path, rel: float) -> None:
     assert [have_eval[s] for s in (3, 6)] == pytest.approx([want_eval[s] for s in (3, 6)], rel=rel)
 
 
+# Variants of an engine whose checkpoint path is the base engine's: equality and export only, to keep the
+# suite short (their resume is the base engine's code, tested above them).
+SAME_CHECKPOINT_PATH = {"fsdp-no-reshard", "fsdp-hybrid", "fsdp-activation-checkpointing",
+                        "ddp-selective-checkpointing", "deepspeed-zero2-offload"}
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
     root, config, single_dir = setup
@@ -96,11 +102,12 @@ def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
     torchrun(config, *options, f"save_dir={straight}")
     assert_same_run(straight, single_dir, rel=1e-5)
 
-    torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
-    assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
-    torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
-    assert train_losses(interrupted) == train_losses(straight)
-    assert eval_losses(interrupted) == eval_losses(straight)
+    if name not in SAME_CHECKPOINT_PATH:
+        torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
+        assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
+        torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
+        assert train_losses(interrupted) == train_losses(straight)
+        assert eval_losses(interrupted) == eval_losses(straight)
 
     exported = load_file(straight / "hf" / "model.safetensors")
     reference = load_file(single_dir / "hf" / "model.safetensors")

@@ -212,21 +212,35 @@ def trained_samples(record: Path) -> dict[int, list[str]]:
 
 def fault_run(config: Path, save_dir: Path, record: Path, *fault: str, timeout: int = 300):
     return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests" /
-                           "fault_run.py"), str(config), "dp=2", "micro_batch_size=1", f"save_dir={save_dir}",
+                           "fault_run.py"), str(config), f"save_dir={save_dir}",
                            "--record", str(record), *fault], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.fixture(scope="module")
+def two_rank_reference(tmp_path_factory):
+    """An uninterrupted 2-rank run of 8 steps (checkpoints every 2), with its per-rank sample record."""
+    from conftest import small_corpus_file, write_tiny_model
+
+    root = tmp_path_factory.mktemp("faults")
+    config = root / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "num_training_steps": 8, "micro_batch_size": 1, "dp": 2, "gradient_accumulation_steps": 2,
+        "seq_length": 32, "dtype": "fp32", "model_path": str(write_tiny_model(root / "model")),
+        "train_data": str(small_corpus_file(root / "docs.jsonl")), "lr": 1e-3, "warmup_steps": 2,
+        "save_interval": 2, "eval_interval": 0, "export_hf": False, "seed": 7, "distributed_timeout_minutes": 0.1}))
+    straight = fault_run(config, root / "straight", root / "straight-record")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    return config, root
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_sample(base_config, tmp_path, fault):
+def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_sample(two_rank_reference, tmp_path,
+                                                                                     fault):
     """SIGKILL of rank 1 (torchrun stops the job), or rank 1 hanging (rank 0's collective times out naming
     the rank and step); the same command then resumes from the last complete checkpoint and every step
     trains on exactly the samples of an uninterrupted run."""
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({**base_config, "num_training_steps": 8, "save_interval": 2,
-                                      "eval_interval": 0, "export_hf": False, "distributed_timeout_minutes": 0.1}))
-    straight = fault_run(config, tmp_path / "straight", tmp_path / "straight-record")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    config, root = two_rank_reference
     failed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record", "--fault", fault, "--step", "5")
     assert failed.returncode != 0
     if fault == "hang":
@@ -235,10 +249,10 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
     resumed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):
-        want = trained_samples(tmp_path / "straight-record" / f"rank{rank}.jsonl")
+        want = trained_samples(root / "straight-record" / f"rank{rank}.jsonl")
         got = trained_samples(tmp_path / "faulty-record" / f"rank{rank}.jsonl")
         assert sorted(got) == list(range(1, 9)) and got == want
-    assert train_losses(tmp_path / "faulty") == train_losses(tmp_path / "straight")
+    assert train_losses(tmp_path / "faulty") == train_losses(root / "straight")
 
 
 def test_loss_spike_rule_skips_a_step_far_above_the_running_mean(base_config, tmp_path):
