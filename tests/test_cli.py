@@ -83,6 +83,27 @@ def test_quickstart_as_documented(tmp_path):
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
     assert [r["step"] for r in read_metrics(save_dir) if "loss" in r][-1] == 240
+    assert_report_renders(save_dir / "report" / "report.html", tmp_path / "shot.png")
+
+
+def assert_report_renders(report, shot) -> None:
+    """The run report opened in headless Chromium: the screenshot shows the plots' lines."""
+    import shutil
+
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is not installed (scripts/setup_system.sh installs it)"
+    assert report.read_text().count('src="data:image/png;base64,') == 5
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1280,1400", report.as_uri()], capture_output=True,
+                   timeout=120)
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1280, 1400)
+    pixels = list(image.getdata())
+    blue = sum(1 for r, g, b in pixels if b > 150 and r < 100 and g < 160)  # matplotlib's first line colour
+    orange = sum(1 for r, g, b in pixels if r > 200 and 90 < g < 160 and b < 60)  # the eval-loss line
+    assert blue > 500 and orange > 50, (blue, orange)
 
 
 def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):

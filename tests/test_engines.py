@@ -68,7 +68,7 @@ def setup(tmp_path_factory, request):
     config = {"num_training_steps": 6, "micro_batch_size": 2, "dp": 2, "gradient_accumulation_steps": 2,
               "seq_length": 32, "dtype": "fp32", "model_path": str(write_tiny_model(root / "model")),
               "train_data": str(corpus), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
-              "save_interval": 3, "seed": 7}
+              "save_interval": 3, "seed": 7, "write_report": False}
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     for name, content in DEEPSPEED_JSON.items():

@@ -1,4 +1,4 @@
-"""`pretrainer` command line: `train` and `export`."""
+"""`pretrainer` command line: `train`, `prepare`, `export` and `report`."""
 
 from __future__ import annotations
 
@@ -33,11 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", help="checkpoint folder (default: the latest in save_dir)")
     export.add_argument("--output", help="output folder (default: save_dir/hf)")
 
+    report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and PNG plots from a run")
+    report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
+
     # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment
     # says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     prep = commands.add_parser("prepare", help="tokenize a corpus into Megatron-compatible .bin/.idx files")
-    prep.add_argument("--input", nargs="+", required=True, help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
+    prep.add_argument("--input", nargs="+", required=True,
+                      help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
     prep.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
                       help="HF tokenizer folder (with tokenizer.json) or the file")
     prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "prepare":
             return prepare_command(ns)
+        if ns.command == "report":
+            return report_command(ns)
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
         if ns.command == "train":
             from .train import PreTrainer
@@ -91,6 +97,16 @@ def prepare_command(ns) -> int:
     for line in summary.lines():
         print(line)
     print(f"summary: {write_summary(summary, ns.output_prefix)}")
+    return 0
+
+
+def report_command(ns) -> int:
+    from .train.report import ReportError, write_report
+
+    try:
+        print(f"report: {write_report(ns.save_dir)}")
+    except ReportError as exc:
+        raise DataError(str(exc)) from None
     return 0
 
 

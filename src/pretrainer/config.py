@@ -115,6 +115,7 @@ class PreTrainingArguments:
     checkpoint_checksums: bool = True
     export_hf: bool = True
     export_dtype: str | None = None
+    write_report: bool = True
     engine: str = "auto"
     device: str = "auto"
     activation_checkpointing: str = "none"

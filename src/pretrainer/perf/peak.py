@@ -71,7 +71,7 @@ def rated_peak(name: str, dtype: torch.dtype) -> float | None:
 def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
     """The best rate of square matmuls (1024 and 2048) in `dtype`, measured once per machine/threads/dtype."""
     threads = torch.get_num_threads()
-    key = f"{device.type}|{_processor_name(device)}|threads={threads}|{_dtype_name(dtype)}|torch={torch.__version__}"
+    key = f"{device.type}|{processor_name(device)}|threads={threads}|{_dtype_name(dtype)}|torch={torch.__version__}"
     cache = _cache_path()
     table = _read_json(cache)
     if key not in table:
@@ -102,7 +102,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _processor_name(device: torch.device) -> str:
+def processor_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:

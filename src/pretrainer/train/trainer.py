@@ -24,6 +24,7 @@ from ..data.packing import DocumentMasking
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
+from ..perf.peak import processor_name
 from . import checkpoint as ckpt
 from .evaluate import evaluate
 from .export import export_hf
@@ -34,6 +35,7 @@ from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
 from .signals import StopRequests, TrainingInterrupted
 from .spikes import LossSpikeGuard
 from .trackers import open_trackers
+from .watchdog import StepWatchdog
 from .trackers import requested as requested_trackers
 
 logger = logging.getLogger("pretrainer")
@@ -175,8 +177,14 @@ class PreTrainer:
         trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
             if engine.is_main else []
         metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
+        meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
+                                                              args.peak_tflops))
         metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
-                       "config_hash": args.config_hash()})
+                       "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
+                       "device": str(engine.device), "dtype": args.dtype,
+                       "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
+                       "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
+                       "peak": meter.peak.describe()})
         if self.completed_steps >= args.num_training_steps:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
                         self.completed_steps, args.num_training_steps)
@@ -184,16 +192,20 @@ class PreTrainer:
                 self.export(Path(args.save_dir) / "hf")
             metrics.close()
             return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
-        meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
-                                                              args.peak_tflops))
         self._print_banner(meter)
         progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
         last = {"saved": None, "evaluated": None}
         result = {"exited_early": False}
         step_start = time.perf_counter()
         self.model.train()
+        watchdog = StepWatchdog(engine.rank, 60 * args.distributed_timeout_minutes) if engine.world_size > 1 \
+            else None
         while self.completed_steps < args.num_training_steps:
+            if watchdog:
+                watchdog.arm(self.completed_steps + 1)
             step_loss, counts, grad_norm, lr = self._train_step(meter.phases)
+            if watchdog:
+                watchdog.disarm()
             self.completed_steps += 1
             step = self.completed_steps
             meter.add(step_loss, counts, time.perf_counter() - step_start)
@@ -230,6 +242,8 @@ class PreTrainer:
                 break
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         progress.close()
+        if watchdog:
+            watchdog.close()
         self.tokens_seen += meter.take_targets()
         interrupted = result.pop("interrupted", False)
         if not result["exited_early"] and not interrupted:
@@ -372,6 +386,16 @@ class PreTrainer:
             self._save_checkpoint()
         if args.save_dir and args.export_hf:
             self.export(Path(args.save_dir) / "hf")
+        if args.save_dir and args.write_report and self.engine.is_main:
+            self._write_report()
+
+    def _write_report(self) -> None:
+        from .report import ReportError, write_report
+
+        try:
+            logger.info("run report: %s", write_report(self.pretrain_args.save_dir))
+        except ReportError as exc:
+            logger.info("no run report: %s", exc)
 
     def export(self, out_dir: str | Path) -> Path | None:
         """Write an HF folder (weights gathered by the engine, tokenizer included) on the main rank."""

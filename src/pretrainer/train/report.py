@@ -1,0 +1,145 @@
+"""The run report: `save_dir/report/report.html` (self-contained) and the PNG plots beside it.
+
+Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
+made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
+learning rate, tokens/s, MFU and peak memory over steps; a table gives the config, engine, hardware and
+final figures. Needs matplotlib (`pip install 'pretrainer[report]'`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from pathlib import Path
+
+# (file name, title, y label, [(row key, legend, row filter)])
+PLOTS = (
+    ("loss.png", "Loss", "loss", [("loss", "train", "train"), ("eval_loss", "eval", "eval")]),
+    ("lr.png", "Learning rate", "lr", [("lr", "lr", "train")]),
+    ("tokens_per_s.png", "Throughput", "useful tokens/s", [("tokens_per_s", "all ranks", "train")]),
+    ("mfu.png", "Model FLOPs utilisation", "MFU (%)", [("mfu", "MFU", "train")]),
+    ("memory.png", "Peak memory (largest rank)", "MB", [("peak_mem_mb", "peak", "train")]),
+)
+
+
+class ReportError(ValueError):
+    """Nothing to report on, or the plotting library is missing."""
+
+
+def read_rows(save_dir: Path) -> list[dict]:
+    path = Path(save_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{path} does not exist: give the save_dir of a run")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_report(save_dir: str | Path) -> Path:
+    save_dir = Path(save_dir)
+    rows = read_rows(save_dir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportError("the run report needs matplotlib (pip install matplotlib); metrics.jsonl holds the "
+                          "figures") from None
+    train = latest_per_step([r for r in rows if "loss" in r and "event" not in r])
+    evals = latest_per_step([r for r in rows if "eval_loss" in r])
+    if not train:
+        raise ReportError(f"{save_dir / 'metrics.jsonl'} has no training rows yet")
+    out = save_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = []
+    for name, title, ylabel, series in PLOTS:
+        figure, axis = plt.subplots(figsize=(7, 3.6), dpi=100)
+        for key, legend, kind in series:
+            source = train if kind == "train" else evals
+            points = [(r["step"], r[key] * (100 if key == "mfu" else 1)) for r in source if key in r]
+            if points:
+                steps, values = zip(*points)
+                axis.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=legend)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.set_ylabel(ylabel)
+        axis.grid(alpha=0.3)
+        if len(series) > 1:
+            axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / name)
+        plt.close(figure)
+        images.append((title, out / name))
+    page = out / "report.html"
+    page.write_text(render_html(save_dir, rows, train, evals, images), encoding="utf-8")
+    return page
+
+
+def latest_per_step(rows: list[dict]) -> list[dict]:
+    """One row per step, the last written (a resumed run logs the steps after its checkpoint again)."""
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
+    start = next((r for r in reversed(rows) if r.get("event") in ("start", "resume") and "engine" in r), {})
+    last = train[-1]
+    steady = train[len(train) // 4:] or train
+    items = [
+        ("run", str(save_dir.resolve())),
+        ("engine", f"{start.get('engine', '?')} on {start.get('world_size', '?')} process(es), "
+                   f"device {start.get('device', '?')}, dtype {start.get('dtype', '?')}"),
+        ("hardware", str(start.get("hardware", "?"))),
+        ("model", f"{start.get('parameters', 0):,} parameters, {start.get('flops_per_token', 0) / 1e6:,.1f} "
+                  "MFLOP per token"),
+        ("MFU peak", str(start.get("peak", "?"))),
+        ("steps", f"{last['step']:,} ({last.get('tokens', 0):,} tokens trained on)"),
+        ("final train loss", f"{last['loss']:.4f}"),
+    ]
+    if evals:
+        items.append(("final eval loss / ppl / acc", f"{evals[-1]['eval_loss']:.4f} / {evals[-1]['eval_ppl']:.2f} / "
+                                                     f"{evals[-1]['eval_acc']:.4f}"))
+    items += [
+        ("useful tokens/s (last 3/4 of the run)", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f}"),
+        ("MFU (last 3/4 of the run)", f"{100 * sum(r.get('mfu', 0) for r in steady) / len(steady):.1f}%"),
+        ("peak memory (largest rank)", f"{max(r.get('peak_mem_mb', 0) for r in train):,.0f} MB"),
+        ("skipped updates", str(sum(1 for r in rows if r.get("skipped_update")))),
+    ]
+    return items
+
+
+def render_html(save_dir: Path, rows, train, evals, images) -> str:
+    table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                      for k, v in summary(save_dir, rows, train, evals))
+    figures = "\n".join(
+        f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,'
+        f'{base64.b64encode(path.read_bytes()).decode()}"></figure>'
+        for title, path in images)
+    config = config_text(save_dir)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>pretrainer run report: {html.escape(save_dir.name)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; }}
+table {{ border-collapse: collapse; margin-bottom: 20px; }}
+th, td {{ text-align: left; padding: 4px 12px; border-bottom: 1px solid #ddd; vertical-align: top; }}
+.plots {{ display: flex; flex-wrap: wrap; gap: 12px; }}
+figure {{ margin: 0; }} img {{ width: 560px; }}
+pre {{ background: #f6f6f6; padding: 12px; font-size: 12px; }}
+</style></head><body>
+<h1>pretrainer run report</h1>
+<p>{html.escape(save_dir.name)} &middot; written {time.strftime("%Y-%m-%d %H:%M:%S")}</p>
+<table>{table}</table>
+<div class="plots">{figures}</div>
+<h2>config</h2><pre>{html.escape(config)}</pre>
+</body></html>
+"""
+
+
+def config_text(save_dir: Path) -> str:
+    pointer = save_dir / "checkpoints" / "latest"
+    if pointer.is_file():
+        path = save_dir / "checkpoints" / pointer.read_text().strip() / "config.yaml"
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return "(no checkpoint with a config.yaml yet)"
