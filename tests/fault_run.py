@@ -3,8 +3,8 @@
     torchrun ... tests/fault_run.py CONFIG [key=value ...] --record DIR [--fault kill|hang --rank R --step S]
 
 A forward pre-hook (training forwards only) writes `{"step", "sample"}` rows (a hash of the input ids) to
-DIR/rank<R>.jsonl, after a `{"start": true}` row per launch; at the fault's step the chosen rank SIGKILLs
-itself or hangs instead.
+DIR/rank<R>.jsonl, after a `{"start": true}` row per launch. At the fault's step the chosen rank SIGKILLs
+itself in the step's first forward, or hangs while fetching the step's data.
 """
 
 import argparse
@@ -35,19 +35,38 @@ record.flush()
 model = trainer.engine.unwrap(trainer.model)
 
 
+def fault_now() -> bool:
+    return bool(ns.fault) and rank == ns.rank and trainer.completed_steps + 1 == ns.step
+
+
 def hook(module, args, kwargs):
+    """SIGKILL mid-step: in the forward of the step's first micro-batch."""
     if not module.training:
         return
+    if ns.fault == "kill" and fault_now():
+        os.kill(os.getpid(), signal.SIGKILL)
     step = trainer.completed_steps + 1
-    if ns.fault and rank == ns.rank and step == ns.step:
-        if ns.fault == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hung, but torchrun's SIGTERM ends it without a grace wait
-        time.sleep(3600)
     ids = kwargs["input_ids"].cpu().numpy().tobytes()
     record.write(json.dumps({"step": step, "sample": hashlib.sha1(ids).hexdigest()}) + "\n")
     record.flush()
 
 
 model.register_forward_pre_hook(hook, with_kwargs=True)
+batches = trainer.train_stream
+
+
+class HangingStream:
+    """A hang while fetching the step's data: the rank never reaches the step's collectives."""
+
+    def __getattr__(self, name):
+        return getattr(batches, name)
+
+    def __next__(self):
+        if ns.fault == "hang" and fault_now():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hung, but torchrun's SIGTERM ends it at once
+            time.sleep(3600)
+        return next(batches)
+
+
+trainer.train_stream = HangingStream()
 trainer.train()

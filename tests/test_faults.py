@@ -229,7 +229,7 @@ def two_rank_reference(tmp_path_factory):
         "num_training_steps": 8, "micro_batch_size": 1, "dp": 2, "gradient_accumulation_steps": 2,
         "seq_length": 32, "dtype": "fp32", "model_path": str(write_tiny_model(root / "model")),
         "train_data": str(small_corpus_file(root / "docs.jsonl")), "lr": 1e-3, "warmup_steps": 2,
-        "save_interval": 2, "eval_interval": 0, "export_hf": False, "seed": 7, "distributed_timeout_minutes": 0.1,
+        "save_interval": 2, "eval_interval": 0, "export_hf": False, "seed": 7, "distributed_timeout_minutes": 0.25,
         "write_report": False}))
     straight = fault_run(config, root / "straight", root / "straight-record")
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -246,7 +246,7 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
     failed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record", "--fault", fault, "--step", "5")
     assert failed.returncode != 0
     if fault == "hang":  # the waiting rank names itself and the step (its collective then fails, or the job ends)
-        assert "rank 0: step 5 has run for 5 s, 90% of distributed_timeout_minutes" in failed.stdout + failed.stderr
+        assert "rank 0: step 5 has run for 14 s, 90% of distributed_timeout_minutes" in failed.stdout + failed.stderr
     assert sorted(p.name for p in (tmp_path / "faulty" / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
     resumed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -96,3 +96,16 @@ def test_report_to_names_are_checked_before_any_work(base_config):
 
     with pytest.raises(ConfigError, match="'report_to': 'mlflow' is not supported"):
         PreTrainer(PreTrainingArguments(**{**base_config, "report_to": "mlflow"}))
+
+
+def test_report_to_wandb_works_offline(base_config, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = {**base_config, "report_to": "tensorboard,wandb", "eval_interval": 0, "save_dir": str(tmp_path / "run")}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = next(runs[0].glob("*.wandb")).read_bytes()  # wandb's record log, for `wandb sync` later
+    assert all(tag in records for tag in (b"train/loss", b"train/mfu", b"train/tokens_per_s", b"eval/loss"))
+    assert (tmp_path / "run" / "tensorboard").is_dir()

@@ -206,8 +206,10 @@ def test_rerunning_a_finished_run_only_reexports(base_config):
     again = run(base_config)
     assert again.completed_steps == 6
     after = read_metrics(base_config["save_dir"])
-    assert after[:len(before)] == before and after[len(before):] == [
-        {"event": "resume", "step": 6, "config_hash": PreTrainingArguments(**base_config).config_hash()}]
+    assert after[:len(before)] == before and len(after) == len(before) + 1  # only a resume row is added
+    assert after[-1]["event"] == "resume" and after[-1]["step"] == 6
+    assert after[-1]["config_hash"] == PreTrainingArguments(**base_config).config_hash()
+    assert after[-1]["engine"] == "single" and after[-1]["world_size"] == 1
 
 
 def test_small_file_trains_with_an_eval_split(base_config, tmp_path):
