@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -106,6 +108,11 @@ def test_report_to_wandb_works_offline(base_config, tmp_path, monkeypatch):
     PreTrainer(PreTrainingArguments(**config)).train()
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    records = next(runs[0].glob("*.wandb")).read_bytes()  # wandb's record log, for `wandb sync` later
-    assert all(tag in records for tag in (b"train/loss", b"train/mfu", b"train/tokens_per_s", b"eval/loss"))
+    tags = (b"train/loss", b"train/mfu", b"train/tokens_per_s", b"eval/loss")
+    for _ in range(100):  # wandb's service process writes its record log (for `wandb sync`) asynchronously
+        records = next(runs[0].glob("*.wandb")).read_bytes()
+        if all(tag in records for tag in tags):
+            break
+        time.sleep(0.2)
+    assert all(tag in records for tag in tags)
     assert (tmp_path / "run" / "tensorboard").is_dir()
