@@ -145,3 +145,18 @@ def test_training_from_a_weighted_blend_with_document_masking_resumes_exactly(ba
               "reset_position_ids": True, "reset_attention_mask": True}
     assert_resume_reproduces(config, tmp_path)
     assert len(list((tmp_path / "cache" / "pretrainer_indices").glob("*-train-blend-dataset_index.npy"))) == 1
+
+
+def test_a_zero_weight_prefix_is_left_out_of_the_blend(base_config, tmp_path):
+    from pretrainer import PreTrainingArguments
+    from pretrainer.data import build_indexed_datasets
+
+    write_prefix(tmp_path, [[7] * 500 + [1]], "a")  # one document: all of it in the train part
+    write_prefix(tmp_path, [[9] * 50 + [1]] * 10, "b")
+    args = PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
+                                   "data_path": f"1 {tmp_path / 'a'} 0 {tmp_path / 'b'}",
+                                   "dataloader_config": {"split": "60,40,0"}})
+    data = build_indexed_datasets(args, seq_length=32)
+    assert data.eval is None  # only b, weight 0, has validation documents: no blend of nothing
+    assert len(data.train) == 6 * 2 * 2
+    assert all(set(data.train[i]["input_ids"].tolist()) <= {7, 1} for i in range(len(data.train)))

@@ -78,22 +78,22 @@ def build_indexed_datasets(args, seq_length: int, world_size: int = 1, is_main: 
     datasets = [IndexedDataset(p) for p in prefixes]
     ranges = [split_ranges(split, d.num_documents) for d in datasets]
     train_samples = args.num_training_steps * args.micro_batch_size * args.gradient_accumulation_steps * world_size
-    eval_samples = args.eval_iters * args.micro_batch_size * world_size if args.eval_iters else None
+    eval_samples = args.eval_iters * args.micro_batch_size * world_size  # the batches one evaluation reads
 
-    def build(part: int, name: str, num_samples: int | None):
-        usable = [i for i, r in enumerate(ranges) if r[part][1] > r[part][0]]
+    def build(part: int, name: str, num_samples: int):
+        # the prefixes that have documents in this part (and, in a weighted blend, a weight above 0)
+        usable = [i for i, r in enumerate(ranges) if r[part][1] > r[part][0] and (not weights or weights[i] > 0)]
         if not usable:
             return None
         if len(prefixes) == 1:
             return GPTSamples(datasets[0], ranges[0][part], seq_length, num_samples, args.seed, cache, name)
         blend_weights = [weights[i] if weights else _split_tokens(datasets[i], ranges[i][part]) for i in usable]
-        total = num_samples or sum(_split_tokens(datasets[i], ranges[i][part]) for i in usable) // seq_length
         norm = np.asarray(blend_weights, dtype=np.float64) / float(np.sum(blend_weights))
         parts = [GPTSamples(datasets[i], ranges[i][part], seq_length, n, args.seed, cache, name)
-                 for i, n in zip(usable, samples_per_dataset(norm, max(total, 1)))]
+                 for i, n in zip(usable, samples_per_dataset(norm, num_samples))]
         description = {"prefixes": [str(Path(prefixes[i]).resolve()) for i in usable], "split": split,
                        "part": name, "seq_length": seq_length, "seed": args.seed}
-        return BlendedSamples(parts, blend_weights, max(total, 1), cache, name, description)
+        return BlendedSamples(parts, blend_weights, num_samples, cache, name, description)
 
     for i, r in enumerate(ranges):
         if r[0][1] <= r[0][0]:

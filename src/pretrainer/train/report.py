@@ -3,7 +3,7 @@
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
 learning rate, tokens/s, MFU and peak memory over steps; a table gives the config, engine, hardware and
-final figures. Needs matplotlib (`pip install 'pretrainer[report]'`).
+final figures. Plots are drawn with matplotlib.
 """
 
 from __future__ import annotations
