@@ -232,8 +232,8 @@ def test_launch_mismatches_are_refused(base_config, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
-    with pytest.raises(ConfigError, match="Megatron engine"):
-        PreTrainer(PreTrainingArguments(**base_config))
+    with pytest.raises(ConfigError, match="the config asks for 'ddp' but the launcher asked for 'megatron'"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "engine": "ddp"}))
 
 
 def test_async_checkpoints_resume_like_synchronous_ones(base_config, tmp_path):

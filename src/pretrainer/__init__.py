@@ -6,7 +6,8 @@ from .utils import get_pretrain_config_file
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DataError", "PreTrainer", "PreTrainingArguments", "get_pretrain_config_file"]
+__all__ = ["ConfigError", "DataError", "PreTrainer", "PreTrainingArguments", "add_model_config_to_megatron_parser",
+           "get_pretrain_config_file", "parse_llama_config"]
 
 
 def __getattr__(name: str):
@@ -16,4 +17,8 @@ def __getattr__(name: str):
         from .train import PreTrainer
 
         return PreTrainer
+    if name in ("add_model_config_to_megatron_parser", "parse_llama_config"):
+        from .models import registry
+
+        return getattr(registry, name)
     raise AttributeError(f"module 'pretrainer' has no attribute {name!r}")

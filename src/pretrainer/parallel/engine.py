@@ -20,9 +20,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..config import ConfigError
 from ..models import has_meta_tensors, materialize
+from ..train.loss import batch_targets, forward_logits
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
+
+# Optimizer state and hyperparameters keyed by parameter name (`param_groups.<name>.lr`), not by group
+# position: ranks that hold different parameters (pipeline stages) save and load their own groups, and a
+# checkpoint loads on any other layout.
+CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,9 +92,21 @@ class Engine(ABC):
         self.rank = 0
         self.world_size = 1
 
+    model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (which part of the data it reads)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many replicas read different data (gradients are averaged over them)."""
+        return self.world_size
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -115,6 +133,27 @@ class Engine(ABC):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
+
+    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
+        """Logits of a device batch (None on ranks that produce none, e.g. early pipeline stages)."""
+        return forward_logits(model, batch)
+
+    def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
+        """Forward and backward over one accumulation window; gradients of sum(loss_fn) * scale.
+
+        `loss_fn(logits, targets)` returns a micro-batch's summed token loss. Returns this rank's summed
+        loss over the window (a device tensor). Only the last micro-batch communicates gradients.
+        """
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            is_last = index == len(micro_batches) - 1
+            with (contextlib.nullcontext() if is_last else self.no_sync(model)):
+                with self.autocast():
+                    logits = self.forward(model, batch)
+                summed = loss_fn(logits, batch_targets(batch))
+                self.backward(summed * scale)
+            local += summed.detach().double()
+        return local
 
     def step(self, model: torch.nn.Module, optimizer, max_norm: float | None,
              skip_nonfinite: bool = True, skip: bool = False) -> tuple[torch.Tensor, bool]:
@@ -189,11 +228,12 @@ class Engine(ABC):
 
     def checkpoint_state(self, model: torch.nn.Module, optimizer) -> dict:
         """Model and optimizer state for torch.distributed.checkpoint (sharded where the engine shards)."""
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_checkpoint_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=CHECKPOINT_OPTIONS)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         """The whole model's weights on CPU, for HF export (complete on the main rank only)."""

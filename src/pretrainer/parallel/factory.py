@@ -10,7 +10,6 @@ from .engine import Engine, SingleEngine
 
 ACCELERATE_FLAGS = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed",
                     "ACCELERATE_USE_MEGATRON_LM": "megatron"}
-NOT_YET = {"megatron": "Megatron"}
 
 
 def launcher_engine() -> str | None:
@@ -31,9 +30,6 @@ def select_engine(args) -> str:
         raise ConfigError(f"key 'engine': the config asks for {name!r} but the launcher asked for {requested!r} "
                           f"({[v for v, e in ACCELERATE_FLAGS.items() if e == requested][0]}=true); make them agree "
                           "or set engine: auto")
-    if name in NOT_YET:
-        raise ConfigError(f"the {NOT_YET[name]} engine is not available in this version; use engine: ddp, fsdp or "
-                          "deepspeed (or an accelerate config with distributed_type MULTI_GPU, FSDP or DEEPSPEED)")
     if args.deepspeed is not None and name != "deepspeed":
         raise ConfigError(f"key 'deepspeed' is set but the engine is {name!r}; remove one of them")
     if name == "single" and world_size > 1:
@@ -50,6 +46,10 @@ def create_engine(args) -> Engine:
         from .ddp import DDPEngine
 
         engine = DDPEngine(args)
+    elif name == "megatron":
+        from .megatron import MegatronEngine
+
+        engine = MegatronEngine(args)
     elif name == "deepspeed":
         from .deepspeed import DeepSpeedEngine
 
@@ -58,5 +58,5 @@ def create_engine(args) -> Engine:
         from .fsdp import FSDPEngine
 
         engine = FSDPEngine(args)
-    args.check_world_size(engine.world_size)
+    args.check_world_size(engine.world_size, engine.model_parallel_size)
     return engine

@@ -6,11 +6,15 @@ never wait for the device.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .flops import FlopsCount
 from .peak import DevicePeak
 from .timer import StepPhases
+
+logger = logging.getLogger(__name__)
 
 
 class IntervalMeter:
@@ -44,6 +48,9 @@ class IntervalMeter:
         engine = self.engine
         loss_sum = engine.reduce_sum(self.loss).item()
         targets, inputs = self.counts.tolist()
+        if targets == 0:
+            logger.warning("%d step(s) without a single target token: every label is -100 or padding (prompt "
+                           "masking longer than seq_length?); nothing was learned from them", self.steps)
         tokens_per_s = inputs / self.seconds
         per_device = tokens_per_s / engine.world_size
         phases = {k: v / self.steps for k, v in self.phases.collect().items()}

@@ -7,7 +7,7 @@ from itertools import islice
 
 import torch
 
-from .loss import IGNORE, batch_targets, forward_logits, loss_sum, to_device
+from .loss import IGNORE, batch_targets, loss_sum, to_device
 
 
 @torch.no_grad()
@@ -21,7 +21,9 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
         batch = to_device(batch, engine.device)
         targets = batch_targets(batch)
         with engine.autocast():
-            logits = forward_logits(model, batch)
+            logits = engine.forward(model, batch)
+        if logits is None:  # a pipeline rank without the last stage
+            continue
         valid = targets != IGNORE
         total_loss += loss_sum(logits, targets).double()
         total_correct += ((logits.argmax(-1) == targets) & valid).sum()

@@ -9,7 +9,6 @@ evaluates, checkpoints, and exports an HF folder at the end.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -20,6 +19,7 @@ import torch
 
 from ..config import ConfigError, PreTrainingArguments
 from ..data import BatchStream, EvalBatches, SampleStream, build_datasets, build_indexed_datasets
+from ..data.loader import BuiltData
 from ..data.packing import DocumentMasking
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
@@ -28,7 +28,8 @@ from ..perf.peak import processor_name
 from . import checkpoint as ckpt
 from .evaluate import evaluate
 from .export import export_hf
-from .loss import batch_targets, count_inputs, count_targets, forward_logits, loss_sum, to_device
+from .hooks import Hooks, ProvidedSamples
+from .loss import count_inputs, count_targets, to_device
 from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
 from .optim import build_optimizer, build_scheduler
 from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
@@ -62,9 +63,12 @@ class PreTrainer:
         self.resume_from = self._resolve_resume()
         seed_everything(args_.seed)
 
+        self.hooks = Hooks(args_.plugin_args)
+        if model is None and self.hooks.model_provider is not None:
+            model = self.hooks.build_model()
         self.tokenizer, spec = None, None
         if model is None or train_dataloader is None:
-            spec = preflight(args_)
+            spec = preflight(args_, config=model.config if model is not None else None)
             self.tokenizer = spec.tokenizer
         elif args_.resolved_tokenizer_path:
             self.tokenizer = load_tokenizer(args_.resolved_tokenizer_path, Path(args_.resolved_tokenizer_path))
@@ -73,7 +77,7 @@ class PreTrainer:
             self.train_stream, built_eval = self._built_in_data(spec)
             eval_dataloader = eval_dataloader if eval_dataloader is not None else built_eval
         else:
-            if self.engine.world_size > 1:
+            if self.engine.data_world_size > 1:
                 logger.info("a user DataLoader is iterated as given on each rank: give each rank its own part "
                             "(e.g. a DistributedSampler)")
             self.train_stream = BatchStream(train_dataloader, args_.seed)
@@ -127,8 +131,11 @@ class PreTrainer:
         """This rank's train stream and eval batches from the configured files or prepared prefix."""
         args = self.pretrain_args
         engine = self.engine
-        if args.megatron_dataset_flag:
-            data = build_indexed_datasets(args, spec.seq_length, engine.world_size, engine.is_main, engine.barrier)
+        if args.megatron_dataset_flag and self.hooks.datasets_provider is not None:
+            data = self._provided_data(spec.seq_length)
+        elif args.megatron_dataset_flag:
+            data = build_indexed_datasets(args, spec.seq_length, engine.data_world_size, engine.is_main,
+                                          engine.barrier)
         else:
             if not args.resolved_train_data:
                 raise ConfigError("no training data: set `train_data` (files, globs or folders of "
@@ -145,12 +152,27 @@ class PreTrainer:
             masking = DocumentMasking(self.tokenizer.eos_token_id, attention=args.reset_attention_mask)
             logger.info("document masking: positions restart after each EOS%s", "; attention stays within each "
                         "document" if args.reset_attention_mask else "")
-        shard = {"rank": engine.rank, "world_size": engine.world_size, "masking": masking}
+        shard = {"rank": engine.data_rank, "world_size": engine.data_world_size, "masking": masking}
         stream = SampleStream(data.train, args.micro_batch_size, pad_id, seed=args.seed,
                               num_workers=args.num_workers, shuffle=not data.shuffled, **shard)
         evaluation = EvalBatches(data.eval, args.micro_batch_size, pad_id, **shard) if data.eval is not None \
             else None
         return stream, evaluation
+
+    def _provided_data(self, seq_length: int) -> BuiltData:
+        """Datasets from the custom_megatron_datasets_provider_function hook."""
+        args = self.pretrain_args
+        replicas = self.engine.data_world_size
+        samples = [args.num_training_steps * args.micro_batch_size * args.gradient_accumulation_steps * replicas,
+                   args.eval_iters * args.micro_batch_size * replicas, 0]
+        provided = self.hooks.datasets_provider(samples)
+        if not isinstance(provided, (tuple, list)) or len(provided) != 3:
+            raise ConfigError("custom_megatron_datasets_provider_function must return (train, valid, test) datasets")
+        train, valid, _ = provided
+        if train is None:
+            raise ConfigError("custom_megatron_datasets_provider_function returned no training dataset")
+        return BuiltData(ProvidedSamples(train, seq_length, "train"),
+                         ProvidedSamples(valid, seq_length, "valid") if valid is not None else None)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -268,7 +290,7 @@ class PreTrainer:
         """
         args, engine = self.pretrain_args, self.engine
         with phases.host("data"):
-            host_batches = [next(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
+            host_batches = [self.hooks.next_batch(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
             local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
                                          sum(count_inputs(b) for b in host_batches)], dtype=torch.int64)
             micro_batches = [to_device(b, engine.device) for b in host_batches]
@@ -276,19 +298,11 @@ class PreTrainer:
         # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
         with phases.host("comm"):
             counts = engine.reduce_counts(local_counts)
-        denominator = counts[0].clamp(min=1)
-        local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
+        # Data-parallel engines average gradients over replicas; scaling by their number makes the result the
+        # gradient of (sum of token losses on all replicas) / (tokens on all replicas).
+        scale = engine.data_world_size / counts[0].clamp(min=1)
         with phases.device("compute"):
-            for index, batch in enumerate(micro_batches):
-                is_last = index == len(micro_batches) - 1
-                with (contextlib.nullcontext() if is_last else engine.no_sync(self.model)):
-                    with engine.autocast():
-                        logits = forward_logits(self.model, batch)
-                    summed = loss_sum(logits, batch_targets(batch))
-                    # Data-parallel engines average gradients over ranks; scaling by world_size makes the result
-                    # the gradient of (sum of token losses on all ranks) / (tokens on all ranks).
-                    engine.backward(summed / denominator * engine.world_size)
-                local_loss += summed.detach().double()
+            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale)
         spike = False
         if self.spike_guard is not None:  # reads the loss each step: one sync, only with the rule on
             step_loss = engine.reduce_sum(local_loss).item() / max(float(counts[0].item()), 1.0)

@@ -1,0 +1,160 @@
+"""Model-config parsers: how a model type's HF config maps to Megatron's network arguments and a parallel plan.
+
+The seed (openmind-accelerate) registers a parser per model type with
+`@add_model_config_to_megatron_parser("llama")`; a parser is called as
+`fn(megatron_lm_plugin, model, batch_data)` and fills `megatron_lm_plugin.megatron_lm_default_args` and
+`megatron_lm_plugin.seq_length`. The same decorator and call convention work here. Lookup is the seed's:
+the first registered key that is a substring of `model.config.model_type.lower()`.
+
+What the engine reads back from the filled arguments:
+- `parallel_plan`: the name of a module layout in `pretrainer.parallel.plans` (built in: "llama", the
+  decoder of Llama, Mistral and Qwen2: q/k/v/o attention, gate/up/down SwiGLU MLP, RMSNorm, RoPE);
+- `num_layers`, `hidden_size`, `num_attention_heads`, `num_query_groups`, `kv_channels` (head size),
+  `ffn_hidden_size`, `padded_vocab_size`, `untie_embeddings_and_output_weights`: the tensor-parallel
+  divisibility checks and the FLOPs formula (6N + 12·L·H·Q·T) use them.
+
+The built-in llama parser maps what the seed's left to `other_megatron_args`: grouped-query attention,
+FFN size, RMSNorm, SwiGLU, RoPE (base and scaling) and untied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import ConfigError
+
+MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Callable] = {}
+
+
+def add_model_config_to_megatron_parser(model_type: str):
+    """Decorator: register `fn(megatron_lm_plugin, model, batch_data)` for configs whose model_type contains
+    `model_type`. A later registration for the same key replaces the earlier one."""
+
+    def register(fn: Callable) -> Callable:
+        MODEL_CONFIGS_TO_MEGATRON_PARSERS[model_type.lower()] = fn
+        return fn
+
+    return register
+
+
+@dataclass
+class ParserPlugin:
+    """What a parser fills: the seed's `MegatronLMPlugin` fields that parsers touch."""
+
+    seq_length: int | None = None
+    megatron_lm_default_args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NetworkShape:
+    """The parsed numbers the engine uses."""
+
+    model_type: str
+    parallel_plan: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    untied_embeddings: bool
+    seq_length: int
+    megatron_args: dict
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        for what, count in (("num_attention_heads", self.num_attention_heads),
+                            ("num_key_value_heads (num_query_groups)", self.num_query_groups),
+                            ("intermediate_size (ffn_hidden_size)", self.ffn_hidden_size)):
+            if count % tp:
+                raise ConfigError(f"plugin_args.tp_degree={tp} does not divide the model's {what}={count}; "
+                                  f"choose a tp_degree that divides it")
+
+    def check_pipeline(self, stages: int) -> None:
+        if self.num_layers < stages:
+            raise ConfigError(f"{stages} pipeline stages need at least {stages} decoder layers; the model has "
+                              f"{self.num_layers} (lower pp_degree or num_layers_per_virtual_pipeline_stage)")
+        if not self.untied_embeddings and stages > 1:
+            raise ConfigError("a model with tied input/output embeddings (tie_word_embeddings: true) cannot be split "
+                              "into pipeline stages here: the two ends live on different ranks. Untie them in "
+                              "config.json (Llama-2 is untied) or set pp_degree: 1")
+
+
+def parse_model_config(model, seq_length: int | None = None, batch_data: dict | None = None) -> NetworkShape:
+    """Run the registered parser for `model` and read back the shape the engine needs."""
+    model_type = str(getattr(model.config, "model_type", "")).lower()
+    parser = next((fn for key, fn in MODEL_CONFIGS_TO_MEGATRON_PARSERS.items() if key in model_type), None)
+    if parser is None:
+        known = ", ".join(MODEL_CONFIGS_TO_MEGATRON_PARSERS)
+        raise ConfigError(
+            f"model_type {model_type!r} has no model-config parser for the megatron engine (registered: {known}). "
+            "If its decoder is laid out like Llama's (q/k/v/o_proj, gate/up/down_proj, RMSNorm), register it in "
+            "your script before PreTrainer(...):\n"
+            "    from pretrainer import add_model_config_to_megatron_parser, parse_llama_config\n"
+            f"    add_model_config_to_megatron_parser({model_type!r})(parse_llama_config)\n"
+            "otherwise add a plan to pretrainer.parallel.plans and a parser that names it (README: 'Adding a model "
+            "type')")
+    plugin = ParserPlugin(seq_length=seq_length)
+    parser(plugin, model, batch_data or {})
+    args = plugin.megatron_lm_default_args
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in args]
+    if missing:
+        raise ConfigError(f"the model-config parser for {model_type!r} ({parser.__qualname__}) did not set "
+                          f"{', '.join(missing)} in megatron_lm_plugin.megatron_lm_default_args")
+    heads = int(args["num_attention_heads"])
+    return NetworkShape(
+        model_type=model_type,
+        parallel_plan=str(args.get("parallel_plan", "llama")),
+        num_layers=int(args["num_layers"]),
+        hidden_size=int(args["hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(args.get("num_query_groups") or heads),
+        kv_channels=int(args.get("kv_channels") or args["hidden_size"] // heads),
+        ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * args["hidden_size"]),
+        vocab_size=int(args.get("padded_vocab_size") or args.get("orig_vocab_size") or 0),
+        untied_embeddings=bool(args.get("untie_embeddings_and_output_weights", True)),
+        seq_length=int(plugin.seq_length or args.get("max_position_embeddings") or 0),
+        megatron_args=dict(args),
+    )
+
+
+def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
+    """Llama-family decoders (Llama, Mistral, Qwen2, and any model laid out the same way)."""
+    config = model.config
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    args = megatron_lm_plugin.megatron_lm_default_args
+    args.update(
+        model_type_name="gpt",
+        parallel_plan="llama",
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=heads,
+        group_query_attention=(config.num_key_value_heads or heads) != heads,
+        num_query_groups=config.num_key_value_heads or heads,
+        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        ffn_hidden_size=config.intermediate_size,
+        orig_vocab_size=config.vocab_size,
+        padded_vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        normalization="RMSNorm",
+        norm_epsilon=config.rms_norm_eps,
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+        rope_scaling=rope.get("rope_type", "default") != "default",
+        untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
+        add_bias_linear=bool(getattr(config, "mlp_bias", False)),
+        add_qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type.startswith("qwen2"),
+        pretraining_flag=True,
+        tokenizer_type="HuggingFaceTokenizer",
+    )
+    if megatron_lm_plugin.seq_length is None:
+        input_ids = (batch_data or {}).get("input_ids")
+        megatron_lm_plugin.seq_length = (input_ids.shape[1] if input_ids is not None
+                                         else config.max_position_embeddings)
+
+
+for _model_type in ("llama", "mistral", "qwen2"):
+    add_model_config_to_megatron_parser(_model_type)(parse_llama_config)

@@ -1,0 +1,331 @@
+"""The megatron engine: Megatron-LM's tensor, sequence and pipeline parallelism on PyTorch's own machinery.
+
+A device mesh `dp x pp x tp` (tp innermost, as in Megatron). Each rank builds only its pipeline stages
+(`pipeline.DecoderStage`) from the HF model, applies the model family's tensor-parallel plan
+(`plans`, chosen by the model-config parser registry), recomputes activations as configured, and wraps
+each stage for data parallelism over `dp`: `replicate` (gradients all-reduced, like DDP), or with
+`use_distributed_optimizer` FSDP2 without resharding after forward (gradients reduce-scattered and the
+optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2 style). Micro-batches
+(`num_micro_batches` = `gradient_accumulation_steps`) run through a GPipe, 1F1B or interleaved 1F1B
+schedule when pp > 1.
+
+The model the loop holds is a `MegatronModel`: this rank's modules under the HF model's own names, so
+optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all see HF keys.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+from ..config import ConfigError
+from ..models import materialize
+from ..models.registry import parse_model_config
+from ..train.loss import batch_targets
+from .activation_checkpoint import apply_activation_checkpointing
+from .distributed import DistributedEngine
+from .engine import compile_layers
+from .megatron_settings import read_settings, report_unused_keys
+from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
+from .plans import get_plan
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronModel(torch.nn.Module):
+    """This rank's stages, presented under the HF model's module names (`model.layers.7...`, `lm_head`)."""
+
+    def __init__(self, hf_model: torch.nn.Module, stages: list[DecoderStage]):
+        super().__init__()
+        self.config = hf_model.config
+        decoder = torch.nn.Module()
+        decoder.layers = torch.nn.ModuleDict()
+        for stage in stages:
+            if stage.embed_tokens is not None:
+                decoder.embed_tokens = stage.embed_tokens
+            decoder.layers.update(stage.layers)
+            if stage.norm is not None:
+                decoder.norm = stage.norm
+            if stage.lm_head is not None:
+                self.lm_head = stage.lm_head
+        decoder.rotary_emb = stages[0].rotary_emb
+        self.model = decoder
+        object.__setattr__(self, "stages", stages)  # not children: their modules are already registered above
+        object.__setattr__(self, "hf_model", hf_model)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:  # materialize() initialises through the HF rules
+        self.hf_model._init_weights(module)
+
+
+class MegatronEngine(DistributedEngine):
+    name = "megatron"
+
+    def __init__(self, args):
+        super().__init__(args)
+        if args.dtype == "fp16":
+            raise ConfigError("dtype fp16 is not available with engine megatron (no loss scaler across pipeline "
+                              "stages); use bf16 (or fp32)")
+        self.settings = read_settings(args)
+        s = self.settings
+        if self.world_size % s.model_parallel_size:
+            raise ConfigError(f"{self.world_size} process(es) cannot be split into tp_degree={s.tp} x "
+                              f"pp_degree={s.pp} model-parallel groups; launch a multiple of {s.model_parallel_size}")
+        self.model_parallel_size = s.model_parallel_size
+        self.dp = self.world_size // s.model_parallel_size
+        self.mesh = init_device_mesh(self.device.type, (self.dp, s.pp, s.tp), mesh_dim_names=("dp", "pp", "tp"))
+        self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
+        self.stages: list[DecoderStage] = []
+        self.stage_ids: list[int] = []
+        self.schedule = None
+        self.loss_weight = 1.0
+        self._loss_fn, self._loss_scale, self._loss_sums = None, 1.0, []
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.dp
+
+    # ------------------------------------------------------------------ model
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        args = self.args
+        shape = parse_model_config(model, args.seq_length)
+        self.settings = s = read_settings(args, shape.num_layers)
+        if self.is_main:
+            report_unused_keys(args, model.config)
+        if s.tp > 1:
+            shape.check_tensor_parallel(s.tp)
+        shape.check_pipeline(s.num_stages)
+        if s.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
+            raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
+                              "(positions are not sent between stages); use pp_degree 1")
+        plan = get_plan(shape.parallel_plan)
+        parts = plan.parts(model)
+        ranges = split_layers(shape.num_layers, s.num_stages, s.pipeline_layers)
+        self.stage_ids = stages_of_rank(self.pp_rank, s.pp, s.num_stages)
+        is_meta = any(p.is_meta for p in model.parameters())
+        for index in self.stage_ids:
+            stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
+                                 config=model.config, tied=not shape.untied_embeddings,
+                                 no_split_modules=getattr(model, "_no_split_modules", None))
+            if not is_meta:
+                stage.to(self.device)
+            self._recompute(stage)
+            if s.tp > 1:
+                plan.tensor_parallel(stage, self.mesh["tp"], s.sequence_parallel)
+                if not s.sequence_parallel:
+                    self._replicate_norms(stage)
+                stage.sequence_shards = s.tp if s.sequence_parallel else 1
+            if args.compile:
+                compile_layers(stage)
+            if self.dp > 1:
+                self._data_parallel(stage)
+            self.stages.append(stage)
+        view = MegatronModel(model, self.stages)
+        if is_meta:
+            materialize(view, self.device, args.seed)
+            for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
+                if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
+                    stage.lm_head.weight = stage.embed_tokens.weight
+        self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
+        if s.pp > 1:
+            self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
+                                           s.num_micro_batches, self._pipeline_loss, self.device,
+                                           self.mesh.get_group("pp"))
+        logger.info("megatron engine: %s; this rank (dp %d, pp %d, tp %d) holds stage(s) %s with layers %s",
+                    s.describe(), self.dp_rank, self.pp_rank, self.tp_rank, self.stage_ids,
+                    [f"{ranges[i].start}-{ranges[i].stop - 1}" for i in self.stage_ids])
+        return view
+
+    def _recompute(self, stage: DecoderStage) -> None:
+        s = self.settings
+        if s.recompute_granularity == "selective":
+            apply_activation_checkpointing(stage, "selective")
+        elif s.recompute_granularity == "full":
+            stage.set_recompute(s.recompute_method, s.recompute_num_layers)
+
+    def _replicate_norms(self, stage: DecoderStage) -> None:
+        """Without sequence parallelism the norms see the whole sequence on every tp rank; their weights
+        become replicated DTensors too, so every parameter lives on the mesh (one optimizer, one norm)."""
+        mesh = self.mesh["tp"]
+
+        def to_replicated(module, inputs, device_mesh):
+            return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def to_local(module, output, device_mesh):
+            return output.to_local()
+
+        norms = [m for layer in stage.layers.values() for m in layer.modules()
+                 if type(m).__name__.endswith("RMSNorm")]
+        if stage.norm is not None:
+            norms.append(stage.norm)
+        for norm in norms:
+            distribute_module(norm, mesh, input_fn=to_replicated, output_fn=to_local)
+
+    def _data_parallel(self, stage: DecoderStage) -> None:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.mesh["dp"]
+        if self.settings.distributed_optimizer:
+            for layer in stage.layers.values():
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+            fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        else:
+            for layer in stage.layers.values():
+                replicate(layer, mesh=mesh)
+            replicate(stage, mesh=mesh)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.hf_model
+
+    def prepare_layers(self, model: torch.nn.Module) -> None:
+        pass  # recompute and compile are applied per stage in wrap()
+
+    # ------------------------------------------------------------- the step
+    def no_sync(self, model: torch.nn.Module):
+        import contextlib
+
+        @contextlib.contextmanager
+        def skip_gradient_sync():
+            wrapped = [stage for stage in self.stages if hasattr(stage, "set_requires_gradient_sync")]
+            for stage in wrapped:
+                stage.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                for stage in wrapped:
+                    stage.set_requires_gradient_sync(True)
+
+        return skip_gradient_sync()
+
+    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
+        """Logits of a batch (on the rank holding the last stage; None elsewhere when pipelined)."""
+        _check_right_padded(batch)
+        if self.settings.pp == 1:
+            return self.stages[0](batch["input_ids"], batch.get("position_ids"))
+        return self._pipeline_forward_only(batch["input_ids"])
+
+    def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
+        if self.settings.pp == 1:
+            return super().forward_backward(model, micro_batches, loss_fn, scale)
+        for batch in micro_batches:
+            _check_right_padded(batch)
+        self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
+        inputs = torch.cat([b["input_ids"] for b in micro_batches])
+        targets = torch.cat([batch_targets(b) for b in micro_batches])
+        last = self.settings.num_stages - 1
+        with self.autocast():
+            self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
+                               target=targets if last in self.stage_ids else None)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The first step also calls the loss once on stand-in outputs (the schedule infers shapes): keep the
+        # micro-batches' own losses, the last ones.
+        for summed in self._loss_sums[len(self._loss_sums) - self.settings.num_micro_batches:]:
+            local += summed.double()
+        return local
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        summed = self._loss_fn(logits, targets)
+        self._loss_sums.append(summed.detach())
+        return summed * self._loss_scale
+
+    @torch.no_grad()
+    def _pipeline_forward_only(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Run the stages in order, sending hidden states between pipeline ranks (evaluation)."""
+        s = self.settings
+        group = self.mesh.get_group("pp")
+        by_id = dict(zip(self.stage_ids, self.stages))
+        hidden = None
+        shards = s.tp if s.sequence_parallel else 1
+        shape = (input_ids.shape[0], input_ids.shape[1] // shards, self.stages[0].config.hidden_size)
+        for index in range(s.num_stages):
+            owner, previous = index % s.pp, (index - 1) % s.pp
+            if index > 0 and owner != previous:
+                if self.pp_rank == previous:
+                    dist.send(hidden.float().contiguous(), dst=dist.get_global_rank(group, owner), group=group)
+                elif self.pp_rank == owner:
+                    hidden = torch.empty(shape, dtype=torch.float32, device=self.device)
+                    dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
+            if self.pp_rank == owner:
+                with self.autocast():
+                    hidden = by_id[index](input_ids.to(self.device) if index == 0 else hidden)
+        return hidden if s.num_stages - 1 in self.stage_ids else None
+
+    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = self.global_grad_norm(grads)
+        if max_norm:
+            coefficient = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+            locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            torch._foreach_mul_(locals_, coefficient.to(locals_[0].dtype))
+        if skip or (skip_nonfinite and not torch.isfinite(grad_norm)):
+            return grad_norm, False
+        optimizer.step()
+        return grad_norm, True
+
+    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient. A shard counts once: each rank adds its local sum of
+        squares weighted by (distinct shards / ranks holding the stage), then one all-reduce."""
+        holders = self.world_size // self.settings.pp
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in grads:
+            if isinstance(grad, DTensor):
+                shards = 1
+                for size, placement in zip(grad.device_mesh.shape, grad.placements):
+                    shards *= size if placement.is_shard() else 1
+                local = grad.to_local()
+            else:
+                shards, local = 1, grad
+            total += local.double().pow(2).sum() * (shards / holders)
+        dist.all_reduce(total)
+        return total.sqrt().float()
+
+    # ------------------------------------------------------------ reductions
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token counts: the ranks of one model replica see the same batch, so sum over dp only."""
+        from .engine import to_device_async
+
+        counts = to_device_async(counts, self.device)
+        dist.all_reduce(counts, group=self.mesh.get_group("dp"))
+        return counts
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Loss sums: one copy per replica, from its last pipeline stage, first tp rank."""
+        value = value * self.loss_weight
+        dist.all_reduce(value)
+        return value
+
+    # ------------------------------------------------------------ checkpoints
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        """Every stage's full weights, gathered on rank 0 (pipeline ranks hold different layers)."""
+        if self.settings.pp == 1:
+            return super().full_state_dict(model)
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        local = {k: v.detach().cpu() for k, v in local.items()} if self.dp_rank == 0 and self.tp_rank == 0 else {}
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(local, gathered, dst=0)
+        merged = {}
+        if self.is_main:
+            for part in gathered:
+                merged.update(part)
+        return merged
+
+    def describe(self) -> str:
+        return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp} x tp={self.settings.tp}) " \
+            + self.settings.describe()
+
+
+def _check_right_padded(batch: dict) -> None:
+    """Stages run causal attention without a padding mask: padding must be at the end of each row."""
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ConfigError("engine megatron needs right-padded batches (attention_mask 1...1 0...0 per row); this "
+                          "batch has padding before tokens: set the tokenizer's padding_side='right'")

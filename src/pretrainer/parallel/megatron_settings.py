@@ -1,0 +1,246 @@
+"""The megatron engine's settings, read from the seed's `plugin_args` (and `other_megatron_args`).
+
+Keys that configure this engine are honoured; keys that describe the network are checked against the
+model's own config (the HF config defines the model here); keys for Megatron-LM internals that have no
+counterpart are reported once as ignored, with the reason. Nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..config import MEGATRON_KEY_TO_FIELD, ConfigError
+from ..train.hooks import HOOK_KEYS
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# plugin_args keys this engine reads (besides the hooks and other_megatron_args).
+ENGINE_KEYS = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
+               "recompute_activations", "use_distributed_optimizer", "num_layers_per_virtual_pipeline_stage",
+               "pipeline_schedule", "pipeline_layers", "other_megatron_args")
+# plugin_args keys that the run's own keys already cover.
+COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length", "eval_iters": "eval_iters",
+                "eval_interval": "eval_interval", "megatron_dataset_flag": "megatron_dataset_flag",
+                "tensorboard_dir": "report_to: tensorboard (written under save_dir)"}
+
+# other_megatron_args keys read by this engine or the data pipeline.
+ENGINE_MEGATRON_KEYS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "sequence_parallel",
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
+                        "num_layers_per_virtual_pipeline_stage", "split", "tokenizer_model", "tokenizer_type"}
+# other_megatron_args keys that describe the network: compared with the HF config.
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "normalization", "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights",
+                     "group_query_attention", "max_position_embeddings", "add_bias_linear", "kv_channels")
+# Megatron-LM internals with no counterpart here, and why.
+IGNORED_REASONS = {
+    "use_flash_attn": "attention runs through the model's attn_implementation (SDPA; flash kernels where the "
+                      "device has them)",
+    "masked_softmax_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    "bias_gelu_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    "bias_dropout_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    "gradient_accumulation_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    "apply_rope_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    "attention_softmax_in_fp32": "attention softmax is computed by SDPA, which accumulates in fp32",
+    "async_tensor_model_parallel_allreduce": "DTensor issues the tensor-parallel collectives",
+    "overlap_grad_reduce": "FSDP2 overlaps gradient reduction itself",
+    "overlap_param_gather": "FSDP2 prefetches parameters itself",
+    "initial_loss_scale": "fp16 uses torch's GradScaler (initial scale 65536); bf16/fp32 need no loss scale",
+    "optimizer": "the optimizer is AdamW (adam_beta1/2, adam_eps, weight_decay are honoured)",
+    "finetune": "resume is controlled by the `resume` key",
+    "no_load_optim": "resume restores the optimizer with the model (`resume: none` starts fresh)",
+    "no_load_rng": "resume restores RNG state exactly (`resume: none` starts fresh)",
+    "load": "checkpoints are found in save_dir/checkpoints (the `resume` key)",
+    "save": "checkpoints are written to save_dir/checkpoints",
+    "attention_dropout": "dropout comes from the model's config.json (attention_dropout)",
+    "hidden_dropout": "dropout comes from the model's config.json",
+    "make_vocab_size_divisible_by": "the vocabulary size comes from the model's config.json",
+    "init_method_std": None,  # honoured through the run's init_method_std
+}
+
+
+@dataclass
+class MegatronSettings:
+    tp: int = 1
+    pp: int = 1
+    num_micro_batches: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    layers_per_virtual_stage: int | None = None
+    pipeline_layers: list | None = None  # explicit decoder layers per stage, in stage order
+    schedule: str = "1f1b"
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    recompute_method: str = "uniform"  # "uniform" | "block"
+    recompute_num_layers: int | None = None
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"sequence_parallel={self.sequence_parallel}",
+                 f"num_micro_batches={self.num_micro_batches}",
+                 f"distributed_optimizer={self.distributed_optimizer}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule} stages={self.num_stages}")
+        if self.recompute_granularity:
+            parts.append(f"recompute={self.recompute_granularity}"
+                         + (f"/{self.recompute_method}/{self.recompute_num_layers}"
+                            if self.recompute_granularity == "full" else ""))
+        return " ".join(parts)
+
+
+def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
+    """The engine settings from `args.plugin_args` (seed names) and the native keys, checked."""
+    plugin = dict(args.plugin_args or {})
+    megatron = dict(plugin.get("other_megatron_args") or {})
+
+    def pick(plugin_key: str, megatron_key: str, default):
+        values = {k: v for k, v in ((f"plugin_args.{plugin_key}", plugin.get(plugin_key)),
+                                    (f"plugin_args.other_megatron_args.{megatron_key}", megatron.get(megatron_key)))
+                  if v is not None}
+        if len(set(map(str, values.values()))) > 1:
+            raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in values.items()) + " disagree; set one of them")
+        return next(iter(values.values()), default)
+
+    settings = MegatronSettings(
+        tp=_positive("tp_degree", pick("tp_degree", "tensor_model_parallel_size", 1)),
+        pp=_positive("pp_degree", pick("pp_degree", "pipeline_model_parallel_size", 1)),
+        sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)),
+        distributed_optimizer=bool(pick("use_distributed_optimizer", "use_distributed_optimizer", False)),
+        layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
+                                      "num_layers_per_virtual_pipeline_stage", None),
+        pipeline_layers=plugin.get("pipeline_layers"),
+    )
+    micro = plugin.get("num_micro_batches")
+    if micro is not None and micro != args.gradient_accumulation_steps:
+        raise ConfigError(f"plugin_args.num_micro_batches={micro} differs from gradient_accumulation_steps="
+                          f"{args.gradient_accumulation_steps}; they are the same thing here (micro-batches per "
+                          "optimizer step): set both to the same value")
+    settings.num_micro_batches = args.gradient_accumulation_steps
+    if settings.sequence_parallel and settings.tp == 1:
+        logger.info("sequence_parallelism has no effect with tp_degree 1")
+        settings.sequence_parallel = False
+    _read_recompute(settings, plugin, megatron, args.activation_checkpointing)
+    _read_pipeline(settings, plugin, num_layers)
+    return settings
+
+
+def _positive(key: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"plugin_args.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_recompute(settings: MegatronSettings, plugin: dict, megatron: dict, native: str) -> None:
+    granularity = megatron.get("recompute_granularity")
+    if granularity is None and plugin.get("recompute_activations"):
+        granularity = "selective"  # what MegatronLMPlugin turns recompute_activations into
+    if granularity is not None and native not in ("none", granularity):
+        raise ConfigError(f"activation_checkpointing={native!r} and plugin_args recompute_granularity="
+                          f"{granularity!r} disagree; set one of them")
+    granularity = granularity or (None if native == "none" else native)
+    if granularity not in (None, "full", "selective"):
+        raise ConfigError(f"other_megatron_args.recompute_granularity {granularity!r} is not full or selective")
+    method = megatron.get("recompute_method") or "uniform"
+    if method not in ("uniform", "block"):
+        raise ConfigError(f"other_megatron_args.recompute_method {method!r} is not uniform or block")
+    count = megatron.get("recompute_num_layers")
+    if count is not None and (not isinstance(count, int) or count < 1):
+        raise ConfigError(f"other_megatron_args.recompute_num_layers must be a positive integer, got {count!r}")
+    settings.recompute_granularity, settings.recompute_method, settings.recompute_num_layers = \
+        granularity, method, count
+
+
+def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | None) -> None:
+    schedule = plugin.get("pipeline_schedule")
+    if settings.layers_per_virtual_stage is not None:
+        if settings.pp == 1:
+            raise ConfigError("num_layers_per_virtual_pipeline_stage needs pp_degree > 1")
+        if num_layers is not None:
+            per_rank, rest = divmod(num_layers, settings.pp)
+            if rest or per_rank % settings.layers_per_virtual_stage:
+                raise ConfigError(f"num_layers_per_virtual_pipeline_stage={settings.layers_per_virtual_stage}: the "
+                                  f"model's {num_layers} layers over pp_degree={settings.pp} must give each rank a "
+                                  "multiple of it")
+            settings.virtual_stages = per_rank // settings.layers_per_virtual_stage
+    if settings.pipeline_layers is not None:
+        layers = settings.pipeline_layers
+        if not isinstance(layers, list) or not all(isinstance(n, int) and n >= 1 for n in layers):
+            raise ConfigError(f"plugin_args.pipeline_layers must be a list of positive layer counts, got {layers!r}")
+        if len(layers) % settings.pp:
+            raise ConfigError(f"plugin_args.pipeline_layers has {len(layers)} stages; it needs a multiple of "
+                              f"pp_degree={settings.pp} (pp_degree x virtual stages)")
+        if num_layers is not None and sum(layers) != num_layers:
+            raise ConfigError(f"plugin_args.pipeline_layers {layers} sums to {sum(layers)}, the model has "
+                              f"{num_layers} decoder layers")
+        if settings.layers_per_virtual_stage is not None and len(layers) != settings.num_stages:
+            raise ConfigError("plugin_args.pipeline_layers and num_layers_per_virtual_pipeline_stage give different "
+                              "stage counts; keep one of them")
+        settings.virtual_stages = len(layers) // settings.pp
+    if schedule is None:
+        schedule = "interleaved_1f1b" if settings.virtual_stages > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"plugin_args.pipeline_schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if settings.virtual_stages > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(f"{settings.virtual_stages} virtual stages per rank need pipeline_schedule: "
+                          f"interleaved_1f1b (got {schedule})")
+    if schedule == "interleaved_1f1b" and settings.pp > 1 and settings.virtual_stages == 1:
+        settings.virtual_stages = 2  # interleaving needs at least two model chunks per rank
+    if settings.pp > 1 and schedule != "gpipe" and settings.num_micro_batches < settings.pp:
+        raise ConfigError(f"pipeline_schedule {schedule} with pp_degree={settings.pp} needs at least {settings.pp} "
+                          f"micro-batches per step (gradient_accumulation_steps={settings.num_micro_batches}); "
+                          "raise gradient_accumulation_steps or use pipeline_schedule: gpipe")
+    settings.schedule = schedule
+
+
+def report_unused_keys(args, model_config) -> list[str]:
+    """Log (once, main rank) which seed keys are ignored or disagree with the model; return the messages."""
+    plugin = dict(args.plugin_args or {})
+    megatron = dict(plugin.get("other_megatron_args") or {})
+    messages = []
+    for key in plugin:
+        if key in ENGINE_KEYS or key in HOOK_KEYS or key == "gradient_clipping":
+            continue
+        if key in COVERED_KEYS:
+            messages.append(f"plugin_args.{key}: covered by {COVERED_KEYS[key]}")
+        else:
+            messages.append(f"plugin_args.{key}: ignored (a MegatronLMPlugin setting with no counterpart here)")
+    hf = _hf_architecture(model_config)
+    for key, value in megatron.items():
+        if key in ENGINE_MEGATRON_KEYS or key in MEGATRON_KEY_TO_FIELD:
+            continue
+        if key in ARCHITECTURE_KEYS:
+            if key in hf and _normalise(hf[key]) != _normalise(value):
+                messages.append(f"other_megatron_args.{key}={value!r}: ignored, the model's config.json defines the "
+                                f"network ({key}={hf[key]!r})")
+            continue
+        reason = IGNORED_REASONS.get(key, "a Megatron-LM setting with no meaning in this engine")
+        if reason:
+            messages.append(f"other_megatron_args.{key}: ignored, {reason}")
+    for message in messages:
+        logger.info(message)
+    return messages
+
+
+def _hf_architecture(config) -> dict:
+    heads = config.num_attention_heads
+    return {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": heads, "num_query_groups": getattr(config, "num_key_value_heads", heads),
+            "ffn_hidden_size": getattr(config, "intermediate_size", None), "normalization": "RMSNorm",
+            "swiglu": True, "position_embedding_type": "rope",
+            "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
+            "group_query_attention": getattr(config, "num_key_value_heads", heads) != heads,
+            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            "add_bias_linear": bool(getattr(config, "mlp_bias", False))}
+
+
+def _normalise(value):
+    return value.lower() if isinstance(value, str) else value

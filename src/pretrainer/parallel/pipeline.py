@@ -1,0 +1,117 @@
+"""Pipeline stages cut from an HF decoder, and the schedules that run them (`torch.distributed.pipelining`).
+
+A `DecoderStage` holds a contiguous run of decoder layers and, on the first stage, the embedding, on
+the last, the final norm and output head. It runs the layers itself (not the HF model's forward) so a
+stage can start from hidden states, and so activations between stages are plain local tensors. Its
+children keep the HF names (`embed_tokens`, `layers.<global index>`, `norm`, `lm_head`), which lets the
+engine present every stage of a rank under the model's own state-dict keys.
+
+Stage s of S lives on pipeline rank s % pp (Megatron's interleaved placement): with v virtual stages
+per rank, rank r holds stages r, r+pp, r+2pp, ...
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ConfigError
+from .plans import ModelParts
+
+
+def split_layers(num_layers: int, num_stages: int, explicit: list | None = None) -> list[range]:
+    """Decoder layer indices per stage: `explicit` counts, or as even as possible (earlier stages get the
+    extra layers: the last stage also carries the output head)."""
+    if explicit is not None:
+        counts = list(explicit)
+    else:
+        if num_layers < num_stages:
+            raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} decoder layers; the model "
+                              f"has {num_layers}: lower pp_degree or the virtual stages")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def stages_of_rank(pp_rank: int, pp: int, num_stages: int) -> list[int]:
+    return list(range(pp_rank, num_stages, pp))
+
+
+class DecoderStage(torch.nn.Module):
+    def __init__(self, parts: ModelParts, layer_ids: range, first: bool, last: bool, config, tied: bool,
+                 no_split_modules):
+        super().__init__()
+        self.embed_tokens = parts.embed_tokens if first else None
+        self.layers = torch.nn.ModuleDict({str(i): parts.layers[i] for i in layer_ids})
+        self.norm = parts.norm if last else None
+        self.lm_head = parts.lm_head if last else None
+        self.rotary_emb = parts.rotary_emb
+        self.config = config
+        self.tied = tied
+        self._no_split_modules = no_split_modules  # how activation checkpointing finds the layers
+        self.sequence_shards = 1  # tp size under sequence parallelism: hidden states hold seq/tp positions
+        self.recompute_groups: list[tuple[list[str], bool]] = [(list(self.layers), False)]
+
+    def set_recompute(self, method: str, num_layers: int | None) -> None:
+        """Megatron's full recompute: `uniform` checkpoints every run of `num_layers` layers as one unit,
+        `block` checkpoints the first `num_layers` layers of the stage one by one."""
+        names = list(self.layers)
+        if method == "block":
+            count = len(names) if num_layers is None else min(num_layers, len(names))
+            self.recompute_groups = [([n], True) for n in names[:count]] + \
+                ([(names[count:], False)] if count < len(names) else [])
+        else:
+            size = num_layers or 1
+            self.recompute_groups = [(names[i:i + size], True) for i in range(0, len(names), size)]
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:
+            batch, seq = hidden.shape
+            hidden = self.embed_tokens(hidden)
+        else:
+            batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        shape_only = hidden.new_empty((batch, seq, 1))
+        mask = create_causal_mask(config=self.config, inputs_embeds=shape_only, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        position_embeddings = self.rotary_emb(shape_only, position_ids=position_ids)
+        for names, recompute in self.recompute_groups:
+            if recompute and torch.is_grad_enabled():
+                hidden = checkpoint(self._run_layers, names, hidden, mask, position_embeddings, position_ids,
+                                    use_reentrant=False)
+            else:
+                hidden = self._run_layers(names, hidden, mask, position_embeddings, position_ids)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.lm_head is not None:
+            hidden = self.lm_head(hidden)
+        return hidden
+
+    def _run_layers(self, names, hidden, mask, position_embeddings, position_ids):
+        for name in names:
+            hidden = self.layers[name](hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                                       position_ids=position_ids)
+        return hidden
+
+
+def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_stages: int, schedule: str,
+                   num_micro_batches: int, loss_fn, device: torch.device, group):
+    """The `torch.distributed.pipelining` schedule over this rank's stages."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    stages = [PipelineStage(module, index, num_stages, device, group=group)
+              for module, index in zip(stage_modules, stage_ids)]
+    options = {"n_microbatches": num_micro_batches, "loss_fn": loss_fn, "scale_grads": False}
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, **options)
+    if len(stages) != 1:
+        raise ConfigError(f"pipeline_schedule {schedule} runs one stage per rank; {len(stages)} were built")
+    return (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], **options)

@@ -1,0 +1,106 @@
+"""Per-architecture parallel plans, kept apart from the model code and the engine.
+
+A plan knows two things about a model family's module layout:
+- `parts(model)`: where its embedding, decoder layers, final norm, output head and rotary embedding live
+  (pipeline stages are cut from these);
+- `tensor_parallel(stage, mesh, sequence_parallel)`: the DTensor layouts of its linears, embeddings and
+  norms (Megatron's column/row split: q/k/v and gate/up by output features, o and down by input features,
+  so each layer needs one all-reduce — or, with sequence parallelism, one reduce-scatter and one
+  all-gather per block, and norms run on a 1/tp slice of the sequence).
+
+Activations between modules stay plain local tensors: [batch, seq/tp, hidden] with sequence parallelism,
+[batch, seq, hidden] without; the pipeline sends those.
+
+A model type reaches a plan through its model-config parser (`pretrainer.models.registry`), which names
+the plan in `megatron_lm_default_args["parallel_plan"]`. Add a family with `@register_plan("name")`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from ..config import ConfigError
+
+
+@dataclass
+class ModelParts:
+    embed_tokens: torch.nn.Module
+    layers: list[torch.nn.Module]
+    norm: torch.nn.Module
+    lm_head: torch.nn.Module
+    rotary_emb: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    name: str
+    parts: Callable[[torch.nn.Module], ModelParts]
+    tensor_parallel: Callable  # (stage, tp_mesh, sequence_parallel) -> None
+
+
+PLANS: dict[str, ParallelPlan] = {}
+
+
+def register_plan(name: str, parts: Callable, tensor_parallel: Callable) -> ParallelPlan:
+    PLANS[name] = ParallelPlan(name, parts, tensor_parallel)
+    return PLANS[name]
+
+
+def get_plan(name: str) -> ParallelPlan:
+    if name not in PLANS:
+        raise ConfigError(f"no parallel plan named {name!r} (known: {', '.join(PLANS)}); register one with "
+                          "pretrainer.parallel.plans.register_plan")
+    return PLANS[name]
+
+
+# ------------------------------------------------------------------ the Llama family (Llama, Mistral, Qwen2)
+def llama_parts(model: torch.nn.Module) -> ModelParts:
+    decoder = model.model
+    return ModelParts(decoder.embed_tokens, list(decoder.layers), decoder.norm, model.lm_head, decoder.rotary_emb)
+
+
+def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
+    """Apply the Llama layouts to the parts this stage holds (`stage.embed_tokens` etc., each may be None)."""
+    sequence = Shard(1) if sequence_parallel else Replicate()
+    if stage.embed_tokens is not None:
+        parallelize_module(stage.embed_tokens, mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                     output_layouts=sequence))
+    for layer in stage.layers.values():
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=sequence),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=sequence),
+        }
+        if sequence_parallel:
+            plan.update({
+                "input_layernorm": SequenceParallel(use_local_output=True),
+                "post_attention_layernorm": SequenceParallel(use_local_output=True),
+                # the decoder layer calls self_attn with keyword arguments, mlp positionally
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(_inner(layer), mesh, plan)
+    if stage.norm is not None and sequence_parallel:
+        parallelize_module(stage.norm, mesh, SequenceParallel(use_local_output=True))
+    if stage.lm_head is not None:
+        parallelize_module(stage.lm_head, mesh, ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()))
+        if stage.embed_tokens is not None and stage.tied:  # both are sharded by vocabulary rows: tie them again
+            stage.lm_head.weight = stage.embed_tokens.weight
+
+
+def _inner(layer: torch.nn.Module) -> torch.nn.Module:
+    return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
+register_plan("llama", llama_parts, llama_tensor_parallel)

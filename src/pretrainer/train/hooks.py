@@ -1,0 +1,129 @@
+"""The seed's four custom Megatron hooks, set with `pretrain_args.update_distributed_train_args(extra_args={...})`.
+
+Same keys and roles as openMind's Megatron path; the signatures follow Megatron's `pretrain_gpt.py`
+conventions, adapted to this engine (HF models, host batches as dicts):
+
+- `custom_megatron_datasets_provider_function(train_val_test_num_samples) -> (train, valid, test)`:
+  replaces the `.bin/.idx` datasets (`megatron_dataset_flag: true`). Each dataset has `len()` and
+  `[i]`; a sample is a 1-D array of seq_length+1 tokens, a dict with `text` (Megatron's GPTDataset),
+  or a dict with `tokens`, `labels` and optionally `loss_mask` (Megatron-Core's GPTDataset).
+  `valid` may be None; `test` is not used. `train_val_test_num_samples` = [train, valid, test] samples
+  the run reads (all data-parallel ranks).
+- `custom_get_batch_function(data_iterator) -> (tokens, labels, loss_mask, attention_mask, position_ids)`:
+  `data_iterator` yields this rank's micro-batches (dicts of CPU tensors: `input_ids`, `shift_labels`,
+  maybe `position_ids`); called once per micro-batch. `labels[:, j]` is the target of position j,
+  `loss_mask` 0 drops it; `attention_mask` must be None (attention is causal, per document with
+  reset_attention_mask); `position_ids` may be None. A dict in the input form may be returned instead.
+- `custom_model_provider_function(pre_process=True, post_process=True) -> model`: builds the model instead
+  of `model_path`: an HF causal LM (its model type needs a model-config parser). The engine cuts
+  pipeline stages from it, so it is asked for the whole model.
+- `custom_loss_function(loss_mask, output_tensor) -> (loss, {"lm loss": value})`: `output_tensor` is the
+  per-token cross-entropy [batch, seq] (fp32), `loss_mask` [batch, seq] float; `loss` is the micro-batch
+  mean, as in Megatron. Micro-batches are then weighted by their token counts.
+
+The hooks work on every engine; on `megatron` they are the seed's extension points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .loss import IGNORE, loss_sum
+
+HOOK_KEYS = ("custom_megatron_datasets_provider_function", "custom_get_batch_function",
+             "custom_model_provider_function", "custom_loss_function")
+
+
+class Hooks:
+    def __init__(self, plugin_args: dict | None):
+        plugin = plugin_args or {}
+        for key in HOOK_KEYS:
+            value = plugin.get(key)
+            if value is not None and not callable(value):
+                raise ConfigError(f"plugin_args.{key} must be a function, got {type(value).__name__}; set it in "
+                                  "your script with pretrain_args.update_distributed_train_args(extra_args={...})")
+        self.datasets_provider = plugin.get("custom_megatron_datasets_provider_function")
+        self.get_batch_fn = plugin.get("custom_get_batch_function")
+        self.model_provider = plugin.get("custom_model_provider_function")
+        self.loss_function = plugin.get("custom_loss_function")
+
+    def build_model(self) -> torch.nn.Module:
+        model = self.model_provider(pre_process=True, post_process=True)
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ConfigError("custom_model_provider_function must return an HF causal LM (an nn.Module with "
+                              f".config), got {type(model).__name__}")
+        return model
+
+    def next_batch(self, stream) -> dict:
+        if self.get_batch_fn is None:
+            return next(stream)
+        return _as_batch(self.get_batch_fn(stream))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed token loss."""
+        if self.loss_function is None:
+            return loss_sum(logits, targets)
+        per_token = F.cross_entropy(logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
+        loss_mask = (targets != IGNORE).float()
+        result = self.loss_function(loss_mask, per_token)
+        loss = result[0] if isinstance(result, (tuple, list)) else result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ConfigError("custom_loss_function must return (loss, {...}) with loss a scalar tensor, got "
+                              f"{type(loss).__name__}")
+        return loss * loss_mask.sum()
+
+
+def _as_batch(result) -> dict:
+    if isinstance(result, dict):
+        if "input_ids" not in result:
+            raise ConfigError("custom_get_batch_function returned a dict without input_ids")
+        return result
+    if not isinstance(result, (tuple, list)) or len(result) != 5:
+        raise ConfigError("custom_get_batch_function must return (tokens, labels, loss_mask, attention_mask, "
+                          f"position_ids) or a dict, got {type(result).__name__}")
+    tokens, labels, loss_mask, attention_mask, position_ids = result
+    if attention_mask is not None:
+        raise ConfigError("custom_get_batch_function: attention_mask must be None here (attention is causal; use "
+                          "reset_attention_mask for per-document attention)")
+    labels = torch.as_tensor(labels).long()
+    if loss_mask is not None:
+        labels = labels.masked_fill(torch.as_tensor(loss_mask) == 0, IGNORE)
+    batch = {"input_ids": torch.as_tensor(tokens).long(), "shift_labels": labels}
+    if position_ids is not None:
+        batch["position_ids"] = torch.as_tensor(position_ids).long()
+    return batch
+
+
+class ProvidedSamples(torch.utils.data.Dataset):
+    """A dataset from custom_megatron_datasets_provider_function, as packed samples."""
+
+    def __init__(self, dataset, seq_length: int, name: str):
+        self.dataset, self.seq_length, self.name = dataset, seq_length, name
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ConfigError(f"custom_megatron_datasets_provider_function: the {name} dataset needs len() and "
+                              f"[i], got {type(dataset).__name__}")
+        if len(dataset) == 0:
+            raise ConfigError(f"custom_megatron_datasets_provider_function: the {name} dataset is empty")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.dataset[index]
+        if isinstance(item, dict) and "tokens" in item:
+            inputs = torch.as_tensor(np.asarray(item["tokens"])).long()
+            labels = torch.as_tensor(np.asarray(item["labels"])).long()
+            if "loss_mask" in item:
+                labels = labels.masked_fill(torch.as_tensor(np.asarray(item["loss_mask"])) == 0, IGNORE)
+        else:
+            tokens = item["text"] if isinstance(item, dict) else item
+            tokens = torch.as_tensor(np.asarray(tokens)).long()
+            inputs, labels = tokens[:-1], tokens[1:]
+        if inputs.dim() != 1 or inputs.shape != labels.shape or len(inputs) > self.seq_length:
+            raise ConfigError(f"custom_megatron_datasets_provider_function: {self.name} sample {index} has "
+                              f"{tuple(inputs.shape)} inputs; expected 1-D of up to seq_length={self.seq_length} "
+                              "(a sample holds seq_length+1 tokens)")
+        return {"input_ids": inputs, "shift_labels": labels}

@@ -1,0 +1,87 @@
+"""Several megatron-engine trainings in one torchrun job (one process group), for tests/test_megatron.py.
+
+    torchrun --nproc_per_node N tests/megatron_run.py CASES.json
+
+CASES.json: {"base": {config}, "cases": [{"name": ..., "config": {overrides}, "hooks": bool}, ...]}. Cases
+run in order, so a case may resume from the checkpoint an earlier one left in the same save_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrainer import PreTrainer, PreTrainingArguments
+
+HOOK_CALLS: Counter = Counter()
+
+
+def make_hooks(model_path: str, seq_length: int) -> dict:
+    """All four seed hooks: a model from its config, random-token datasets, a batch function that masks the
+    first 4 targets of every row, and Megatron's masked-mean loss. Each counts its calls in HOOK_CALLS."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def model_provider(pre_process=True, post_process=True):
+        HOOK_CALLS["model"] += 1
+        config = AutoConfig.from_pretrained(model_path)
+        config.use_cache = False
+        return AutoModelForCausalLM.from_config(config)
+
+    def datasets_provider(train_val_test_num_samples):
+        HOOK_CALLS["datasets"] += 1
+        rng = np.random.default_rng(5)
+        train = list(rng.integers(3, 4096, size=(64, seq_length + 1)))
+        valid = [{"text": row} for row in rng.integers(3, 4096, size=(8, seq_length + 1))]
+        return train, valid, None
+
+    def get_batch(data_iterator):
+        HOOK_CALLS["get_batch"] += 1
+        batch = next(data_iterator)
+        loss_mask = torch.ones_like(batch["input_ids"], dtype=torch.float32)
+        loss_mask[:, :4] = 0
+        return batch["input_ids"], batch["shift_labels"], loss_mask, None, None
+
+    def loss_function(loss_mask, output_tensor):
+        HOOK_CALLS["loss"] += 1
+        loss = (output_tensor * loss_mask).sum() / loss_mask.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return {"custom_model_provider_function": model_provider,
+            "custom_megatron_datasets_provider_function": datasets_provider,
+            "custom_get_batch_function": get_batch, "custom_loss_function": loss_function}
+
+
+def hook_config(base: dict) -> dict:
+    """The base config turned into a hooks run: model and data come from the hooks."""
+    config = {k: v for k, v in base.items() if k not in ("model_path", "train_data")}
+    return {**config, "tokenizer_path": base["model_path"], "megatron_dataset_flag": True}
+
+
+def run_case(base: dict, case: dict) -> None:
+    config = {**(hook_config(base) if case.get("hooks") else base), **case.get("config", {})}
+    args = PreTrainingArguments.from_dict(config)
+    if case.get("hooks"):
+        args.update_distributed_train_args(make_hooks(base["model_path"], base["seq_length"]))
+    PreTrainer(args).train()
+    if case.get("hooks"):
+        Path(args.save_dir, f"hook_calls_rank{os.environ.get('RANK', '0')}.json").write_text(
+            json.dumps(dict(HOOK_CALLS)))
+        HOOK_CALLS.clear()
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    for case in spec["cases"]:
+        run_case(spec["base"], case)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

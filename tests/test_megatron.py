@@ -1,0 +1,314 @@
+"""The megatron engine: tensor (+sequence), pipeline and data parallelism on real processes (torchrun, gloo),
+each mesh's per-step losses equal to one process; resume across meshes; HF export; the seed's plugin_args,
+hooks, model-config parser registry and launch flows.
+
+The 2- and 4-rank meshes run as cases of one torchrun job each (tests/megatron_run.py), so the suite pays
+the process start-up once per job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, REPO, eval_losses, train_losses, write_tiny_model
+from megatron_run import run_case
+from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
+
+BIN = Path(sys.executable).parent
+
+# name -> (config overrides, world size, reference). Reference "one" is a single process with the same
+# micro-batch; "one-mbs4" has the two data-parallel replicas' batches in one micro-batch.
+TWO_RANK = {
+    "tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, "one"),
+    "tp2-selective-recompute": ({"plugin_args": {"tp_degree": 2}, "activation_checkpointing": "selective"}, "one"),
+    "pp2-gpipe-explicit-split": ({"plugin_args": {"pp_degree": 2, "pipeline_schedule": "gpipe",
+                                                  "pipeline_layers": [1, 3]}}, "one"),
+    "pp2-1f1b-full-block-recompute": (
+        {"plugin_args": {"pp_degree": 2, "other_megatron_args": {
+            "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}}}, "one"),
+    "pp2-interleaved-uniform-recompute": (
+        {"plugin_args": {"pp_degree": 2, "num_layers_per_virtual_pipeline_stage": 1, "other_megatron_args": {
+            "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}}, "one"),
+    "dp2-replicate": ({"dp": 2}, "one-mbs4"),
+    "qwen2-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
+                                     "model_path": "{root}/qwen2"}, "qwen2"),  # q/k/v biases
+    "tied-embeddings-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
+                                               "model_path": "{root}/tied"}, "tied"),
+    "dp2-distributed-optimizer": ({"dp": 2, "plugin_args": {"use_distributed_optimizer": True}}, "one-mbs4"),
+}
+FOUR_RANK = {
+    "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
+                                  "one-mbs4"),
+    "pp2-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "pp_degree": 2,
+                                                   "sequence_parallelism": True}}, "one"),
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, small_corpus) -> dict:
+    root = tmp_path_factory.mktemp("megatron")
+    model = write_tiny_model(root / "model", num_hidden_layers=4)
+    write_tiny_model(root / "tied", num_hidden_layers=4, tie_word_embeddings=True)
+    write_qwen2_model(root / "qwen2")
+    return {"num_training_steps": 6, "micro_batch_size": 2, "dp": 1, "gradient_accumulation_steps": 2,
+            "seq_length": 32, "dtype": "fp32", "model_path": str(model), "train_data": str(small_corpus),
+            "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2, "save_interval": 3, "seed": 7,
+            "write_report": False, "engine": "megatron", "save_dir": str(root / "unused")}
+
+
+def write_qwen2_model(folder: Path) -> Path:
+    from transformers import Qwen2Config
+
+    write_tiny_model(folder, num_hidden_layers=4)
+    settings = json.loads((folder / "config.json").read_text())
+    Qwen2Config(**{k: settings[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                            "bos_token_id", "eos_token_id", "pad_token_id")},
+                tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+def model_root(base: dict) -> str:
+    return str(Path(base["model_path"]).parent)
+
+
+def case_config(base: dict, config: dict) -> dict:
+    return {k: v.format(root=model_root(base)) if isinstance(v, str) else v for k, v in config.items()}
+
+
+@pytest.fixture(scope="module")
+def references(base, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("references")
+    out = {}
+    models = {"qwen2": {"model_path": f"{model_root(base)}/qwen2"}, "tied": {"model_path": f"{model_root(base)}/tied"}}
+    for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, **models}.items():
+        PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
+        out[name] = root / name
+    hooks = root / "hooks"
+    run_case(base, {"hooks": True, "config": {"engine": "single", "save_dir": str(hooks)}})
+    out["hooks"] = hooks
+    return out
+
+
+def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> None:
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps({"base": base, "cases": cases}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", str(nproc),
+                           REPO / "tests" / "megatron_run.py", spec], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def two_rank(base, tmp_path_factory) -> Path:
+    """Every 2-rank mesh; a pipeline run stopped at step 3 and resumed on a tensor-parallel mesh; a
+    distributed-optimizer run stopped and resumed on the same mesh; the four hooks on tp=2."""
+    root = tmp_path_factory.mktemp("two-rank")
+    cases = [{"name": n, "config": {**case_config(base, c), "save_dir": str(root / n)}}
+             for n, (c, _) in TWO_RANK.items()]
+    pipeline, distributed = TWO_RANK["pp2-gpipe-explicit-split"][0], TWO_RANK["dp2-distributed-optimizer"][0]
+    cases += [
+        {"name": "pp-exit", "config": {**pipeline, "exit_interval": 3, "save_dir": str(root / "pp-then-tp")}},
+        {"name": "tp-resume", "config": {**TWO_RANK["tp2-sequence-parallel"][0], "save_dir": str(root / "pp-then-tp")}},
+        {"name": "dp-exit", "config": {**distributed, "exit_interval": 3, "save_dir": str(root / "dp-resumed")}},
+        {"name": "dp-resume", "config": {**distributed, "save_dir": str(root / "dp-resumed")}},
+        {"name": "hooks", "hooks": True, "config": {"plugin_args": {"tp_degree": 2}, "save_dir": str(root / "hooks")}},
+    ]
+    launch_cases(base, cases, 2, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def four_rank(base, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("four-rank")
+    launch_cases(base, [{"name": n, "config": {**c, "save_dir": str(root / n)}} for n, (c, _) in FOUR_RANK.items()],
+                 4, root)
+    return root
+
+
+def assert_same_losses(got: Path, expected: Path) -> None:
+    assert sorted(train_losses(got)) == [1, 2, 3, 4, 5, 6]
+    assert train_losses(got) == pytest.approx(train_losses(expected), rel=1e-5)
+    assert eval_losses(got) == pytest.approx(eval_losses(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", TWO_RANK)
+def test_two_rank_mesh_matches_one_process(two_rank, references, name):
+    assert_same_losses(two_rank / name, references[TWO_RANK[name][1]])
+
+
+@pytest.mark.parametrize("name", FOUR_RANK)
+def test_four_rank_mesh_matches_one_process_and_exports_the_same_model(four_rank, references, name):
+    from safetensors.torch import load_file
+
+    assert_same_losses(four_rank / name, references[FOUR_RANK[name][1]])
+    got = load_file(four_rank / name / "hf" / "model.safetensors")
+    expected = load_file(references[FOUR_RANK[name][1]] / "hf" / "model.safetensors")
+    assert got.keys() == expected.keys()
+    for key in expected:
+        # Adam turns tiny gradient differences into updates of up to lr: compare at a fraction of one step
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
+
+
+def test_a_pipeline_checkpoint_resumes_on_a_tensor_parallel_mesh_and_on_one_process(two_rank, references, tmp_path):
+    assert_same_losses(two_rank / "pp-then-tp", references["one"])
+    assert_same_losses(two_rank / "dp-resumed", references["one-mbs4"])
+    # the tensor-parallel checkpoint of step 3 continues on a single process
+    moved = tmp_path / "moved"
+    shutil.copytree(two_rank / "pp-then-tp" / "checkpoints" / "step-3", moved / "checkpoints" / "step-3")
+    config = json.loads((two_rank / "cases.json").read_text())["base"]
+    PreTrainer(PreTrainingArguments(**{**config, "engine": "single", "save_dir": str(moved)})).train()
+    expected = train_losses(references["one"])
+    assert train_losses(moved) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
+
+
+def test_the_four_hooks_run_on_a_tensor_parallel_mesh(two_rank, references):
+    assert_same_losses(two_rank / "hooks", references["hooks"])
+    for rank in (0, 1):
+        calls = json.loads((two_rank / "hooks" / f"hook_calls_rank{rank}.json").read_text())
+        assert calls["model"] == 1 and calls["datasets"] == 1
+        assert calls["get_batch"] == 6 * 2  # one per micro-batch
+        assert calls["loss"] >= 6 * 2
+    # the batch hook's mask reached the loss: 4 of each row's 32 targets are dropped
+    rows = [json.loads(line) for line in (two_rank / "hooks" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in rows if "tokens" in r][-1] == 6 * 2 * 2 * (32 - 4)
+
+
+# ------------------------------------------------------------------------------ the seed's interface
+def test_seed_megatron_yaml_maps_to_engine_settings_and_reports_what_it_ignores(tiny_model):
+    from pretrainer.parallel.megatron_settings import read_settings, report_unused_keys
+    from transformers import AutoConfig
+
+    args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml")
+    settings = read_settings(args, num_layers=32)
+    assert (settings.tp, settings.pp, settings.sequence_parallel, settings.num_micro_batches) == (8, 1, True, 8)
+    assert (settings.recompute_granularity, settings.recompute_method, settings.recompute_num_layers) == \
+        ("full", "block", 32)
+    assert (args.lr, args.min_lr, args.lr_decay_style, args.warmup_fraction, args.clip_grad) == \
+        (1e-5, 1e-6, "cosine", 0.01, 1.0)
+    messages = "\n".join(report_unused_keys(args, AutoConfig.from_pretrained(tiny_model)))
+    assert "other_megatron_args.use_flash_attn: ignored, attention runs through" in messages
+    assert "other_megatron_args.ffn_hidden_size=11008: ignored, the model's config.json defines the network " \
+           "(ffn_hidden_size=128)" in messages
+    assert "swiglu" not in messages and "normalization" not in messages  # they agree with the model
+
+
+@pytest.mark.parametrize("plugin, extra, message", [
+    ({"num_micro_batches": 4}, {}, "plugin_args.num_micro_batches=4 differs from gradient_accumulation_steps=2"),
+    ({"pp_degree": 2, "pipeline_schedule": "1f1b"}, {"gradient_accumulation_steps": 1},
+     "needs at least 2 micro-batches per step"),
+    ({"pp_degree": 2, "num_layers_per_virtual_pipeline_stage": 3}, {}, "must give each rank a multiple of it"),
+    ({"pp_degree": 2, "pipeline_layers": [1, 2]}, {}, "sums to 3, the model has 4 decoder layers"),
+    ({"tp_degree": 2, "other_megatron_args": {"tensor_model_parallel_size": 4}}, {}, "disagree; set one of them"),
+    ({"pipeline_schedule": "zero_bubble"}, {}, "is not one of gpipe, 1f1b, interleaved_1f1b"),
+])
+def test_bad_plugin_args_are_clear_errors(plugin, extra, message):
+    from pretrainer.parallel.megatron_settings import read_settings
+
+    args = PreTrainingArguments(**{"num_training_steps": 4, "micro_batch_size": 1, "dp": 1,
+                                   "gradient_accumulation_steps": 2, "plugin_args": plugin, **extra})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        read_settings(args, num_layers=4)
+
+
+def test_model_config_parser_registry(tiny_model):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer import add_model_config_to_megatron_parser, parse_llama_config
+    from pretrainer.models.registry import MODEL_CONFIGS_TO_MEGATRON_PARSERS, parse_model_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    shape = parse_model_config(model)
+    assert (shape.num_layers, shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size,
+            shape.kv_channels, shape.untied_embeddings, shape.parallel_plan) == (2, 4, 2, 128, 16, True, "llama")
+    assert shape.megatron_args["swiglu"] and shape.megatron_args["normalization"] == "RMSNorm"
+    with pytest.raises(ConfigError, match="tp_degree=4 does not divide the model's num_key_value_heads"):
+        shape.check_tensor_parallel(4)
+
+    model.config.model_type = "my_model"  # a model type nobody registered
+    with pytest.raises(ConfigError, match=r"add_model_config_to_megatron_parser\('my_model'\)"):
+        parse_model_config(model)
+    seen = []
+
+    @add_model_config_to_megatron_parser("my_model")
+    def parse_mine(megatron_lm_plugin, model, batch_data):  # the seed's parser signature
+        seen.append(batch_data)
+        parse_llama_config(megatron_lm_plugin, model, batch_data)
+        megatron_lm_plugin.seq_length = 16
+
+    try:
+        shape = parse_model_config(model, batch_data={"input_ids": torch.zeros(1, 16)})
+        assert len(seen) == 1 and shape.seq_length == 16 and shape.num_layers == 2
+    finally:
+        MODEL_CONFIGS_TO_MEGATRON_PARSERS.pop("my_model")
+
+
+def test_seed_json_dataset_flow_through_accelerate_megatron_launch_honours_labels_and_eval(tmp_path):
+    """accelerate launch --config_file <seed Megatron accelerate config> <the seed's JSON-dataset script> with
+    the seed's llama2-megatron-json-dataset.yaml (tp 2 here): the same losses as the script on one process,
+    so the prompt-masked labels and the held-out eval loader are used as given."""
+    overrides = ["seq_length=160", "dataloader_config.max_length=160", "dataloader_config.pad_to_multiple_of=160",
+                 "dtype=fp32", "num_training_steps=3", "gradient_accumulation_steps=2", "micro_batch_size=2",
+                 "plugin_args.num_micro_batches=2", "eval_interval=3", "plugin_args.other_megatron_args.eval_iters=2"]
+    script = [EXAMPLES / "train_with_megatron_json_dataset.py", "--pretrain_config_file",
+              EXAMPLES / "seed_configs" / "llama2-megatron-json-dataset.yaml", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launched = subprocess.run([BIN / "accelerate", "launch", "--config_file",
+                               EXAMPLES / "accelerate" / "accelerate_megatron_config.yaml", *script,
+                               "plugin_args.tp_degree=2", f"save_dir={tmp_path / 'tp2'}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-5000:]
+    assert "engine=megatron world_size=2" in launched.stdout + launched.stderr
+    alone = subprocess.run([sys.executable, *script, "engine=single", "plugin_args.tp_degree=1",
+                            f"save_dir={tmp_path / 'one'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert alone.returncode == 0, alone.stderr[-5000:]
+    assert train_losses(tmp_path / "tp2") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-5)
+    assert eval_losses(tmp_path / "tp2") == pytest.approx(eval_losses(tmp_path / "one"), rel=1e-5)
+    assert 0 < train_losses(tmp_path / "one")[1] < 20
+
+
+def test_seed_megatron_yaml_with_prepared_data_selected_by_the_accelerate_variable(tmp_path):
+    """The seed's llama2-megatron.yaml (.bin/.idx data) on 2 ranks; ACCELERATE_USE_MEGATRON_LM=true picks the
+    engine, as `accelerate launch` with distributed_type MEGATRON_LM does."""
+    prefix = tmp_path / "data" / "docs"
+    prepared = subprocess.run([BIN / "pretrainer", "prepare", "--input", EXAMPLES / "data" / "python_docs.jsonl",
+                               "--tokenizer", EXAMPLES / "models" / "tiny-llama", "--output-prefix", prefix,
+                               "--workers", "1", "--append-eod"], cwd=REPO, capture_output=True, text=True)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_MEGATRON_LM": "true"}
+    done = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", EXAMPLES / "train.py",
+                           "--pretrain_config_file", EXAMPLES / "seed_configs" / "llama2-megatron.yaml",
+                           f"data_path={prefix}_text_document", "dataloader_config.split=98,2,0",
+                           "plugin_args.tp_degree=2", "seq_length=64", "micro_batch_size=1", "dtype=fp32",
+                           "num_training_steps=2", "eval_interval=2", "plugin_args.other_megatron_args.eval_iters=1",
+                           f"save_dir={tmp_path / 'run'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-5000:]
+    output = done.stdout + done.stderr
+    assert "mesh=(dp=1 x pp=1 x tp=2)" in output and "recompute=full/block/32" in output
+    assert "other_megatron_args.use_flash_attn: ignored" in output
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2] and 2 in eval_losses(tmp_path / "run")
+
+
+def test_pipeline_refuses_tied_embeddings_and_unknown_models_name_the_fix(tmp_path, small_corpus):
+    from pretrainer.models.registry import parse_model_config
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                                             intermediate_size=128, num_attention_heads=4,
+                                                             tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="tied input/output embeddings"):
+        parse_model_config(model).check_pipeline(2)
+    parse_model_config(model).check_pipeline(1)  # one stage keeps both ends together
