@@ -17,7 +17,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO, eval_losses, train_losses
+from conftest import REPO, eval_losses, read_metrics, train_losses
+from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
 
 BIN = Path(sys.executable).parent
@@ -94,18 +95,50 @@ SAME_CHECKPOINT_PATH = {"fsdp-no-reshard", "fsdp-hybrid", "fsdp-activation-check
                         "ddp-selective-checkpointing", "deepspeed-zero2-offload"}
 
 
+# The torch-native engines run as cases of one torchrun job (tests/multi_run.py): one process start-up.
+NATIVE = [name for name in ENGINES if not name.startswith("deepspeed")]
+BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
+
+
+@pytest.fixture(scope="module")
+def native_runs(setup) -> None:
+    root, config, _ = setup
+    cases = []
+    for name in NATIVE:
+        cases.append({"name": name, "overrides": ENGINES[name], "config": {"save_dir": str(root / f"{name}-straight")}})
+        if name not in SAME_CHECKPOINT_PATH:  # stop after step 3, then the same command again
+            interrupted = {"save_dir": str(root / f"{name}-interrupted")}
+            cases += [{"name": f"{name}-exit", "overrides": [*ENGINES[name], "exit_interval=3"], "config": interrupted},
+                      {"name": f"{name}-rerun", "overrides": ENGINES[name], "config": interrupted}]
+    cases.append({"name": "fsdp-to-single", "overrides": ["engine=fsdp", "exit_interval=3"],
+                  "config": {"save_dir": str(root / "fsdp-to-single")}})
+    for leg in (["exit_interval=3"], []):
+        cases.append({"name": "fsdp-async", "overrides": ["engine=fsdp", "async_checkpoint=true", *leg],
+                      "config": {"save_dir": str(root / "fsdp-async")}})
+    for engine in ("ddp", "fsdp"):
+        cases.append({"name": f"bf16-{engine}", "overrides": [f"engine={engine}", *BF16_SHORT_RUN],
+                      "config": {"save_dir": str(root / f"bf16-{engine}")}})
+    launch_cases(yaml.safe_load(config.read_text()), cases, 2, root)
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name):
+def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name, request):
     root, config, single_dir = setup
     options = [option.format(root=root) for option in ENGINES[name]]
     straight, interrupted = root / f"{name}-straight", root / f"{name}-interrupted"
-    torchrun(config, *options, f"save_dir={straight}")
+    if name in NATIVE:
+        request.getfixturevalue("native_runs")
+    else:
+        torchrun(config, *options, f"save_dir={straight}")
     assert_same_run(straight, single_dir, rel=1e-5)
 
     if name not in SAME_CHECKPOINT_PATH:
-        torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
-        assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
-        torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
+        if name not in NATIVE:
+            torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
+            assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
+            torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
+        events = [r for r in read_metrics(interrupted) if "event" in r]
+        assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("resume", 3)]
         assert train_losses(interrupted) == train_losses(straight)
         assert eval_losses(interrupted) == eval_losses(straight)
 
@@ -129,11 +162,11 @@ def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup):
     assert "holds DeepSpeed ZeRO shards for 2 process(es); resume it on the same number" in done.stderr
 
 
-def test_fsdp_checkpoint_resumes_on_one_process(setup):
+def test_fsdp_checkpoint_resumes_on_one_process(setup, native_runs):
     """A checkpoint written by 2 FSDP ranks is resharded by DCP onto a single process and continues the run."""
     root, config, single_dir = setup
     save_dir = root / "fsdp-to-single"
-    torchrun(config, "engine=fsdp", f"save_dir={save_dir}", "exit_interval=3")
+    assert sorted(train_losses(save_dir)) == [1, 2, 3]
     args = PreTrainingArguments.from_yaml(config, ["dp=1", "micro_batch_size=4", f"save_dir={save_dir}"])
     PreTrainer(args).train()
     assert_same_run(save_dir, single_dir, rel=1e-5)
@@ -141,12 +174,15 @@ def test_fsdp_checkpoint_resumes_on_one_process(setup):
 
 @pytest.mark.parametrize("options", [["engine=ddp"], ["engine=fsdp"], ["deepspeed={root}/zero2.json"]],
                          ids=["ddp", "fsdp", "deepspeed-zero2"])
-def test_bf16_on_two_ranks_tracks_fp32(setup, options):
+def test_bf16_on_two_ranks_tracks_fp32(setup, options, request):
     """bf16 (autocast for DDP, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16) for 2 steps."""
     root, config, single_dir = setup
-    save_dir = root / f"bf16-{options[0].split('=')[0]}-{len(options[0])}"
-    torchrun(config, *[o.format(root=root) for o in options], "dtype=bf16", "num_training_steps=2",
-             "warmup_steps=1", "eval_interval=0", "export_hf=false", f"save_dir={save_dir}")
+    if options[0].startswith("engine="):
+        request.getfixturevalue("native_runs")
+        save_dir = root / f"bf16-{options[0].split('=')[1]}"
+    else:
+        save_dir = root / "bf16-deepspeed"
+        torchrun(config, *[o.format(root=root) for o in options], *BF16_SHORT_RUN, f"save_dir={save_dir}")
     got, want = train_losses(save_dir), train_losses(single_dir)
     assert sorted(got) == [1, 2]
     assert got[1] == pytest.approx(want[1], rel=2e-2)  # same init and data, bf16 compute
@@ -195,11 +231,9 @@ def test_multi_node_rendezvous(setup, tmp_path):
     assert_same_run(save_dir, single_dir, rel=1e-5)
 
 
-def test_async_checkpoint_on_two_ranks(setup):
+def test_async_checkpoint_on_two_ranks(setup, native_runs):
     root, config, single_dir = setup
     save_dir = root / "fsdp-async"
-    torchrun(config, "engine=fsdp", "async_checkpoint=true", f"save_dir={save_dir}", "exit_interval=3")
-    torchrun(config, "engine=fsdp", "async_checkpoint=true", f"save_dir={save_dir}")
     assert_same_run(save_dir, single_dir, rel=1e-5)
     assert sorted(p.name for p in (save_dir / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]
 

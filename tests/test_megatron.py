@@ -2,7 +2,7 @@
 each mesh's per-step losses equal to one process; resume across meshes; HF export; the seed's plugin_args,
 hooks, model-config parser registry and launch flows.
 
-The 2- and 4-rank meshes run as cases of one torchrun job each (tests/megatron_run.py), so the suite pays
+The 2- and 4-rank meshes run as cases of one torchrun job each (tests/multi_run.py), so the suite pays
 the process start-up once per job.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import EXAMPLES, REPO, eval_losses, train_losses, write_tiny_model
-from megatron_run import run_case
+from multi_run import launch_cases, run_case
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 
 BIN = Path(sys.executable).parent
@@ -96,16 +96,6 @@ def references(base, tmp_path_factory) -> dict:
     run_case(base, {"hooks": True, "config": {"engine": "single", "save_dir": str(hooks)}})
     out["hooks"] = hooks
     return out
-
-
-def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> None:
-    spec = folder / "cases.json"
-    spec.write_text(json.dumps({"base": base, "cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", str(nproc),
-                           REPO / "tests" / "megatron_run.py", spec], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")

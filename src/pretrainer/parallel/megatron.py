@@ -106,6 +106,10 @@ class MegatronEngine(DistributedEngine):
         if s.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
             raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
                               "(positions are not sent between stages); use pp_degree 1")
+        if args.compile and s.tp > 1:
+            raise ConfigError("compile: true with tp_degree > 1 is not available: the backward of DTensor "
+                              "redistributions through compiled layers fails in this torch version; compile "
+                              "works with pp_degree and dp, or set compile: false")
         plan = get_plan(shape.parallel_plan)
         parts = plan.parts(model)
         ranges = split_layers(shape.num_layers, s.num_stages, s.pipeline_layers)

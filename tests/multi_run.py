@@ -1,9 +1,11 @@
-"""Several megatron-engine trainings in one torchrun job (one process group), for tests/test_megatron.py.
+"""Several trainings in one torchrun job (one process group), so a test module pays the start-up of the
+processes once (tests/test_engines.py, tests/test_megatron.py).
 
-    torchrun --nproc_per_node N tests/megatron_run.py CASES.json
+    torchrun --nproc_per_node N tests/multi_run.py CASES.json
 
-CASES.json: {"base": {config}, "cases": [{"name": ..., "config": {overrides}, "hooks": bool}, ...]}. Cases
-run in order, so a case may resume from the checkpoint an earlier one left in the same save_dir.
+CASES.json: {"base": {config}, "cases": [{"name": ..., "config": {keys}, "overrides": ["key=value", ...],
+"hooks": bool}, ...]}. Cases run in order, so a case may resume from the checkpoint an earlier one left in
+the same save_dir, as a rerun of the same command would.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def hook_config(base: dict) -> dict:
 
 def run_case(base: dict, case: dict) -> None:
     config = {**(hook_config(base) if case.get("hooks") else base), **case.get("config", {})}
-    args = PreTrainingArguments.from_dict(config)
+    args = PreTrainingArguments.from_dict(config, case.get("overrides", []))
     if case.get("hooks"):
         args.update_distributed_train_args(make_hooks(base["model_path"], base["seq_length"]))
     PreTrainer(args).train()
@@ -73,6 +75,19 @@ def run_case(base: dict, case: dict) -> None:
         Path(args.save_dir, f"hook_calls_rank{os.environ.get('RANK', '0')}.json").write_text(
             json.dumps(dict(HOOK_CALLS)))
         HOOK_CALLS.clear()
+
+
+def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> None:
+    """Run `cases` in one torchrun job of `nproc` processes (from a test); fail with the job's output."""
+    import subprocess
+
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps({"base": base, "cases": cases}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc_per_node", str(nproc),
+                           Path(__file__), spec], cwd=Path(__file__).parents[1], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def main() -> None:
