@@ -36,7 +36,9 @@ model = trainer.engine.unwrap(trainer.model)
 
 
 def fault_now() -> bool:
-    return bool(ns.fault) and rank == ns.rank and trainer.completed_steps + 1 == ns.step
+    # Only in a job's first launch: a worker group torchrun restarts (--max-restarts) runs clean.
+    first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return bool(ns.fault) and first_launch and rank == ns.rank and trainer.completed_steps + 1 == ns.step
 
 
 def hook(module, args, kwargs):

@@ -95,48 +95,43 @@ SAME_CHECKPOINT_PATH = {"fsdp-no-reshard", "fsdp-hybrid", "fsdp-activation-check
                         "ddp-selective-checkpointing", "deepspeed-zero2-offload"}
 
 
-# The torch-native engines run as cases of one torchrun job (tests/multi_run.py): one process start-up.
-NATIVE = [name for name in ENGINES if not name.startswith("deepspeed")]
+BF16_ENGINES = {"ddp": "engine=ddp", "fsdp": "engine=fsdp", "deepspeed-zero2": "deepspeed={root}/zero2.json"}
 BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
 
 
 @pytest.fixture(scope="module")
-def native_runs(setup) -> None:
+def engine_runs(setup) -> None:
+    """Every 2-rank run of this module, as cases of one torchrun job (tests/multi_run.py): the processes
+    start once, and DeepSpeed and the torch engines are set up afresh for each case."""
     root, config, _ = setup
     cases = []
-    for name in NATIVE:
-        cases.append({"name": name, "overrides": ENGINES[name], "config": {"save_dir": str(root / f"{name}-straight")}})
+    for name in ENGINES:
+        options = [option.format(root=root) for option in ENGINES[name]]
+        cases.append({"name": name, "overrides": options, "config": {"save_dir": str(root / f"{name}-straight")}})
         if name not in SAME_CHECKPOINT_PATH:  # stop after step 3, then the same command again
             interrupted = {"save_dir": str(root / f"{name}-interrupted")}
-            cases += [{"name": f"{name}-exit", "overrides": [*ENGINES[name], "exit_interval=3"], "config": interrupted},
-                      {"name": f"{name}-rerun", "overrides": ENGINES[name], "config": interrupted}]
+            cases += [{"name": f"{name}-exit", "overrides": [*options, "exit_interval=3"], "config": interrupted},
+                      {"name": f"{name}-rerun", "overrides": options, "config": interrupted}]
     cases.append({"name": "fsdp-to-single", "overrides": ["engine=fsdp", "exit_interval=3"],
                   "config": {"save_dir": str(root / "fsdp-to-single")}})
+    cases.append({"name": "zero2-to-single", "overrides": [f"deepspeed={root}/zero2.json", "exit_interval=3"],
+                  "config": {"save_dir": str(root / "zero2-to-single")}})
     for leg in (["exit_interval=3"], []):
         cases.append({"name": "fsdp-async", "overrides": ["engine=fsdp", "async_checkpoint=true", *leg],
                       "config": {"save_dir": str(root / "fsdp-async")}})
-    for engine in ("ddp", "fsdp"):
-        cases.append({"name": f"bf16-{engine}", "overrides": [f"engine={engine}", *BF16_SHORT_RUN],
+    for engine, option in BF16_ENGINES.items():
+        cases.append({"name": f"bf16-{engine}", "overrides": [option.format(root=root), *BF16_SHORT_RUN],
                       "config": {"save_dir": str(root / f"bf16-{engine}")}})
     launch_cases(yaml.safe_load(config.read_text()), cases, 2, root)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name, request):
+def test_engine_matches_single_process_resumes_exactly_and_exports(setup, engine_runs, name):
     root, config, single_dir = setup
-    options = [option.format(root=root) for option in ENGINES[name]]
     straight, interrupted = root / f"{name}-straight", root / f"{name}-interrupted"
-    if name in NATIVE:
-        request.getfixturevalue("native_runs")
-    else:
-        torchrun(config, *options, f"save_dir={straight}")
     assert_same_run(straight, single_dir, rel=1e-5)
 
-    if name not in SAME_CHECKPOINT_PATH:
-        if name not in NATIVE:
-            torchrun(config, *options, f"save_dir={interrupted}", "exit_interval=3")
-            assert sorted(train_losses(interrupted)) == [1, 2, 3] and not (interrupted / "hf").exists()
-            torchrun(config, *options, f"save_dir={interrupted}")  # the same command: resumes at step 3
+    if name not in SAME_CHECKPOINT_PATH:  # stopped after step 3 (exit_interval), then the same command again
         events = [r for r in read_metrics(interrupted) if "event" in r]
         assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("resume", 3)]
         assert train_losses(interrupted) == train_losses(straight)
@@ -150,10 +145,10 @@ def test_engine_matches_single_process_resumes_exactly_and_exports(setup, name, 
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
 
 
-def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup):
+def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup, engine_runs):
     root, config, single_dir = setup
     save_dir = root / "zero2-to-single"
-    torchrun(config, f"deepspeed={root}/zero2.json", f"save_dir={save_dir}", "exit_interval=3")
+    assert sorted(train_losses(save_dir)) == [1, 2, 3]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "1", str(BIN / "pretrainer"),
                            "train", str(config), f"deepspeed={root}/zero2.json", "dp=1", "micro_batch_size=4",
@@ -162,7 +157,7 @@ def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup):
     assert "holds DeepSpeed ZeRO shards for 2 process(es); resume it on the same number" in done.stderr
 
 
-def test_fsdp_checkpoint_resumes_on_one_process(setup, native_runs):
+def test_fsdp_checkpoint_resumes_on_one_process(setup, engine_runs):
     """A checkpoint written by 2 FSDP ranks is resharded by DCP onto a single process and continues the run."""
     root, config, single_dir = setup
     save_dir = root / "fsdp-to-single"
@@ -172,17 +167,11 @@ def test_fsdp_checkpoint_resumes_on_one_process(setup, native_runs):
     assert_same_run(save_dir, single_dir, rel=1e-5)
 
 
-@pytest.mark.parametrize("options", [["engine=ddp"], ["engine=fsdp"], ["deepspeed={root}/zero2.json"]],
-                         ids=["ddp", "fsdp", "deepspeed-zero2"])
-def test_bf16_on_two_ranks_tracks_fp32(setup, options, request):
+@pytest.mark.parametrize("engine", BF16_ENGINES)
+def test_bf16_on_two_ranks_tracks_fp32(setup, engine_runs, engine):
     """bf16 (autocast for DDP, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16) for 2 steps."""
     root, config, single_dir = setup
-    if options[0].startswith("engine="):
-        request.getfixturevalue("native_runs")
-        save_dir = root / f"bf16-{options[0].split('=')[1]}"
-    else:
-        save_dir = root / "bf16-deepspeed"
-        torchrun(config, *[o.format(root=root) for o in options], *BF16_SHORT_RUN, f"save_dir={save_dir}")
+    save_dir = root / f"bf16-{engine}"
     got, want = train_losses(save_dir), train_losses(single_dir)
     assert sorted(got) == [1, 2]
     assert got[1] == pytest.approx(want[1], rel=2e-2)  # same init and data, bf16 compute
@@ -231,7 +220,7 @@ def test_multi_node_rendezvous(setup, tmp_path):
     assert_same_run(save_dir, single_dir, rel=1e-5)
 
 
-def test_async_checkpoint_on_two_ranks(setup, native_runs):
+def test_async_checkpoint_on_two_ranks(setup, engine_runs):
     root, config, single_dir = setup
     save_dir = root / "fsdp-async"
     assert_same_run(save_dir, single_dir, rel=1e-5)

@@ -67,10 +67,17 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run
     assert train_losses(stopped) == train_losses(straight)
 
 
-def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_path):
+ENGINE_OPTIONS = {"ddp": ["dp=2"], "fsdp": ["dp=2", "engine=fsdp"],
+                  "deepspeed-zero2": ["dp=2", 'deepspeed={"zero_optimization": {"stage": 2}}'],
+                  "megatron-pp2": ["dp=1", "engine=megatron", "plugin_args.pp_degree=2"]}
+
+
+@pytest.mark.parametrize("engine", ENGINE_OPTIONS)
+def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_path, engine):
     save_dir = tmp_path / "two"
+    options = [*ENGINE_OPTIONS[engine], "micro_batch_size=1"]
     process = start([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", BIN / "pretrainer", "train",
-                     long_config, "dp=2", "micro_batch_size=1", f"save_dir={save_dir}"], tmp_path / "two.log")
+                     long_config, *options, f"save_dir={save_dir}"], tmp_path / "two.log")
     wait_for_step(save_dir, 4, process)
     os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets the signal
     process.wait(timeout=120)
@@ -81,7 +88,7 @@ def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_pa
     state = json.loads((saved[0] / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(list(saved[0].glob("extra_state_rank*.pt"))) == 2
     rerun = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(BIN / "pretrainer"),
-                            "train", str(long_config), "dp=2", "micro_batch_size=1", f"save_dir={save_dir}"],
+                            "train", str(long_config), *options, f"save_dir={save_dir}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -211,9 +218,9 @@ def trained_samples(record: Path) -> dict[int, list[str]]:
     return final
 
 
-def fault_run(config: Path, save_dir: Path, record: Path, *fault: str, timeout: int = 300):
-    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(REPO / "tests" /
-                           "fault_run.py"), str(config), f"save_dir={save_dir}",
+def fault_run(config: Path, save_dir: Path, record: Path, *fault: str, timeout: int = 300, restarts: int = 0):
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max-restarts",
+                           str(restarts), str(REPO / "tests" / "fault_run.py"), str(config), f"save_dir={save_dir}",
                            "--record", str(record), *fault], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -255,6 +262,22 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
         got = trained_samples(tmp_path / "faulty-record" / f"rank{rank}.jsonl")
         assert sorted(got) == list(range(1, 9)) and got == want
     assert train_losses(tmp_path / "faulty") == train_losses(root / "straight")
+
+
+def test_torchrun_restarts_the_job_after_a_rank_dies_and_the_restart_resumes(two_rank_reference, tmp_path):
+    """`torchrun --max-restarts 1`: rank 1 is SIGKILLed in step 5; torchrun stops rank 0 and starts both again
+    (a fault-free launch), which resume from step 4: one command, exit 0, every step on the same samples."""
+    config, root = two_rank_reference
+    done = fault_run(config, tmp_path / "elastic", tmp_path / "elastic-record", "--fault", "kill", "--step", "5",
+                     restarts=1)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = (tmp_path / "elastic-record" / "rank0.jsonl").read_text().splitlines()
+    assert sum(json.loads(row).get("start", False) for row in rows) == 2  # the first launch and the restart
+    for rank in (0, 1):
+        want = trained_samples(root / "straight-record" / f"rank{rank}.jsonl")
+        got = trained_samples(tmp_path / "elastic-record" / f"rank{rank}.jsonl")
+        assert sorted(got) == list(range(1, 9)) and got == want
+    assert train_losses(tmp_path / "elastic") == train_losses(root / "straight")
 
 
 def test_loss_spike_rule_skips_a_step_far_above_the_running_mean(base_config, tmp_path):

@@ -42,6 +42,8 @@ class DistributedEngine(Engine):
                                       "processes with torchrun, accelerate launch or deepspeed")
                 # started without a launcher: a group of one
                 options.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                options.update(_restart_store(options["timeout"]))
             dist.init_process_group(**options)
             atexit.register(_destroy_process_group)
         self.rank = dist.get_rank()
@@ -89,6 +91,16 @@ class DistributedEngine(Engine):
         if dist.is_initialized():
             dist.barrier()
             _destroy_process_group()
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict:
+    """After `torchrun --max-restarts` restarts the workers, the store can still hold the previous attempt's
+    process-group keys (a dead rank's address); a fresh key prefix per attempt keeps the new group from
+    connecting to them."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"pretrainer/attempt{attempt}/", store), "rank": rank,
+            "world_size": world_size}
 
 
 def _destroy_process_group() -> None:
