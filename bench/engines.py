@@ -7,6 +7,8 @@ of the whole process tree (so engines are compared per unit of compute, whatever
 does), the peak memory per rank, and the final loss (equal across engines).
 
     .venv/bin/python bench/engines.py [--steps 24] [--engines single,ddp,fsdp,deepspeed-zero2,deepspeed-zero3]
+
+Megatron layouts: megatron-tp2, megatron-tp2-sp, megatron-pp2 (1F1B, 2 micro-batches of 4), megatron-dp2.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ZERO = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed-zero3": 3}
+# The megatron engine's layouts on 2 ranks; each keeps the global batch of 8 sequences per step.
+MEGATRON = {
+    "megatron-tp2": ["dp=1", "micro_batch_size=8", "plugin_args.tp_degree=2"],
+    "megatron-tp2-sp": ["dp=1", "micro_batch_size=8", "plugin_args.tp_degree=2",
+                        "plugin_args.sequence_parallelism=true"],
+    "megatron-pp2": ["dp=1", "micro_batch_size=4", "gradient_accumulation_steps=2", "plugin_args.pp_degree=2"],
+    "megatron-dp2": ["dp=2", "micro_batch_size=4"],
+}
 
 
 def command(engine: str, steps: int, save_dir: Path, work: Path) -> tuple[list, dict]:
@@ -37,7 +47,9 @@ def command(engine: str, steps: int, save_dir: Path, work: Path) -> tuple[list, 
         return [BIN / "pretrainer", "train", *common], env
     env["OMP_NUM_THREADS"] = "1"
     extra = ["dp=2", "micro_batch_size=4"]
-    if engine in ZERO:
+    if engine in MEGATRON:
+        extra = [*MEGATRON[engine], "engine=megatron"]
+    elif engine in ZERO:
         config = work / f"{engine}.json"
         config.write_text(json.dumps({"zero_optimization": {"stage": ZERO[engine]}}))
         extra.append(f"deepspeed={config}")

@@ -28,6 +28,9 @@ BIN = Path(sys.executable).parent
 # micro-batch; "one-mbs4" has the two data-parallel replicas' batches in one micro-batch.
 TWO_RANK = {
     "tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, "one"),
+    # 31 positions do not split over 2 ranks: batches are right-padded to 32 and the padding ignored
+    "tp2-sequence-parallel-odd-length": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
+                                          "seq_length": 31}, "one-seq31"),
     "tp2-selective-recompute": ({"plugin_args": {"tp_degree": 2}, "activation_checkpointing": "selective"}, "one"),
     "pp2-gpipe-explicit-split": ({"plugin_args": {"pp_degree": 2, "pipeline_schedule": "gpipe",
                                                   "pipeline_layers": [1, 3]}}, "one"),
@@ -89,7 +92,8 @@ def references(base, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("references")
     out = {}
     models = {"qwen2": {"model_path": f"{model_root(base)}/qwen2"}, "tied": {"model_path": f"{model_root(base)}/tied"}}
-    for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, **models}.items():
+    for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-seq31": {"seq_length": 31},
+                        **models}.items():
         PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
         out[name] = root / name
     hooks = root / "hooks"

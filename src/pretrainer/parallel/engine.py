@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
@@ -222,18 +223,30 @@ class Engine(ABC):
         return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder), no_dist=True)
 
     def load_state(self, folder, model: torch.nn.Module, optimizer) -> None:
+        options = CHECKPOINT_OPTIONS
         state = self.checkpoint_state(model, optimizer)
-        dcp.load(state, checkpoint_id=str(folder))
-        self.load_checkpoint_state(model, optimizer, state)
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except (RuntimeError, CheckpointException) as exc:
+            if "Missing key in checkpoint state_dict: optimizer.param_groups." not in str(exc):
+                raise
+            # Written before optimizer state was keyed by parameter name (pretrainer <= 0.1.0, one
+            # process or data parallel): read the earlier layout.
+            options = StateDictOptions()
+            state = self.checkpoint_state(model, optimizer, options)
+            dcp.load(state, checkpoint_id=str(folder))
+        self.load_checkpoint_state(model, optimizer, state, options)
 
-    def checkpoint_state(self, model: torch.nn.Module, optimizer) -> dict:
+    def checkpoint_state(self, model: torch.nn.Module, optimizer, options: StateDictOptions = CHECKPOINT_OPTIONS
+                         ) -> dict:
         """Model and optimizer state for torch.distributed.checkpoint (sharded where the engine shards)."""
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def load_checkpoint_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+    def load_checkpoint_state(self, model: torch.nn.Module, optimizer, state: dict,
+                              options: StateDictOptions = CHECKPOINT_OPTIONS) -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=CHECKPOINT_OPTIONS)
+                       options=options)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         """The whole model's weights on CPU, for HF export (complete on the main rank only)."""

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from ..config import ConfigError
 from ..models import materialize
 from ..models.registry import parse_model_config
-from ..train.loss import batch_targets
+from ..train.loss import IGNORE, batch_targets
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
 from .engine import compile_layers
@@ -210,12 +210,27 @@ class MegatronEngine(DistributedEngine):
 
         return skip_gradient_sync()
 
+    def padded_length(self, length: int) -> int:
+        """Sequence length a batch is right-padded to: a multiple of tp under sequence parallelism (each rank
+        holds an equal slice), and the run's full length under pipelining (stages exchange fixed shapes)."""
+        s = self.settings
+        if s.pp > 1:
+            length = max(length, self.args.seq_length or length)
+        multiple = s.tp if s.sequence_parallel else 1
+        return -(-length // multiple) * multiple
+
     def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
         """Logits of a batch (on the rank holding the last stage; None elsewhere when pipelined)."""
         _check_right_padded(batch)
+        length = batch["input_ids"].shape[1]
+        input_ids = _pad(batch["input_ids"], self.padded_length(length), 0)
         if self.settings.pp == 1:
-            return self.stages[0](batch["input_ids"], batch.get("position_ids"))
-        return self._pipeline_forward_only(batch["input_ids"])
+            position_ids = batch.get("position_ids")
+            if position_ids is not None:
+                position_ids = _pad(position_ids, input_ids.shape[1], 0)
+            return self.stages[0](input_ids, position_ids)[:, :length]
+        logits = self._pipeline_forward_only(input_ids)
+        return logits[:, :length] if logits is not None else None
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
         if self.settings.pp == 1:
@@ -223,8 +238,9 @@ class MegatronEngine(DistributedEngine):
         for batch in micro_batches:
             _check_right_padded(batch)
         self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
-        inputs = torch.cat([b["input_ids"] for b in micro_batches])
-        targets = torch.cat([batch_targets(b) for b in micro_batches])
+        length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
+        inputs = torch.cat([_pad(b["input_ids"], length, 0) for b in micro_batches])
+        targets = torch.cat([_pad(batch_targets(b), length, IGNORE) for b in micro_batches])
         last = self.settings.num_stages - 1
         with self.autocast():
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
@@ -325,6 +341,13 @@ class MegatronEngine(DistributedEngine):
     def describe(self) -> str:
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp} x tp={self.settings.tp}) " \
             + self.settings.describe()
+
+
+def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """Right-pad [batch, seq] to `length` (padded targets are ignored; causal attention keeps real tokens
+    from seeing the padding)."""
+    extra = length - tensor.shape[1]
+    return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra > 0 else tensor
 
 
 def _check_right_padded(batch: dict) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config import ConfigError
@@ -149,8 +150,18 @@ def read_trainer_state(path: str | Path) -> dict:
 def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:
     """Restore model and optimizer in place; return this rank's extra state (RNG, scaler, scheduler)."""
     path = Path(path)
-    with _single_process_ok():
-        engine.load_state(path, model, optimizer)
+    try:
+        with _single_process_ok():
+            engine.load_state(path, model, optimizer)
+    except (RuntimeError, ValueError, CheckpointException) as exc:
+        signs = ("missing key", "size mismatch", "shape")
+        lines = [line.strip() for line in str(exc).splitlines() if any(s in line.lower() for s in signs)]
+        if not lines:
+            raise
+        reason = lines[0]
+        raise ConfigError(f"{path} does not fit this run's model and optimizer ({reason[:300]}); it was written "
+                          "for another model or layout. Resume it with the config it was written with (its "
+                          "config.yaml), start a new save_dir, or set resume: none") from None
     extra_file = path / f"extra_state_rank{engine.rank}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
         extra_file = path / "extra_state_rank0.pt"
