@@ -249,11 +249,14 @@ def test_model_config_parser_registry(tiny_model):
 
 def test_seed_json_dataset_flow_through_accelerate_megatron_launch_honours_labels_and_eval(tmp_path):
     """accelerate launch --config_file <seed Megatron accelerate config> <the seed's JSON-dataset script> with
-    the seed's llama2-megatron-json-dataset.yaml (tp 2 here): the same losses as the script on one process,
-    so the prompt-masked labels and the held-out eval loader are used as given."""
+    the seed's llama2-megatron-json-dataset.yaml (tp 2 here), and the script on 2 pipeline stages: the same
+    losses as the script on one process, so the prompt-masked labels and the held-out eval loader are used
+    as given. 76 training records in batches of 3: the 1-row batch at the end of the epoch (step 13) goes
+    through the pipeline too."""
     overrides = ["seq_length=160", "dataloader_config.max_length=160", "dataloader_config.pad_to_multiple_of=160",
-                 "dtype=fp32", "num_training_steps=3", "gradient_accumulation_steps=2", "micro_batch_size=2",
-                 "plugin_args.num_micro_batches=2", "eval_interval=3", "plugin_args.other_megatron_args.eval_iters=2"]
+                 "dtype=fp32", "num_training_steps=14", "gradient_accumulation_steps=2", "micro_batch_size=3",
+                 "plugin_args.num_micro_batches=2", "eval_interval=14", "plugin_args.other_megatron_args.eval_iters=2",
+                 "save_interval=0", "export_hf=false"]
     script = [EXAMPLES / "train_with_megatron_json_dataset.py", "--pretrain_config_file",
               EXAMPLES / "seed_configs" / "llama2-megatron-json-dataset.yaml", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -267,8 +270,13 @@ def test_seed_json_dataset_flow_through_accelerate_megatron_launch_honours_label
                             f"save_dir={tmp_path / 'one'}"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=300)
     assert alone.returncode == 0, alone.stderr[-5000:]
-    assert train_losses(tmp_path / "tp2") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-5)
-    assert eval_losses(tmp_path / "tp2") == pytest.approx(eval_losses(tmp_path / "one"), rel=1e-5)
+    pipelined = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", *script, "engine=megatron",
+                                "plugin_args.tp_degree=1", "plugin_args.pp_degree=2", f"save_dir={tmp_path / 'pp2'}"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert pipelined.returncode == 0, pipelined.stderr[-5000:]
+    for run in ("tp2", "pp2"):
+        assert train_losses(tmp_path / run) == pytest.approx(train_losses(tmp_path / "one"), rel=1e-5)
+        assert eval_losses(tmp_path / run) == pytest.approx(eval_losses(tmp_path / "one"), rel=1e-5)
     assert 0 < train_losses(tmp_path / "one")[1] < 20
 
 

@@ -238,9 +238,13 @@ class MegatronEngine(DistributedEngine):
         for batch in micro_batches:
             _check_right_padded(batch)
         self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
+        # Every micro-batch gets the same shape (stages exchange fixed-size activations): a short last batch
+        # of a user DataLoader gains rows whose targets are all ignored.
         length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
-        inputs = torch.cat([_pad(b["input_ids"], length, 0) for b in micro_batches])
-        targets = torch.cat([_pad(batch_targets(b), length, IGNORE) for b in micro_batches])
+        rows = max(self.args.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
+        inputs = torch.cat([_pad_rows(_pad(b["input_ids"], length, 0), rows, 0) for b in micro_batches])
+        targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
+                             for b in micro_batches])
         last = self.settings.num_stages - 1
         with self.autocast():
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
@@ -348,6 +352,11 @@ def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
     from seeing the padding)."""
     extra = length - tensor.shape[1]
     return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra > 0 else tensor
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    extra = rows - tensor.shape[0]
+    return torch.cat([tensor, tensor.new_full((extra, tensor.shape[1]), value)]) if extra > 0 else tensor
 
 
 def _check_right_padded(batch: dict) -> None:
