@@ -43,6 +43,8 @@ TWO_RANK = {
     "dp2-replicate": ({"dp": 2}, "one-mbs4"),
     "qwen2-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
                                      "model_path": "{root}/qwen2"}, "qwen2"),  # q/k/v biases
+    # weights loaded on every rank; each keeps only its stages' part
+    "pp2-from-saved-weights": ({"plugin_args": {"pp_degree": 2}, "model_path": "{root}/weights"}, "weights"),
     "tied-embeddings-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
                                                "model_path": "{root}/tied"}, "tied"),
     "dp2-distributed-optimizer": ({"dp": 2, "plugin_args": {"use_distributed_optimizer": True}}, "one-mbs4"),
@@ -61,6 +63,7 @@ def base(tmp_path_factory, small_corpus) -> dict:
     model = write_tiny_model(root / "model", num_hidden_layers=4)
     write_tiny_model(root / "tied", num_hidden_layers=4, tie_word_embeddings=True)
     write_qwen2_model(root / "qwen2")
+    write_saved_weights(model, root / "weights")
     return {"num_training_steps": 6, "micro_batch_size": 2, "dp": 1, "gradient_accumulation_steps": 2,
             "seq_length": 32, "dtype": "fp32", "model_path": str(model), "train_data": str(small_corpus),
             "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2, "save_interval": 3, "seed": 7,
@@ -79,6 +82,16 @@ def write_qwen2_model(folder: Path) -> Path:
     return folder
 
 
+def write_saved_weights(config_folder: Path, folder: Path) -> Path:
+    """An HF folder with weights (model.safetensors) of the config-only model, as `save_pretrained` writes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_folder)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(config_folder).save_pretrained(folder)
+    return folder
+
+
 def model_root(base: dict) -> str:
     return str(Path(base["model_path"]).parent)
 
@@ -91,7 +104,7 @@ def case_config(base: dict, config: dict) -> dict:
 def references(base, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("references")
     out = {}
-    models = {"qwen2": {"model_path": f"{model_root(base)}/qwen2"}, "tied": {"model_path": f"{model_root(base)}/tied"}}
+    models = {name: {"model_path": f"{model_root(base)}/{name}"} for name in ("qwen2", "tied", "weights")}
     for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-seq31": {"seq_length": 31},
                         **models}.items():
         PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
@@ -303,7 +316,7 @@ def test_seed_megatron_yaml_with_prepared_data_selected_by_the_accelerate_variab
     assert sorted(train_losses(tmp_path / "run")) == [1, 2] and 2 in eval_losses(tmp_path / "run")
 
 
-def test_pipeline_refuses_tied_embeddings_and_unknown_models_name_the_fix(tmp_path, small_corpus):
+def test_pipeline_refuses_tied_embeddings():
     from pretrainer.models.registry import parse_model_config
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -314,3 +327,13 @@ def test_pipeline_refuses_tied_embeddings_and_unknown_models_name_the_fix(tmp_pa
     with pytest.raises(ConfigError, match="tied input/output embeddings"):
         parse_model_config(model).check_pipeline(2)
     parse_model_config(model).check_pipeline(1)  # one stage keeps both ends together
+
+
+def test_left_padded_batches_are_refused_with_the_fix(base, tmp_path):
+    """Stages run causal attention without a padding mask: a left-padded DataLoader is a clear error."""
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[:, :3] = 0  # padding before the tokens
+    batch = {"input_ids": torch.randint(3, 4096, (2, 16)), "attention_mask": mask}
+    args = PreTrainingArguments(**{**base, "train_data": None, "eval_interval": 0, "save_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="needs right-padded batches.*padding_side='right'"):
+        PreTrainer(args, train_dataloader=torch.utils.data.DataLoader([batch], batch_size=None)).train()

@@ -168,13 +168,7 @@ class Engine(ABC):
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
-        params = [p for p in model.parameters() if p.grad is not None]
-        if max_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is a partial sum until gathered
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_gradients([p for p in model.parameters() if p.grad is not None], max_norm)
         if skip:
             if scaler is not None:
                 scaler.update()  # keeps the scaler's per-step bookkeeping consistent
@@ -188,6 +182,16 @@ class Engine(ABC):
             return grad_norm, False
         optimizer.step()
         return grad_norm, True
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """The global norm of the parameters' gradients (before clipping); scales them down to `max_norm`."""
+        if max_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is a partial sum until gathered
+            grad_norm = grad_norm.full_tensor()
+        return grad_norm
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value

@@ -15,6 +15,7 @@ optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -29,7 +30,7 @@ from ..models.registry import parse_model_config
 from ..train.loss import IGNORE, batch_targets
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
-from .engine import compile_layers
+from .engine import compile_layers, to_device_async
 from .megatron_settings import read_settings, report_unused_keys
 from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
 from .plans import get_plan
@@ -84,6 +85,7 @@ class MegatronEngine(DistributedEngine):
         self.schedule = None
         self.loss_weight = 1.0
         self._loss_fn, self._loss_scale, self._loss_sums = None, 1.0, []
+        self._padding_checked = False
 
     @property
     def data_rank(self) -> int:
@@ -132,6 +134,8 @@ class MegatronEngine(DistributedEngine):
             if self.dp > 1:
                 self._data_parallel(stage)
             self.stages.append(stage)
+        if not is_meta:
+            _release_other_stages(parts, self.stages)
         view = MegatronModel(model, self.stages)
         if is_meta:
             materialize(view, self.device, args.seed)
@@ -195,8 +199,6 @@ class MegatronEngine(DistributedEngine):
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
-        import contextlib
-
         @contextlib.contextmanager
         def skip_gradient_sync():
             wrapped = [stage for stage in self.stages if hasattr(stage, "set_requires_gradient_sync")]
@@ -219,9 +221,20 @@ class MegatronEngine(DistributedEngine):
         multiple = s.tp if s.sequence_parallel else 1
         return -(-length // multiple) * multiple
 
+    def _check_padding_side(self, batch: dict) -> None:
+        """Stages run causal attention without a padding mask, so padding must come after the tokens. A
+        DataLoader pads one way throughout: its first masked batch is checked (the check reads the device)."""
+        mask = batch.get("attention_mask")
+        if mask is None or self._padding_checked:
+            return
+        self._padding_checked = True
+        if bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ConfigError("engine megatron needs right-padded batches (attention_mask 1...1 0...0 per row); "
+                              "this batch has padding before tokens: set the tokenizer's padding_side='right'")
+
     def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
         """Logits of a batch (on the rank holding the last stage; None elsewhere when pipelined)."""
-        _check_right_padded(batch)
+        self._check_padding_side(batch)
         length = batch["input_ids"].shape[1]
         input_ids = _pad(batch["input_ids"], self.padded_length(length), 0)
         if self.settings.pp == 1:
@@ -236,7 +249,7 @@ class MegatronEngine(DistributedEngine):
         if self.settings.pp == 1:
             return super().forward_backward(model, micro_batches, loss_fn, scale)
         for batch in micro_batches:
-            _check_right_padded(batch)
+            self._check_padding_side(batch)
         self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
         # Every micro-batch gets the same shape (stages exchange fixed-size activations): a short last batch
         # of a user DataLoader gains rows whose targets are all ignored.
@@ -283,17 +296,15 @@ class MegatronEngine(DistributedEngine):
                     hidden = by_id[index](input_ids.to(self.device) if index == 0 else hidden)
         return hidden if s.num_stages - 1 in self.stage_ids else None
 
-    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """As every engine, with the norm summed over pipeline stages and each shard counted once."""
+        grads = [p.grad for p in params]
         grad_norm = self.global_grad_norm(grads)
         if max_norm:
             coefficient = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
             locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
             torch._foreach_mul_(locals_, coefficient.to(locals_[0].dtype))
-        if skip or (skip_nonfinite and not torch.isfinite(grad_norm)):
-            return grad_norm, False
-        optimizer.step()
-        return grad_norm, True
+        return grad_norm
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient. A shard counts once: each rank adds its local sum of
@@ -315,8 +326,6 @@ class MegatronEngine(DistributedEngine):
     # ------------------------------------------------------------ reductions
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Token counts: the ranks of one model replica see the same batch, so sum over dp only."""
-        from .engine import to_device_async
-
         counts = to_device_async(counts, self.device)
         dist.all_reduce(counts, group=self.mesh.get_group("dp"))
         return counts
@@ -347,6 +356,14 @@ class MegatronEngine(DistributedEngine):
             + self.settings.describe()
 
 
+def _release_other_stages(parts, stages: list[DecoderStage]) -> None:
+    """A model loaded with weights arrives whole on every rank: free what other pipeline ranks hold."""
+    kept = {id(m) for stage in stages for m in stage.modules()}
+    for module in (parts.embed_tokens, *parts.layers, parts.norm, parts.lm_head):
+        if id(module) not in kept:
+            module.to("meta")
+
+
 def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
     """Right-pad [batch, seq] to `length` (padded targets are ignored; causal attention keeps real tokens
     from seeing the padding)."""
@@ -358,10 +375,3 @@ def _pad_rows(tensor: torch.Tensor, rows: int, value: int) -> torch.Tensor:
     extra = rows - tensor.shape[0]
     return torch.cat([tensor, tensor.new_full((extra, tensor.shape[1]), value)]) if extra > 0 else tensor
 
-
-def _check_right_padded(batch: dict) -> None:
-    """Stages run causal attention without a padding mask: padding must be at the end of each row."""
-    mask = batch.get("attention_mask")
-    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ConfigError("engine megatron needs right-padded batches (attention_mask 1...1 0...0 per row); this "
-                          "batch has padding before tokens: set the tokenizer's padding_side='right'")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.masking_utils import create_causal_mask
 
 from ..config import ConfigError
 from .plans import ModelParts
@@ -69,8 +70,6 @@ class DecoderStage(torch.nn.Module):
             self.recompute_groups = [(names[i:i + size], True) for i in range(0, len(names), size)]
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
