@@ -9,9 +9,11 @@ the first registered key that is a substring of `model.config.model_type.lower()
 What the engine reads back from the filled arguments:
 - `parallel_plan`: the name of a module layout in `pretrainer.parallel.plans` (built in: "llama", the
   decoder of Llama, Mistral and Qwen2: q/k/v/o attention, gate/up/down SwiGLU MLP, RMSNorm, RoPE);
-- `num_layers`, `hidden_size`, `num_attention_heads`, `num_query_groups`, `kv_channels` (head size),
-  `ffn_hidden_size`, `padded_vocab_size`, `untie_embeddings_and_output_weights`: the tensor-parallel
-  divisibility checks and the FLOPs formula (6N + 12·L·H·Q·T) use them.
+- `num_layers`, `num_attention_heads`, `num_query_groups`, `ffn_hidden_size`,
+  `untie_embeddings_and_output_weights`: the tensor-parallel divisibility checks and the pipeline split
+  use them (`hidden_size`, `kv_channels` and the vocabulary size are read back too, for other callers
+  such as the Megatron-Core weight conversion). FLOPs per token are counted from the model itself
+  (`pretrainer.perf.flops`), whatever the engine.
 
 The built-in llama parser maps what the seed's left to `other_megatron_args`: grouped-query attention,
 FFN size, RMSNorm, SwiGLU, RoPE (base and scaling) and untied embeddings.

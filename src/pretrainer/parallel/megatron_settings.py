@@ -29,7 +29,7 @@ COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length",
 # other_megatron_args keys read by this engine or the data pipeline.
 ENGINE_MEGATRON_KEYS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "sequence_parallel",
                         "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
-                        "num_layers_per_virtual_pipeline_stage", "split", "tokenizer_model", "tokenizer_type"}
+                        "num_layers_per_virtual_pipeline_stage", "split"}
 # other_megatron_args keys that describe the network: compared with the HF config.
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "normalization", "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights",
@@ -57,7 +57,8 @@ IGNORED_REASONS = {
     "attention_dropout": "dropout comes from the model's config.json (attention_dropout)",
     "hidden_dropout": "dropout comes from the model's config.json",
     "make_vocab_size_divisible_by": "the vocabulary size comes from the model's config.json",
-    "init_method_std": None,  # honoured through the run's init_method_std
+    "tokenizer_model": "the tokenizer is `tokenizer_path` (default: the model folder)",
+    "tokenizer_type": "the tokenizer is `tokenizer_path` (default: the model folder), loaded with AutoTokenizer",
 }
 
 
@@ -125,9 +126,7 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
                           f"{args.gradient_accumulation_steps}; they are the same thing here (micro-batches per "
                           "optimizer step): set both to the same value")
     settings.num_micro_batches = args.gradient_accumulation_steps
-    if settings.sequence_parallel and settings.tp == 1:
-        logger.info("sequence_parallelism has no effect with tp_degree 1")
-        settings.sequence_parallel = False
+    settings.sequence_parallel = settings.sequence_parallel and settings.tp > 1  # nothing to split with tp 1
     _read_recompute(settings, plugin, megatron, args.activation_checkpointing)
     _read_pipeline(settings, plugin, num_layers)
     return settings
@@ -223,8 +222,10 @@ def report_unused_keys(args, model_config) -> list[str]:
                                 f"network ({key}={hf[key]!r})")
             continue
         reason = IGNORED_REASONS.get(key, "a Megatron-LM setting with no meaning in this engine")
-        if reason:
-            messages.append(f"other_megatron_args.{key}: ignored, {reason}")
+        messages.append(f"other_megatron_args.{key}: ignored, {reason}")
+    tp = plugin.get("tp_degree") or megatron.get("tensor_model_parallel_size") or 1
+    if (plugin.get("sequence_parallelism") or megatron.get("sequence_parallel")) and tp == 1:
+        messages.append("sequence_parallelism: no effect with tp_degree 1")
     for message in messages:
         logger.info(message)
     return messages
