@@ -335,5 +335,9 @@ def test_left_padded_batches_are_refused_with_the_fix(base, tmp_path):
     mask[:, :3] = 0  # padding before the tokens
     batch = {"input_ids": torch.randint(3, 4096, (2, 16)), "attention_mask": mask}
     args = PreTrainingArguments(**{**base, "train_data": None, "eval_interval": 0, "save_dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match="needs right-padded batches.*padding_side='right'"):
-        PreTrainer(args, train_dataloader=torch.utils.data.DataLoader([batch], batch_size=None)).train()
+    trainer = PreTrainer(args, train_dataloader=torch.utils.data.DataLoader([batch], batch_size=None))
+    try:
+        with pytest.raises(ConfigError, match="needs right-padded batches.*padding_side='right'"):
+            trainer.train()
+    finally:
+        trainer.engine.close()  # the engine started a process group of one in this process: end it
