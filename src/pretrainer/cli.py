@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import sys
+import threading
 from pathlib import Path
 
 from .config import ConfigError, PreTrainingArguments
@@ -139,5 +142,22 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     return out
 
 
+def run() -> None:
+    """The console entry point: `main`, then exit without the interpreter's teardown.
+
+    Everything a run writes is on disk when `main` returns; tearing the interpreter down would then free
+    every module, tensor and extension one by one (about 0.8 s after a short CPU run). Threads still
+    running are waited for and atexit handlers (trackers, logging, worker processes) run first.
+    """
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

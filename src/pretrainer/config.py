@@ -120,6 +120,7 @@ class PreTrainingArguments:
     device: str = "auto"
     activation_checkpointing: str = "none"
     compile: bool = False
+    host_malloc_reuse: bool = True
     max_skipped_updates: int = 10
     loss_spike_factor: float | None = None
     distributed_timeout_minutes: float = 30.0

@@ -1,31 +1,33 @@
-"""The run report: `save_dir/report/report.html` (self-contained) and the PNG plots beside it.
+"""The run report: `save_dir/report/report.html` (self-contained) and the SVG plots beside it.
 
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
 learning rate, tokens/s, MFU and peak memory over steps; a table gives the config, engine, hardware and
-final figures. Plots are drawn with matplotlib.
+final figures. The plots are SVG drawn by `svg_plot` (no plotting library to import: the report is
+written in milliseconds at the end of every run).
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import time
 from pathlib import Path
 
+from .svg_plot import line_chart
+
 # (file name, title, y label, [(row key, legend, row filter)])
 PLOTS = (
-    ("loss.png", "Loss", "loss", [("loss", "train", "train"), ("eval_loss", "eval", "eval")]),
-    ("lr.png", "Learning rate", "lr", [("lr", "lr", "train")]),
-    ("tokens_per_s.png", "Throughput", "useful tokens/s", [("tokens_per_s", "all ranks", "train")]),
-    ("mfu.png", "Model FLOPs utilisation", "MFU (%)", [("mfu", "MFU", "train")]),
-    ("memory.png", "Peak memory (largest rank)", "MB", [("peak_mem_mb", "peak", "train")]),
+    ("loss.svg", "Loss", "loss", [("loss", "train", "train"), ("eval_loss", "eval", "eval")]),
+    ("lr.svg", "Learning rate", "lr", [("lr", "lr", "train")]),
+    ("tokens_per_s.svg", "Throughput", "useful tokens/s", [("tokens_per_s", "all ranks", "train")]),
+    ("mfu.svg", "Model FLOPs utilisation", "MFU (%)", [("mfu", "MFU", "train")]),
+    ("memory.svg", "Peak memory (largest rank)", "MB", [("peak_mem_mb", "peak", "train")]),
 )
 
 
 class ReportError(ValueError):
-    """Nothing to report on, or the plotting library is missing."""
+    """Nothing to report on."""
 
 
 def read_rows(save_dir: Path) -> list[dict]:
@@ -38,41 +40,25 @@ def read_rows(save_dir: Path) -> list[dict]:
 def write_report(save_dir: str | Path) -> Path:
     save_dir = Path(save_dir)
     rows = read_rows(save_dir)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ReportError("the run report needs matplotlib (pip install matplotlib); metrics.jsonl holds the "
-                          "figures") from None
     train = latest_per_step([r for r in rows if "loss" in r and "event" not in r])
     evals = latest_per_step([r for r in rows if "eval_loss" in r])
     if not train:
         raise ReportError(f"{save_dir / 'metrics.jsonl'} has no training rows yet")
     out = save_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    images = []
+    charts = []
     for name, title, ylabel, series in PLOTS:
-        figure, axis = plt.subplots(figsize=(7, 3.6), dpi=100)
+        lines = []
         for key, legend, kind in series:
             source = train if kind == "train" else evals
             points = [(r["step"], r[key] * (100 if key == "mfu" else 1)) for r in source if key in r]
             if points:
-                steps, values = zip(*points)
-                axis.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=legend)
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        axis.set_ylabel(ylabel)
-        axis.grid(alpha=0.3)
-        if len(series) > 1:
-            axis.legend()
-        figure.tight_layout()
-        figure.savefig(out / name)
-        plt.close(figure)
-        images.append((title, out / name))
+                lines.append((legend, points))
+        chart = line_chart(title, ylabel, lines)
+        (out / name).write_text(chart, encoding="utf-8")
+        charts.append(chart)
     page = out / "report.html"
-    page.write_text(render_html(save_dir, rows, train, evals, images), encoding="utf-8")
+    page.write_text(render_html(save_dir, rows, train, evals, charts), encoding="utf-8")
     return page
 
 
@@ -109,13 +95,10 @@ def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dic
     return items
 
 
-def render_html(save_dir: Path, rows, train, evals, images) -> str:
+def render_html(save_dir: Path, rows, train, evals, charts: list[str]) -> str:
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                       for k, v in summary(save_dir, rows, train, evals))
-    figures = "\n".join(
-        f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,'
-        f'{base64.b64encode(path.read_bytes()).decode()}"></figure>'
-        for title, path in images)
+    figures = "\n".join(f"<figure>{chart}</figure>" for chart in charts)
     config = config_text(save_dir)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pretrainer run report: {html.escape(save_dir.name)}</title>
@@ -124,7 +107,7 @@ body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; }}
 table {{ border-collapse: collapse; margin-bottom: 20px; }}
 th, td {{ text-align: left; padding: 4px 12px; border-bottom: 1px solid #ddd; vertical-align: top; }}
 .plots {{ display: flex; flex-wrap: wrap; gap: 12px; }}
-figure {{ margin: 0; }} img {{ width: 560px; }}
+figure {{ margin: 0; }}
 pre {{ background: #f6f6f6; padding: 12px; font-size: 12px; }}
 </style></head><body>
 <h1>pretrainer run report</h1>

@@ -24,6 +24,7 @@ from ..data.packing import DocumentMasking
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
+from ..perf.host_memory import reuse_freed_host_memory
 from ..perf.peak import processor_name
 from . import checkpoint as ckpt
 from .evaluate import evaluate
@@ -58,6 +59,8 @@ class PreTrainer:
         requested_trackers(args_.report_to)  # an unknown name fails before any heavy work
         self.completed_steps = 0
         self.engine = create_engine(args_)
+        if args_.host_malloc_reuse and self.engine.device.type == "cpu":
+            reuse_freed_host_memory()  # before the model and data allocate
         if not self.engine.is_main:  # one copy of the info lines; warnings still come from every rank
             logging.getLogger("pretrainer").setLevel(logging.WARNING)
         self.resume_from = self._resolve_resume()

@@ -1,0 +1,77 @@
+"""Line charts as SVG text: what the run report needs, without a plotting library.
+
+A chart is a title, an axis label and one or more series of (step, value) points; the axes get
+"nice" ticks (1, 2 or 5 times a power of ten), non-finite values are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+WIDTH, HEIGHT = 560, 290
+LEFT, RIGHT, TOP, BOTTOM = 68, 16, 30, 42  # margins around the plot area
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """About `count` round values covering [low, high]."""
+    if not high > low:
+        low, high = low - (abs(low) * 0.1 or 1.0), high + (abs(high) * 0.1 or 1.0)
+    raw = (high - low) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.floor(low / step) * step
+    return [first + i * step for i in range(int(math.ceil((high - first) / step)) + 1)]
+
+
+def tick_label(value: float) -> str:
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.1e}"
+    return f"{value:,.6g}" if abs(value) >= 1000 else f"{round(value, 10):g}"
+
+
+def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float, float]]]]) -> str:
+    """An SVG document: each series is (legend, points); a legend is drawn when there are several."""
+    series = [(name, [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)])
+              for name, points in series]
+    series = [(name, points) for name, points in series if points]
+    xs = [x for _, points in series for x, _ in points] or [0.0, 1.0]
+    ys = [y for _, points in series for _, y in points] or [0.0, 1.0]
+    xticks, yticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+    x0, x1, y0, y1 = xticks[0], xticks[-1], yticks[0], yticks[-1]
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def px(x: float) -> float:
+        return LEFT + (x - x0) / (x1 - x0) * plot_w
+
+    def py(y: float) -> float:
+        return TOP + plot_h - (y - y0) / (y1 - y0) * plot_h
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+             f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
+             f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+             f'<text x="{LEFT + plot_w / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>']
+    for x in xticks:
+        parts.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + plot_h}" stroke="#e4e4e4"/>'
+                     f'<text x="{px(x):.1f}" y="{TOP + plot_h + 15}" text-anchor="middle">{tick_label(x)}</text>')
+    for y in yticks:
+        parts.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + plot_w}" y2="{py(y):.1f}" stroke="#e4e4e4"/>'
+                     f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{tick_label(y)}</text>')
+    parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>'
+                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">step</text>'
+                 f'<text transform="translate(14 {TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">'
+                 f'{escape(ylabel)}</text>')
+    for index, (name, points) in enumerate(series):
+        colour = COLOURS[index % len(COLOURS)]
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        if len(points) < 30:
+            parts.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points)
+        if len(series) > 1:
+            top = TOP + 14 + 16 * index
+            parts.append(f'<line x1="{LEFT + plot_w - 70}" y1="{top - 4}" x2="{LEFT + plot_w - 50}" y2="{top - 4}" '
+                         f'stroke="{colour}" stroke-width="2"/><text x="{LEFT + plot_w - 45}" y="{top}">'
+                         f'{escape(name)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
