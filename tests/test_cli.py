@@ -111,3 +111,30 @@ def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):
     done = run_cmd([BIN / "pretrainer", "export", config, "--checkpoint", tmp_path / "nowhere"])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "is not a complete checkpoint folder" in done.stderr
+
+
+# `main` stand-ins for the console entry: a thread pool left running (torch.compile leaves one), a
+# non-daemon thread still writing, and an atexit handler; `run` must end the process with main's code
+# only after the thread's and the handler's output are out.
+EXIT_PROGRAM = """
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pretrainer import cli
+
+POOL = ThreadPoolExecutor(2)  # module-level, as compile workers are: never collected
+
+def main():
+    POOL.submit(lambda: None).result()
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+    atexit.register(lambda: print("atexit ran"))
+    return 3
+
+cli.main = main
+cli.run()
+"""
+
+
+def test_console_entry_exits_with_mains_code_after_threads_and_atexit():
+    done = subprocess.run([sys.executable, "-c", EXIT_PROGRAM], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.split("\n")[:2] == ["thread done", "atexit ran"]

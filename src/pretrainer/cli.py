@@ -147,12 +147,13 @@ def run() -> None:
 
     Everything a run writes is on disk when `main` returns; tearing the interpreter down would then free
     every module, tensor and extension one by one (about 0.8 s after a short CPU run). Threads still
-    running are waited for and atexit handlers (trackers, logging, worker processes) run first.
+    running are stopped or waited for as at a normal exit, and atexit handlers (trackers, logging,
+    worker processes) run first.
     """
     code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit, in its order: threading's exit hooks (they stop executor
+    # worker threads, such as torch.compile's), then join the remaining non-daemon threads, then atexit.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
