@@ -1,16 +1,19 @@
-"""FLOPs per token, device peaks, MFU and step phases in the log, and `compile: true`."""
+"""FLOPs per token, device peaks, MFU and step phases in the log, `compile: true`, and what keeps CPU runs fast
+(host memory reuse, report charts without a plotting library, an export that imports no engine)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import read_metrics, train_losses
+from conftest import QUICKSTART_MODEL, read_metrics, train_losses
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.perf import device_peak, flops_per_token
 from pretrainer.perf.peak import rated_peak
@@ -170,3 +173,18 @@ def test_svg_chart_has_round_ticks_a_legend_and_skips_non_finite_values():
     assert "train" in texts and "eval" in texts and "loss <nats>" in texts
     single = ET.fromstring(line_chart("lr", "lr", [("lr", [(1, 1e-4), (2, 2e-4)])]))
     assert "lr" not in [t.text for t in single.iter(f"{ns}text")][1:-2]  # no legend for one series
+
+
+def test_hf_export_does_not_import_deepspeed():
+    # accelerate's unwrap would import DeepSpeed (0.2 s and a log line) in every single-process export
+    program = (
+        "import sys\n"
+        "from transformers import AutoConfig, LlamaForCausalLM\n"
+        "from pretrainer.train.export import export_hf\n"
+        f"model = LlamaForCausalLM(AutoConfig.from_pretrained({str(QUICKSTART_MODEL)!r}))\n"
+        "export_hf(model, model.state_dict(), None, sys.argv[1], 'fp32')\n"
+        "print('deepspeed' in sys.modules)\n")
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, "-c", program, f"{out}/hf"], capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == "False"
+        assert {p.name for p in Path(out, "hf").iterdir()} >= {"config.json", "model.safetensors"}

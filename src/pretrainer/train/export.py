@@ -5,13 +5,33 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@contextmanager
+def deepspeed_left_unimported():
+    """`save_pretrained` unwraps the model through accelerate, which imports DeepSpeed (0.2 s and a log
+    line) only to test `isinstance(model, DeepSpeedEngine)`; no such engine exists unless DeepSpeed was
+    already imported, so the check is skipped then."""
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    try:
+        import accelerate.utils.other as accelerate_other
+    except ImportError:
+        yield
+        return
+    with mock.patch.object(accelerate_other, "is_deepspeed_available", lambda: False):
+        yield
 
 
 def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str | Path, dtype: str) -> Path:
@@ -26,7 +46,8 @@ def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str 
     model.config.dtype = torch_dtype
     model.config.use_cache = True  # the exported model is for inference
     try:
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        with deepspeed_left_unimported():
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     finally:
         model.config.dtype = previous_dtype
         model.config.use_cache = False
