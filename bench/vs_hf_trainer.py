@@ -12,6 +12,7 @@ accumulation, no evaluation:
 - `pretrainer`: `pretrainer train` from data prepared once with `pretrainer prepare` (the final checkpoint
   with optimizer state and the HF export are part of its run).
 - `pretrainer-compile`: the same with `compile: true`.
+- `pretrainer-glibc-malloc` (not run by default): the same with `host_malloc_reuse: false`.
 - `seed-padded-alpaca`: the seed's JSON flow (alpaca records, each padded to `seq`, through `PreTrainer`
   with a DataLoader), and `pretrainer-packed-alpaca`: the same records packed by pretrainer. The records
   are made from the shipped corpus with the shape of Stanford alpaca's (a one-line instruction, an answer of
@@ -204,9 +205,10 @@ def main() -> None:
                     wall, rss, _ = measure([sys.executable, tmp / "hf.py", *hf_args], env=env)
                     results[flow].append((steady_from_marks(tmp / "timings.json"), wall, rss))
                     continue
-                if flow in ("pretrainer", "pretrainer-compile"):
+                if flow in ("pretrainer", "pretrainer-compile", "pretrainer-glibc-malloc"):
                     config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch, compile=flow.endswith("compile"), **prepared)
+                                               ns.micro_batch, compile=flow.endswith("compile"),
+                                               host_malloc_reuse=not flow.endswith("glibc-malloc"), **prepared)
                     command = [BIN / "pretrainer", "train", config]
                 elif flow == "seed-padded-alpaca":
                     config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
