@@ -171,8 +171,12 @@ def test_svg_chart_has_round_ticks_a_legend_and_skips_non_finite_values():
     assert len(lines) == 2 and len(lines[0].get("points").split()) == 2  # the NaN point is left out
     texts = [t.text for t in root.iter(f"{ns}text")]
     assert "train" in texts and "eval" in texts and "loss <nats>" in texts
-    single = ET.fromstring(line_chart("lr", "lr", [("lr", [(1, 1e-4), (2, 2e-4)])]))
-    assert "lr" not in [t.text for t in single.iter(f"{ns}text")][1:-2]  # no legend for one series
+    def legend_keys(root) -> int:  # the short coloured lines beside legend names (grid lines are thin)
+        return sum(1 for line in root.iter(f"{ns}line") if line.get("stroke-width") == "2")
+
+    assert legend_keys(root) == 2
+    single = ET.fromstring(line_chart("learning rate", "lr", [("lr", [(1, 1e-4), (2, 2e-4)])]))
+    assert legend_keys(single) == 0 and "lr" not in [t.text for t in single.iter(f"{ns}text")][:-1]
 
 
 def test_hf_export_does_not_import_deepspeed():
