@@ -119,7 +119,7 @@ def test_document_attention_masking_equals_separate_documents(tiny_model):
     positions reset alone, the second document still sees the first (different logits)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pretrainer.train.loss import forward_logits  # the training forward (no KV cache)
+    from pretrainer.batch import forward_logits  # the training forward (no KV cache)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).eval()
@@ -149,6 +149,7 @@ def test_training_from_a_weighted_blend_with_document_masking_resumes_exactly(ba
 
 def test_a_zero_weight_prefix_is_left_out_of_the_blend(base_config, tmp_path):
     from pretrainer import PreTrainingArguments
+    from pretrainer.config import resolve_run_plan
     from pretrainer.data import build_indexed_datasets
 
     write_prefix(tmp_path, [[7] * 500 + [1]], "a")  # one document: all of it in the train part
@@ -156,7 +157,7 @@ def test_a_zero_weight_prefix_is_left_out_of_the_blend(base_config, tmp_path):
     args = PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
                                    "data_path": f"1 {tmp_path / 'a'} 0 {tmp_path / 'b'}",
                                    "dataloader_config": {"split": "60,40,0"}})
-    data = build_indexed_datasets(args, seq_length=32)
+    data = build_indexed_datasets(args, resolve_run_plan(args, None, "no model", world_size=1, model_parallel_size=1))
     assert data.eval is None  # only b, weight 0, has validation documents: no blend of nothing
     assert len(data.train) == 6 * 2 * 2
     assert all(set(data.train[i]["input_ids"].tolist()) <= {7, 1} for i in range(len(data.train)))

@@ -1,4 +1,5 @@
-"""Data: readers for local files, tokenize-and-pack, indexed .bin/.idx, preparation, sharded sampling.
+"""Data: readers for local files, tokenize-and-pack, indexed .bin/.idx, preparation, dataset builders,
+streams of micro-batches, and `assemble_data`, the entry point the loop calls.
 
 Names are loaded on first use, so the readers and `prepare` work without importing torch.
 """
@@ -6,13 +7,14 @@ Names are loaded on first use, so the readers and `prepare` work without importi
 import importlib
 
 _HOMES = {
-    "BatchStream": "loader", "BuiltData": "loader", "build_datasets": "loader", "build_indexed_datasets": "loader",
-    "split_documents": "loader", "split_ranges": "loader",
-    "parse_data_path": "loader",
+    "DataPlacement": "assemble", "RunData": "assemble", "assemble_data": "assemble",
+    "BuiltData": "builders", "build_datasets": "builders", "build_indexed_datasets": "builders",
+    "split_documents": "builders", "split_ranges": "builders", "parse_data_path": "builders",
+    "ProvidedSamples": "provided",
     "PackedDataset": "packing", "collate_packed": "packing", "tokenize_documents": "packing",
     "DocumentMasking": "packing", "document_position_ids": "packing",
     "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
-    "EvalBatches": "sampling", "SampleStream": "sampling",
+    "BatchStream": "streams", "EvalBatches": "streams", "SampleStream": "streams",
     "DataError": "readers", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
     "record_to_text": "readers",
 }

@@ -27,12 +27,12 @@ class ModelSpec:
     config: object          # transformers PretrainedConfig
     tokenizer: object       # transformers tokenizer
     has_weights: bool
-    seq_length: int
-    source: str
+    source: str             # the model folder (or the hook that built the model)
+    config_source: str      # where the config came from, for messages
 
 
 def preflight(args, config=None) -> ModelSpec:
-    """Resolve and check the model config, tokenizer and sequence length without building the model.
+    """Resolve and check the model config and tokenizer without building the model.
 
     `config` is the config of a model built elsewhere (custom_model_provider_function): no model path needed.
     """
@@ -43,8 +43,7 @@ def preflight(args, config=None) -> ModelSpec:
         if not args.tokenizer_path:
             raise ConfigError("the model comes from custom_model_provider_function: set `tokenizer_path` too")
         tokenizer = load_tokenizer(args.tokenizer_path, Path(args.tokenizer_path))
-        return ModelSpec(config, tokenizer, True, _seq_length(args, config, "the provided model's config"),
-                         "custom_model_provider_function")
+        return ModelSpec(config, tokenizer, True, "custom_model_provider_function", "the provided model's config")
     if not path_value:
         raise ConfigError("no model given: set `model_path` (or the seed's `openmind_model_path`) to an HF model "
                           "folder or a config.json")
@@ -66,18 +65,7 @@ def preflight(args, config=None) -> ModelSpec:
         raise ConfigError(f"the tokenizer ({args.resolved_tokenizer_path}) has {len(tokenizer)} tokens but the model's "
                           f"embedding has vocab_size={vocab}; use the model's own tokenizer or raise vocab_size in "
                           f"{config_file}")
-    return ModelSpec(config, tokenizer, has_weights, _seq_length(args, config, config_file), str(path))
-
-
-def _seq_length(args, config, where) -> int:
-    max_positions = getattr(config, "max_position_embeddings", None)
-    seq_length = args.seq_length or max_positions
-    if seq_length is None:
-        raise ConfigError("seq_length is not set and the model config has no max_position_embeddings; set seq_length")
-    if max_positions is not None and seq_length > max_positions:
-        raise ConfigError(f"key 'seq_length': {seq_length} exceeds the model's max_position_embeddings "
-                          f"({max_positions}, {where}); lower seq_length")
-    return seq_length
+    return ModelSpec(config, tokenizer, has_weights, str(path), str(config_file))
 
 
 def load_tokenizer(tokenizer_path: str | None, model_path: Path):

@@ -25,7 +25,11 @@ CHECKPOINT_TAG = "deepspeed"
 
 class DeepSpeedEngine(DistributedEngine):
     name = "deepspeed"
-    supports_async_save = False  # DeepSpeed writes its own checkpoints
+    shards_parameters = True
+    applies_every_update = True  # DeepSpeed's step always updates (only its fp16 loss scaler skips)
+    checkpoint_format = "deepspeed"  # its own ZeRO shards, written by save_checkpoint
+    checkpoint_needs_same_world_size = True
+    supports_async_save = False
 
     def __init__(self, args):
         try:
@@ -46,8 +50,10 @@ class DeepSpeedEngine(DistributedEngine):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError("DeepSpeed wraps model, optimizer and schedule together: use setup()")
 
-    def setup(self, model, optimizer, scheduler, build_optimizer, build_scheduler):
+    def setup(self, model, plan, optimizer, scheduler, build_optimizer, build_scheduler):
         import deepspeed
+
+        self.plan = plan
 
         self.prepare_layers(model)
         self.materialize_if_meta(model)

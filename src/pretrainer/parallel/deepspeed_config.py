@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, global_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int 
     targets = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": ga,
-        "train_batch_size": args.micro_batch_size * ga * world_size,
+        "train_batch_size": global_batch_size(args.micro_batch_size, ga, world_size),  # DeepSpeed: dp = world
         "gradient_clipping": float(args.clip_grad or 0.0),
     }
     for key, value in targets.items():

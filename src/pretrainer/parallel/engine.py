@@ -2,8 +2,8 @@
 
 An engine owns devices, process groups, model wrapping, mixed precision,
 the optimizer step and what goes into a checkpoint. The loop never branches on
-the engine: data-parallel and model-parallel engines implement the same
-methods.
+the engine's name: engines implement the same methods, and what differs between
+them is declared as capabilities (class attributes below) that the loop reads.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ..config import ConfigError
+from ..config import ConfigError, RunPlan, torch_dtype
 from ..models import has_meta_tensors, materialize
-from ..train.loss import batch_targets, forward_logits
+from ..batch import batch_targets, forward_logits
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Precision:
     def __init__(self, dtype: str, device: torch.device):
         self.dtype = dtype
         self.device = device
-        self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.compute_dtype = torch_dtype(dtype)
         self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     def autocast(self):
@@ -83,6 +83,20 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 class Engine(ABC):
     name: str
 
+    # ---- capabilities: what the loop and the checkpointer may rely on (subclasses override) ----
+    # Parameters are re-created as shards when the model is wrapped: an optimizer built over the
+    # unwrapped model's parameters cannot be used.
+    shards_parameters = False
+    # Every update handed to `step` is applied (the engine's own optimizer step cannot be skipped).
+    applies_every_update = False
+    # How model/optimizer state is written: "dcp" (torch.distributed.checkpoint, reshardable onto any
+    # layout) or the engine's own format.
+    checkpoint_format = "dcp"
+    # Checkpoints load only on the same number of processes.
+    checkpoint_needs_same_world_size = False
+    supports_async_save = True
+    model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
+
     def __init__(self, args):
         self.args = args
         self.device = resolve_device(args.device)
@@ -92,8 +106,7 @@ class Engine(ABC):
                            "than fp32; add `dtype=fp32` unless this CPU has them", args.dtype, args.dtype)
         self.rank = 0
         self.world_size = 1
-
-    model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
+        self.plan: RunPlan | None = None  # given by setup()
 
     @property
     def is_main(self) -> bool:
@@ -113,8 +126,10 @@ class Engine(ABC):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Place and wrap the model (DDP/FSDP/...); return what the loop calls forward on."""
 
-    def setup(self, model: torch.nn.Module, optimizer, scheduler, build_optimizer, build_scheduler):
-        """Wrap the model and pair it with an optimizer and schedule (given, or built over the wrapped model)."""
+    def setup(self, model: torch.nn.Module, plan: RunPlan, optimizer, scheduler, build_optimizer, build_scheduler):
+        """Wrap the model for the run `plan` describes and pair it with an optimizer and schedule (given, or
+        built over the wrapped model)."""
+        self.plan = plan
         model = self.wrap(model)
         optimizer = optimizer or build_optimizer(model)
         return model, optimizer, scheduler or build_scheduler(optimizer)
@@ -220,8 +235,6 @@ class Engine(ABC):
         """Write model and optimizer state into `folder` (every rank takes part)."""
         dcp.save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder))
 
-    supports_async_save = True
-
     def save_state_async(self, folder, model: torch.nn.Module, optimizer):
         """Stage the state in host memory and write it in the background; returns a future."""
         return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder), no_dist=True)
@@ -234,8 +247,8 @@ class Engine(ABC):
         except (RuntimeError, CheckpointException) as exc:
             if "Missing key in checkpoint state_dict: optimizer.param_groups." not in str(exc):
                 raise
-            # Written before optimizer state was keyed by parameter name (pretrainer <= 0.1.0, one
-            # process or data parallel): read the earlier layout.
+            # Written with optimizer state keyed by parameter-group position (the layout before pipeline
+            # ranks needed per-name groups; one process or data parallel): read that layout.
             options = StateDictOptions()
             state = self.checkpoint_state(model, optimizer, options)
             dcp.load(state, checkpoint_id=str(folder))

@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
+from ..batch import IGNORE, batch_targets
 from ..config import ConfigError
 from ..models import materialize
 from ..models.registry import parse_model_config
-from ..train.loss import IGNORE, batch_targets
+from ..batch import IGNORE, batch_targets
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
 from .engine import compile_layers, to_device_async
@@ -98,7 +99,7 @@ class MegatronEngine(DistributedEngine):
     # ------------------------------------------------------------------ model
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         args = self.args
-        shape = parse_model_config(model, args.seq_length)
+        shape = parse_model_config(model, self.plan.seq_length)
         self.settings = s = read_settings(args, shape.num_layers)
         if self.is_main:
             report_unused_keys(args, model.config)
@@ -217,7 +218,7 @@ class MegatronEngine(DistributedEngine):
         holds an equal slice), and the run's full length under pipelining (stages exchange fixed shapes)."""
         s = self.settings
         if s.pp > 1:
-            length = max(length, self.args.seq_length or length)
+            length = max(length, self.plan.seq_length)
         multiple = s.tp if s.sequence_parallel else 1
         return -(-length // multiple) * multiple
 
@@ -254,7 +255,7 @@ class MegatronEngine(DistributedEngine):
         # Every micro-batch gets the same shape (stages exchange fixed-size activations): a short last batch
         # of a user DataLoader gains rows whose targets are all ignored.
         length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
-        rows = max(self.args.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
+        rows = max(self.plan.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
         inputs = torch.cat([_pad_rows(_pad(b["input_ids"], length, 0), rows, 0) for b in micro_batches])
         targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
                              for b in micro_batches])

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..config import MEGATRON_KEY_TO_FIELD, ConfigError
-from ..train.hooks import HOOK_KEYS
+from ..config import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class MegatronSettings:
 def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
     """The engine settings from `args.plugin_args` (seed names) and the native keys, checked."""
     plugin = dict(args.plugin_args or {})
-    megatron = dict(plugin.get("other_megatron_args") or {})
+    megatron = args.megatron_args
 
     def pick(plugin_key: str, megatron_key: str, default):
         values = {k: v for k, v in ((f"plugin_args.{plugin_key}", plugin.get(plugin_key)),
@@ -203,7 +202,7 @@ def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | N
 def report_unused_keys(args, model_config) -> list[str]:
     """Log (once, main rank) which seed keys are ignored or disagree with the model; return the messages."""
     plugin = dict(args.plugin_args or {})
-    megatron = dict(plugin.get("other_megatron_args") or {})
+    megatron = args.megatron_args
     messages = []
     for key in plugin:
         if key in ENGINE_KEYS or key in HOOK_KEYS or key == "gradient_clipping":

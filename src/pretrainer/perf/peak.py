@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import dtype_name
+
 logger = logging.getLogger(__name__)
 
 # (name pattern, bf16/fp16, tf32, fp32); checked in order, so specific names come before their prefixes.
@@ -54,7 +56,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float
         name = torch.cuda.get_device_name(device)
         rated = rated_peak(name, dtype)
         if rated:
-            return DevicePeak(rated, f"rated dense {_dtype_name(dtype)} of {name}")
+            return DevicePeak(rated, f"rated dense {dtype_name(dtype)} of {name}")
     return measured_peak(device, dtype)
 
 
@@ -71,13 +73,13 @@ def rated_peak(name: str, dtype: torch.dtype) -> float | None:
 def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
     """The best rate of square matmuls (1024 and 2048) in `dtype`, measured once per machine/threads/dtype."""
     threads = torch.get_num_threads()
-    key = f"{device.type}|{processor_name(device)}|threads={threads}|{_dtype_name(dtype)}|torch={torch.__version__}"
+    key = f"{device.type}|{processor_name(device)}|threads={threads}|{dtype_name(dtype)}|torch={torch.__version__}"
     cache = _cache_path()
     table = _read_json(cache)
     if key not in table:
         table = {**_read_json(cache), key: _measure(device, dtype)}
         _write_json(cache, table)
-    source = f"measured {_dtype_name(dtype)} GEMM, {threads} thread(s), cached in {cache}"
+    source = f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), cached in {cache}"
     return DevicePeak(table[key], source)
 
 
@@ -112,10 +114,6 @@ def processor_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _cache_path() -> Path:

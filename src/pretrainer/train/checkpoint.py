@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
+FORMAT_NAMES = {"dcp": "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
 
 
 def checkpoints_root(save_dir: str | Path) -> Path:
@@ -55,18 +56,28 @@ class Checkpointer:
     """
 
     def __init__(self, save_dir: str | Path, engine, async_save: bool = False, keep_last: int | None = None,
-                 keep_every: int | None = None, checksums: bool = True):
+                 keep_every: int | None = None, checksums: bool = True, interval: int | None = None):
         self.root = checkpoints_root(save_dir)
         self.engine = engine
+        self.interval = interval
+        self.last_saved_step: int | None = None
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.async_save = async_save and engine.supports_async_save
         if async_save and not engine.supports_async_save:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
         self._pending = None
 
+    def is_due(self, step: int) -> bool:
+        """Whether `save_interval` asks for a checkpoint after this step."""
+        return bool(self.interval) and step % self.interval == 0
+
+    def saved(self, step: int) -> bool:
+        return self.last_saved_step == step
+
     def save(self, step: int, *, model, optimizer, scheduler_state: dict, trainer_state: dict,
              config_yaml: str) -> Path:
         self.wait()
+        self.last_saved_step = step
         engine = self.engine
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
         if engine.is_main:
@@ -75,7 +86,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         engine.barrier()  # the folder exists before any rank writes into it
         self._check_free_space()
-        state = {**trainer_state, "step": step, "world_size": engine.world_size, "engine": engine.name}
+        state = {**trainer_state, "step": step, "world_size": engine.world_size, "engine": engine.name,
+                 "checkpoint_format": engine.checkpoint_format}
         try:
             torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
                        tmp / f"extra_state_rank{engine.rank}.pt")
@@ -145,6 +157,24 @@ class Checkpointer:
 
 def read_trainer_state(path: str | Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def check_resumable(path: Path, trainer_state: dict, engine) -> None:
+    """Refuse a checkpoint this engine cannot read (another format, or shards for another process count)."""
+    saved_engine = trainer_state.get("engine")
+    # Checkpoints that predate the format field: only the deepspeed engine wrote its own format.
+    saved_format = trainer_state.get("checkpoint_format", "deepspeed" if saved_engine == "deepspeed" else "dcp")
+    if saved_format != engine.checkpoint_format:
+        raise ConfigError(f"{path} was written by engine {saved_engine}; engine {engine.name} cannot read it. "
+                          "Resume with the same engine or start a new save_dir.")
+    saved_world = trainer_state.get("world_size", 1)
+    if engine.checkpoint_needs_same_world_size and saved_world != engine.world_size:
+        raise ConfigError(f"{path} holds {FORMAT_NAMES.get(saved_format, saved_format)} shards for {saved_world} "
+                          f"process(es); resume it on the "
+                          f"same number (this run has {engine.world_size})")
+    if saved_world != engine.world_size:
+        logger.info("%s was saved by %d process(es) (%s); resharded onto %d (%s)", path, saved_world, saved_engine,
+                    engine.world_size, engine.name)
 
 
 def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:

@@ -7,7 +7,7 @@ from itertools import islice
 
 import torch
 
-from .loss import IGNORE, batch_targets, loss_sum, to_device
+from ..batch import IGNORE, batch_targets, loss_sum, to_device
 
 
 @torch.no_grad()
@@ -34,3 +34,22 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
     loss = totals[0].item() / tokens
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": totals[1].item() / tokens,
             "eval_tokens": int(totals[2].item())}
+
+
+class Validator:
+    """When to evaluate (every `interval` steps, and once at the end unless the last step just did) and the
+    row an evaluation writes."""
+
+    def __init__(self, batches, engine, interval: int | None, max_batches: int | None):
+        self.batches, self.engine, self.interval, self.max_batches = batches, engine, interval, max_batches
+        self.last_step: int | None = None
+
+    def is_due(self, step: int) -> bool:
+        return self.batches is not None and bool(self.interval) and step % self.interval == 0
+
+    def is_due_at_end(self, step: int) -> bool:
+        return self.batches is not None and self.last_step != step
+
+    def run(self, model: torch.nn.Module, step: int) -> dict:
+        self.last_step = step
+        return {"step": step, **evaluate(model, self.batches, self.engine, self.max_batches)}

@@ -8,13 +8,13 @@ import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 import torch
 
+from ..config import torch_dtype as dtype_to_torch
+
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @contextmanager
@@ -30,8 +30,12 @@ def deepspeed_left_unimported():
     except ImportError:
         yield
         return
-    with mock.patch.object(accelerate_other, "is_deepspeed_available", lambda: False):
+    original = accelerate_other.is_deepspeed_available
+    accelerate_other.is_deepspeed_available = lambda: False
+    try:
         yield
+    finally:
+        accelerate_other.is_deepspeed_available = original
 
 
 def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str | Path, dtype: str) -> Path:
@@ -40,7 +44,7 @@ def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    torch_dtype = TORCH_DTYPES[dtype]
+    torch_dtype = dtype_to_torch(dtype)
     state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     previous_dtype = model.config.dtype
     model.config.dtype = torch_dtype

@@ -1,10 +1,11 @@
 """`PreTrainer`: the training loop, readable in one sitting.
 
-Construction resolves everything the run needs, cheapest checks first:
-engine and world size, model config and tokenizer (preflight), data, then the
-model, optimizer and schedule. `train()` resumes from the latest checkpoint,
-runs accumulation windows of `gradient_accumulation_steps` micro-batches, logs,
-evaluates, checkpoints, and exports an HF folder at the end.
+Construction resolves everything the run needs, cheapest checks first: the engine and the launch, the
+model config and tokenizer (preflight), the run plan (`config.RunPlan`: every derived value, once), the
+data (`data.assemble_data`), then the model, optimizer and schedule. `train()` resumes from the latest
+checkpoint and runs optimizer steps of `gradient_accumulation_steps` micro-batches; what happens after a
+step is delegated: the checkpointer says when to save, the validator when to evaluate, the stop rules
+when to leave. At the end it evaluates, saves, exports an HF folder and writes the report.
 """
 
 from __future__ import annotations
@@ -17,37 +18,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ConfigError, PreTrainingArguments
-from ..data import BatchStream, EvalBatches, SampleStream, build_datasets, build_indexed_datasets
-from ..data.loader import BuiltData
-from ..data.packing import DocumentMasking
+from ..batch import count_inputs, count_targets, to_device
+from ..config import ConfigError, PreTrainingArguments, RunPlan, resolve_run_plan
+from ..data import DataPlacement, assemble_data
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from ..perf.host_memory import reuse_freed_host_memory
 from ..perf.peak import processor_name
 from . import checkpoint as ckpt
-from .evaluate import evaluate
+from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
+from .evaluate import Validator
 from .export import export_hf
-from .hooks import Hooks, ProvidedSamples
-from .loss import count_inputs, count_targets, to_device
+from .hooks import Hooks
 from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
 from .optim import build_optimizer, build_scheduler
-from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
 from .signals import StopRequests, TrainingInterrupted
 from .spikes import LossSpikeGuard
 from .trackers import open_trackers
-from .watchdog import StepWatchdog
 from .trackers import requested as requested_trackers
+from .watchdog import open_watchdog
 
 logger = logging.getLogger("pretrainer")
 
 
 class PreTrainer:
     def __init__(self, pretrain_args: PreTrainingArguments, accelerator=None, model=None, optimizer=None,
-                 lr_scheduler=None, train_dataloader=None, eval_dataloader=None, *args, **kwargs):
+                 lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
         setup_logging()
-        self.pretrain_args = args_ = pretrain_args
+        self.pretrain_args = args = pretrain_args
         self.accelerator = accelerator
         if accelerator is not None:
             logger.info("an accelerator object was passed; pretrainer places and wraps the model itself, "
@@ -56,67 +55,46 @@ class PreTrainer:
             raise ConfigError("an optimizer was passed without its model; pass model= as well")
         if lr_scheduler is not None and optimizer is None:
             raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
-        requested_trackers(args_.report_to)  # an unknown name fails before any heavy work
-        self.completed_steps = 0
-        self.engine = create_engine(args_)
-        if args_.host_malloc_reuse and self.engine.device.type == "cpu":
+        requested_trackers(args.report_to)  # an unknown name fails before any heavy work
+        self.engine = engine = create_engine(args)
+        if args.host_malloc_reuse and engine.device.type == "cpu":
             reuse_freed_host_memory()  # before the model and data allocate
-        if not self.engine.is_main:  # one copy of the info lines; warnings still come from every rank
+        if not engine.is_main:  # one copy of the info lines; warnings still come from every rank
             logging.getLogger("pretrainer").setLevel(logging.WARNING)
         self.resume_from = self._resolve_resume()
-        seed_everything(args_.seed)
+        seed_everything(args.seed)
 
-        self.hooks = Hooks(args_.plugin_args)
+        self.hooks = Hooks(args.plugin_args)
         if model is None and self.hooks.model_provider is not None:
             model = self.hooks.build_model()
-        self.tokenizer, spec = None, None
-        if model is None or train_dataloader is None:
-            spec = preflight(args_, config=model.config if model is not None else None)
-            self.tokenizer = spec.tokenizer
-        elif args_.resolved_tokenizer_path:
-            self.tokenizer = load_tokenizer(args_.resolved_tokenizer_path, Path(args_.resolved_tokenizer_path))
+        spec = self._preflight(model, train_dataloader)
+        self.plan = self._resolve_plan(spec, model)
+        data = assemble_data(args, self.plan, self.tokenizer,
+                             DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier),
+                             datasets_provider=self.hooks.datasets_provider, train_dataloader=train_dataloader,
+                             eval_dataloader=eval_dataloader)
+        self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, data.train, data.eval
+        self._setup_model(model, spec, optimizer, lr_scheduler)
 
-        if train_dataloader is None:
-            self.train_stream, built_eval = self._built_in_data(spec)
-            eval_dataloader = eval_dataloader if eval_dataloader is not None else built_eval
-        else:
-            if self.engine.data_world_size > 1:
-                logger.info("a user DataLoader is iterated as given on each rank: give each rank its own part "
-                            "(e.g. a DistributedSampler)")
-            self.train_stream = BatchStream(train_dataloader, args_.seed)
-        self.train_dataloader = train_dataloader
-        self.eval_dataloader = eval_dataloader
-
-        if model is None:
-            model = build_model(args_, spec)
-        else:
-            model.config.use_cache = False
-        if optimizer is not None and self.engine.name in ("fsdp", "deepspeed"):
-            raise ConfigError(f"engine {self.engine.name} shards the model's parameters, so an optimizer made "
-                              "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
-                              "adam_*, weight_decay)")
-        self.num_parameters = count_parameters(model)
-        seq_length = spec.seq_length if spec is not None else (args_.seq_length or model.config.max_position_embeddings)
-        self.flops = flops_per_token(model, seq_length)  # counted before an engine shards the model
-        self.model, self.optimizer, self.lr_scheduler = self.engine.setup(
-            model, optimizer, lr_scheduler,
-            build_optimizer=lambda m: build_optimizer(m, args_, self.engine.device),
-            build_scheduler=lambda o: build_scheduler(o, args_))
+        self.completed_steps = 0
         self.tokens_seen = 0
         self.skipped_updates = 0
-        self.stop_requests = StopRequests()
         self.skipped_in_a_row = 0
-        self.spike_guard = LossSpikeGuard(args_.loss_spike_factor) if args_.loss_spike_factor else None
-        if self.spike_guard is not None and self.engine.name == "deepspeed":
-            raise ConfigError("loss_spike_factor is not available with engine deepspeed (DeepSpeed applies every "
-                              "update it is given); remove it or use engine fsdp")
+        self.stop_requests = StopRequests()
+        self.spike_guard = LossSpikeGuard(args.loss_spike_factor) if args.loss_spike_factor else None
+        if self.spike_guard is not None and engine.applies_every_update:
+            raise ConfigError(f"loss_spike_factor is not available with engine {engine.name} ({engine.name} applies "
+                              "every update it is given); remove it or use engine fsdp")
         self._pending_rows: list[dict] = []  # rows produced inside a step, written after it
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
-        self.checkpointer = ckpt.Checkpointer(args_.save_dir, self.engine, args_.async_checkpoint,
-                                              keep_last=args_.keep_last_checkpoints,
-                                              keep_every=args_.keep_checkpoints_every,
-                                              checksums=args_.checkpoint_checksums) if args_.save_dir else None
+        self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters)
+        self.checkpointer = ckpt.Checkpointer(args.save_dir, engine, args.async_checkpoint,
+                                              keep_last=args.keep_last_checkpoints,
+                                              keep_every=args.keep_checkpoints_every,
+                                              checksums=args.checkpoint_checksums,
+                                              interval=args.save_interval) if args.save_dir else None
 
+    # ------------------------------------------------------------ assembly
     def _resolve_resume(self):
         """The checkpoint to resume from, chosen (and verified against its manifest) by the main rank only."""
         outcome = None
@@ -130,52 +108,42 @@ class PreTrainer:
             raise ConfigError(value)
         return value
 
-    def _built_in_data(self, spec):
-        """This rank's train stream and eval batches from the configured files or prepared prefix."""
+    def _preflight(self, model, train_dataloader):
+        """The model config and tokenizer, checked before anything heavy (None when both model and data are
+        the user's: only a tokenizer is looked for, to export with the model)."""
         args = self.pretrain_args
-        engine = self.engine
-        if args.megatron_dataset_flag and self.hooks.datasets_provider is not None:
-            data = self._provided_data(spec.seq_length)
-        elif args.megatron_dataset_flag:
-            data = build_indexed_datasets(args, spec.seq_length, engine.data_world_size, engine.is_main,
-                                          engine.barrier)
-        else:
-            if not args.resolved_train_data:
-                raise ConfigError("no training data: set `train_data` (files, globs or folders of "
-                                  "json/jsonl/csv/txt/parquet), or data_path with megatron_dataset_flag: true for "
-                                  "prepared .bin/.idx data, or pass train_dataloader=")
-            if args.dataloader_config:
-                logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the "
-                            "built-in pipeline packs sequences without padding and does not use it")
-            data = build_datasets(args, self.tokenizer, spec.seq_length)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
-        masking = None
-        if args.reset_position_ids or args.reset_attention_mask:
-            masking = DocumentMasking(self.tokenizer.eos_token_id, attention=args.reset_attention_mask)
-            logger.info("document masking: positions restart after each EOS%s", "; attention stays within each "
-                        "document" if args.reset_attention_mask else "")
-        shard = {"rank": engine.data_rank, "world_size": engine.data_world_size, "masking": masking}
-        stream = SampleStream(data.train, args.micro_batch_size, pad_id, seed=args.seed,
-                              num_workers=args.num_workers, shuffle=not data.shuffled, **shard)
-        evaluation = EvalBatches(data.eval, args.micro_batch_size, pad_id, **shard) if data.eval is not None \
-            else None
-        return stream, evaluation
+        if model is None or train_dataloader is None:
+            spec = preflight(args, config=model.config if model is not None else None)
+            self.tokenizer = spec.tokenizer
+            return spec
+        self.tokenizer = None
+        if args.resolved_tokenizer_path:
+            self.tokenizer = load_tokenizer(args.resolved_tokenizer_path, Path(args.resolved_tokenizer_path))
+        return None
 
-    def _provided_data(self, seq_length: int) -> BuiltData:
-        """Datasets from the custom_megatron_datasets_provider_function hook."""
-        args = self.pretrain_args
-        replicas = self.engine.data_world_size
-        samples = [args.num_training_steps * args.micro_batch_size * args.gradient_accumulation_steps * replicas,
-                   args.eval_iters * args.micro_batch_size * replicas, 0]
-        provided = self.hooks.datasets_provider(samples)
-        if not isinstance(provided, (tuple, list)) or len(provided) != 3:
-            raise ConfigError("custom_megatron_datasets_provider_function must return (train, valid, test) datasets")
-        train, valid, _ = provided
-        if train is None:
-            raise ConfigError("custom_megatron_datasets_provider_function returned no training dataset")
-        return BuiltData(ProvidedSamples(train, seq_length, "train"),
-                         ProvidedSamples(valid, seq_length, "valid") if valid is not None else None)
+    def _resolve_plan(self, spec, model) -> RunPlan:
+        config, where = (spec.config, spec.config_source) if spec is not None else (model.config, "the model's config")
+        plan = resolve_run_plan(self.pretrain_args, config, where, self.engine.world_size,
+                                self.engine.model_parallel_size)
+        logger.info("run plan: %s", plan.describe())
+        return plan
+
+    def _setup_model(self, model, spec, optimizer, lr_scheduler) -> None:
+        args, engine = self.pretrain_args, self.engine
+        if model is None:
+            model = build_model(args, spec)
+        else:
+            model.config.use_cache = False
+        if optimizer is not None and engine.shards_parameters:
+            raise ConfigError(f"engine {engine.name} shards the model's parameters, so an optimizer made "
+                              "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
+                              "adam_*, weight_decay)")
+        self.num_parameters = count_parameters(model)
+        self.flops = flops_per_token(model, self.plan.seq_length)  # counted before an engine shards the model
+        self.model, self.optimizer, self.lr_scheduler = engine.setup(
+            model, self.plan, optimizer, lr_scheduler,
+            build_optimizer=lambda m: build_optimizer(m, args, engine.device),
+            build_scheduler=lambda o: build_scheduler(o, args))
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -199,91 +167,49 @@ class PreTrainer:
     def _train(self) -> dict:
         args, engine = self.pretrain_args, self.engine
         self._maybe_resume()
-        trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
-            if engine.is_main else []
-        metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
-        meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
-                                                              args.peak_tflops))
-        metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
-                       "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
-                       "device": str(engine.device), "dtype": args.dtype,
-                       "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
-                       "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
-                       "peak": meter.peak.describe()})
+        metrics, meter = self._open_metrics()
         if self.completed_steps >= args.num_training_steps:
-            logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
-                        self.completed_steps, args.num_training_steps)
-            if args.save_dir and args.export_hf:
-                self.export(Path(args.save_dir) / "hf")
-            metrics.close()
-            return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
+            return self._already_complete(metrics)
         self._print_banner(meter)
         progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
-        last = {"saved": None, "evaluated": None}
-        result = {"exited_early": False}
-        step_start = time.perf_counter()
+        watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
+        stop = None  # why the loop left early: "interrupted" or "exit_interval"
         self.model.train()
-        watchdog = StepWatchdog(engine.rank, 60 * args.distributed_timeout_minutes) if engine.world_size > 1 \
-            else None
+        step_start = time.perf_counter()
         while self.completed_steps < args.num_training_steps:
-            if watchdog:
-                watchdog.arm(self.completed_steps + 1)
-            step_loss, counts, grad_norm, lr = self._train_step(meter.phases)
-            if watchdog:
-                watchdog.disarm()
-            self.completed_steps += 1
-            step = self.completed_steps
+            with watchdog.watching(self.completed_steps + 1):
+                step_loss, counts, grad_norm, lr = self._train_step(meter.phases)
+            self.completed_steps = step = self.completed_steps + 1
             meter.add(step_loss, counts, time.perf_counter() - step_start)
-            for pending in self._pending_rows:
-                self._record(metrics, pending)
-            self._pending_rows.clear()
+            self._write_pending_rows(metrics)
             if step % args.log_interval == 0 or step == args.num_training_steps:
-                self.tokens_seen += meter.take_targets()
-                row = {"step": step, **meter.row(), "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens": self.tokens_seen, "epoch": self.train_stream.epoch}
-                self._record(metrics, row)
-                if engine.is_main:
-                    progress.log(format_train_line(row, progress.eta(step)))
+                self._log_step(metrics, meter, progress, lr, grad_norm)
             progress.update(step)
-            if args.save_interval and args.save_dir and step % args.save_interval == 0:
-                self.tokens_seen += meter.take_targets()
-                self._save_checkpoint()
-                last["saved"] = step
-            if args.eval_interval and step % args.eval_interval == 0 and self.eval_dataloader is not None:
+            if self.checkpointer is not None and self.checkpointer.is_due(step):
+                self._save_checkpoint(meter)
+            if self.validator.is_due(step):
                 self._evaluate(metrics)
-                last["evaluated"] = step
-            if engine.any_rank(self.stop_requests.received is not None) and step < args.num_training_steps:
-                if args.save_dir and last["saved"] != step:
-                    self.tokens_seen += meter.take_targets()
-                    self._save_checkpoint()
-                result["interrupted"] = True
-                break
-            if args.exit_interval and step % args.exit_interval == 0 and step < args.num_training_steps:
-                if args.save_dir and last["saved"] != step:
-                    self.tokens_seen += meter.take_targets()
-                    self._save_checkpoint()
-                logger.info("exit_interval: stopping after step %d; rerun the same command to continue", step)
-                result["exited_early"] = True
+            stop = self._stop_reason(step)
+            if stop is not None:
+                if self.checkpointer is not None:
+                    self._save_checkpoint(meter)
                 break
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         progress.close()
-        if watchdog:
-            watchdog.close()
-        self.tokens_seen += meter.take_targets()
-        interrupted = result.pop("interrupted", False)
-        if not result["exited_early"] and not interrupted:
-            self._finish(metrics, last)
+        watchdog.close()
+        self._count_tokens(meter)
+        if stop is None:
+            self._finish(metrics, meter)
         if self.checkpointer is not None:
             self.checkpointer.wait()
         metrics.close()
         engine.barrier()
-        result.update(step=self.completed_steps, tokens=self.tokens_seen)
-        if interrupted:
+        if stop == "interrupted":
             name = self.stop_requests.name or "a stop request on another rank"
             logger.warning("stopped after step %d on %s%s; rerun the same command to continue", self.completed_steps,
                            name, " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
             raise TrainingInterrupted(self.completed_steps, name)
-        return result
+        return {"exited_early": stop == "exit_interval", "step": self.completed_steps, "tokens": self.tokens_seen}
 
     def _train_step(self, phases: StepPhases):
         """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens.
@@ -321,6 +247,18 @@ class PreTrainer:
         self._count_skipped_update(applied, grad_norm, "loss spike" if spike else "non-finite gradient norm")
         return local_loss, counts, grad_norm, lr
 
+    def _stop_reason(self, step: int) -> str | None:
+        """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
+        args = self.pretrain_args
+        if step >= args.num_training_steps:
+            return None
+        if self.engine.any_rank(self.stop_requests.received is not None):
+            return "interrupted"
+        if args.exit_interval and step % args.exit_interval == 0:
+            logger.info("exit_interval: stopping after step %d; rerun the same command to continue", step)
+            return "exit_interval"
+        return None
+
     def _count_skipped_update(self, applied: bool, grad_norm, reason: str) -> None:
         """Skipped updates are counted and logged; too many in a row stop the run."""
         if applied:
@@ -339,22 +277,60 @@ class PreTrainer:
                                    "checkpoint with a lower lr, more warmup or clip_grad, or raise "
                                    "max_skipped_updates")
 
-    # ---------------------------------------------------------- evaluation
-    def _evaluate(self, metrics: MetricsLog) -> dict:
-        result = evaluate(self.model, self.eval_dataloader, self.engine, self.pretrain_args.eval_iters)
-        row = {"step": self.completed_steps, **result}
+    # ------------------------------------------------------------- metrics
+    def _open_metrics(self) -> tuple[MetricsLog, IntervalMeter]:
+        """The metrics log (with its trackers) and the throughput meter; writes the run's start row."""
+        args, engine = self.pretrain_args, self.engine
+        trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
+            if engine.is_main else []
+        metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
+        meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
+                                                              args.peak_tflops))
+        metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
+                       "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
+                       "device": str(engine.device), "dtype": args.dtype,
+                       "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
+                       "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
+                       "peak": meter.peak.describe()})
+        return metrics, meter
+
+    def _count_tokens(self, meter: IntervalMeter) -> None:
+        """Move the meter's target count into tokens_seen (a device read: only at log, save and end)."""
+        self.tokens_seen += meter.take_targets()
+
+    def _log_step(self, metrics: MetricsLog, meter: IntervalMeter, progress: Progress, lr: float, grad_norm) -> None:
+        self._count_tokens(meter)
+        step = self.completed_steps
+        row = {"step": step, **meter.row(), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
+               "epoch": self.train_stream.epoch}
         self._record(metrics, row)
         if self.engine.is_main:
-            logger.info(format_eval_line(row))
-        self.model.train()
-        return result
+            progress.log(format_train_line(row, progress.eta(step)))
+
+    def _write_pending_rows(self, metrics: MetricsLog) -> None:
+        for pending in self._pending_rows:
+            self._record(metrics, pending)
+        self._pending_rows.clear()
 
     def _record(self, metrics: MetricsLog, row: dict) -> None:
         metrics.write(row)
         self.log_history.append(row)
 
+    def _evaluate(self, metrics: MetricsLog) -> dict:
+        row = self.validator.run(self.model, self.completed_steps)
+        self._record(metrics, row)
+        if self.engine.is_main:
+            logger.info(format_eval_line(row))
+        self.model.train()
+        return row
+
     # --------------------------------------------------------- checkpoints
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, meter: IntervalMeter | None = None) -> Path | None:
+        """Save after the current step (once: a step already saved is not written again)."""
+        if self.checkpointer.saved(self.completed_steps):
+            return None
+        if meter is not None:
+            self._count_tokens(meter)
         args = self.pretrain_args
         return self.checkpointer.save(
             self.completed_steps, model=self.model, optimizer=self.optimizer,
@@ -369,17 +345,7 @@ class PreTrainer:
         if path is None:
             return
         trainer_state = ckpt.read_trainer_state(path)
-        saved_engine = trainer_state.get("engine")
-        if (saved_engine == "deepspeed") != (self.engine.name == "deepspeed"):
-            raise ConfigError(f"{path} was written by engine {saved_engine}; engine {self.engine.name} cannot read "
-                              "it. Resume with the same engine or start a new save_dir.")
-        if self.engine.name == "deepspeed" and trainer_state.get("world_size") != self.engine.world_size:
-            raise ConfigError(f"{path} holds DeepSpeed ZeRO shards for {trainer_state.get('world_size')} "
-                              f"process(es); resume it on the same number (this run has {self.engine.world_size})")
-        if trainer_state.get("world_size", 1) != self.engine.world_size:
-            logger.info("%s was saved by %d process(es) (%s); resharded onto %d (%s)", path,
-                        trainer_state.get("world_size"), trainer_state.get("engine"), self.engine.world_size,
-                        self.engine.name)
+        ckpt.check_resumable(path, trainer_state, self.engine)
         extra = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer)
         if trainer_state.get("config_hash") != args.config_hash():
             logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
@@ -395,12 +361,21 @@ class PreTrainer:
         logger.info("resumed from %s at step %d", path, self.completed_steps)
 
     # ------------------------------------------------------------- the end
-    def _finish(self, metrics: MetricsLog, last: dict) -> None:
+    def _already_complete(self, metrics: MetricsLog) -> dict:
         args = self.pretrain_args
-        if self.eval_dataloader is not None and last["evaluated"] != self.completed_steps:
+        logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
+                    self.completed_steps, args.num_training_steps)
+        if args.save_dir and args.export_hf:
+            self.export(Path(args.save_dir) / "hf")
+        metrics.close()
+        return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
+
+    def _finish(self, metrics: MetricsLog, meter: IntervalMeter) -> None:
+        args = self.pretrain_args
+        if self.validator.is_due_at_end(self.completed_steps):
             self._evaluate(metrics)
-        if args.save_dir and last["saved"] != self.completed_steps:
-            self._save_checkpoint()
+        if self.checkpointer is not None:
+            self._save_checkpoint(meter)
         if args.save_dir and args.export_hf:
             self.export(Path(args.save_dir) / "hf")
         if args.save_dir and args.write_report and self.engine.is_main:
@@ -425,15 +400,15 @@ class PreTrainer:
         return out
 
     def _print_banner(self, meter: IntervalMeter) -> None:
-        args, engine = self.pretrain_args, self.engine
+        args, engine, plan = self.pretrain_args, self.engine, self.plan
         if not engine.is_main:
             return
         for line in ("***** Running training *****",
-                     f"  Num examples = {args.num_training_steps * args.batch_size}",
-                     f"  Instantaneous batch size per device = {args.micro_batch_size}",
-                     f"  Total train batch size (w. parallel, distributed & accumulation) = {args.batch_size}",
-                     f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}",
-                     f"  Total steps = {args.num_training_steps}",
+                     f"  Num examples = {plan.train_samples}",
+                     f"  Instantaneous batch size per device = {plan.micro_batch_size}",
+                     f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size}",
+                     f"  Gradient Accumulation steps = {plan.gradient_accumulation_steps}",
+                     f"  Total steps = {plan.num_training_steps}",
                      f"  {engine.describe()}",
                      f"  Model parameters = {self.num_parameters:,}",
                      f"  LR = {args.lr:g} ({args.lr_decay_style}, warmup {args.warmup_steps_resolved()} steps, "

@@ -7,6 +7,7 @@ threads), every rank's log already says which step stalled where.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,8 +34,31 @@ class StepWatchdog:
         with self._lock:
             self._deadline = None
 
+    @contextlib.contextmanager
+    def watching(self, step: int):
+        """Arm for `step` while the block runs."""
+        self.arm(step)
+        try:
+            yield
+        finally:
+            self.disarm()
+
     def close(self) -> None:
         self._stop.set()
+
+
+class NoWatchdog:
+    """One process has no other rank to wait for."""
+
+    def watching(self, step: int):
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+def open_watchdog(rank: int, world_size: int, timeout_s: float) -> StepWatchdog | NoWatchdog:
+    return StepWatchdog(rank, timeout_s) if world_size > 1 else NoWatchdog()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(0.5, self.limit / 4)):

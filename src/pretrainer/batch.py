@@ -1,4 +1,5 @@
-"""Next-token loss on either batch convention.
+"""The batch contract shared by data, engines and the loop: targets, the ignore index, token counts, logits
+and the next-token loss, on either batch convention.
 
 Packed batches carry `shift_labels` (target of position j is the next token).
 Batches from a user DataLoader follow the HF convention: `labels` aligned with

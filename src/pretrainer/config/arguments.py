@@ -1,4 +1,4 @@
-"""`PreTrainingArguments`: the run's configuration.
+"""`PreTrainingArguments`: the run's configuration (the schema, its loading and its checks).
 
 Reads the seed's YAML schema unchanged (flat keys, `plugin_args.other_megatron_args`,
 `dataloader_config`, anchors, `1e-5` strings) and adds native keys for what a
@@ -9,51 +9,28 @@ the model or tokenizer on disk live in `pretrainer.models.preflight`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 
+from .dtypes import DTYPES, torch_dtype
+from .errors import ConfigError, key_error
+from .loading import (allowed_types, apply_override, coerce_scientific, describe_types, field_names, plain,
+                      suggestion, top_level_key_lines)
+from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
+from .run_plan import global_batch_size
+
 logger = logging.getLogger(__name__)
 
-# PyYAML reads `1e-5` (no dot) as a string; the seed turns such strings into floats.
-_SCI_NOTATION = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)$")
-
-DTYPES = ("bf16", "fp16", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
-
-# other_megatron_args / plugin_args keys that name a value this run also uses.
-MEGATRON_KEY_TO_FIELD = {
-    "lr": "lr",
-    "min_lr": "min_lr",
-    "lr_decay_style": "lr_decay_style",
-    "lr_warmup_fraction": "warmup_fraction",
-    "lr_warmup_iters": "warmup_steps",
-    "weight_decay": "weight_decay",
-    "adam_beta1": "adam_beta1",
-    "adam_beta2": "adam_beta2",
-    "adam_eps": "adam_eps",
-    "init_method_std": "init_method_std",
-    "clip_grad": "clip_grad",
-    "seed": "seed",
-    "eval_iters": "eval_iters",
-    "data_cache_path": "data_cache_path",
-    "distributed_timeout_minutes": "distributed_timeout_minutes",
-    "reset_position_ids": "reset_position_ids",
-    "reset_attention_mask": "reset_attention_mask",
-}
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with where it is and how to fix it in the message."""
+DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
 @dataclass
@@ -133,10 +110,10 @@ class PreTrainingArguments:
     def __post_init__(self) -> None:
         self._coerce_scientific_strings()
         self._check_types()
-        self._apply_seed_rules()
-        self._merge_megatron_values()
+        apply_openmind_rules(self)
+        merge_megatron_values(self)
+        self._check_types()
         self._check_values()
-        self.batch_size = self.micro_batch_size * self.gradient_accumulation_steps * self.dp
 
     # ------------------------------------------------------------------ loading
     @staticmethod
@@ -156,23 +133,23 @@ class PreTrainingArguments:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
-        return PreTrainingArguments.from_dict(data, overrides, source=str(path), key_lines=_top_level_key_lines(text))
+        return PreTrainingArguments.from_dict(data, overrides, source=str(path), key_lines=top_level_key_lines(text))
 
     @staticmethod
     def from_dict(data: dict, overrides: Sequence[str] = (), source: str = "config",
                   key_lines: dict[str, int] | None = None) -> "PreTrainingArguments":
         data = dict(data)
+        names = field_names(PreTrainingArguments)
         for item in overrides:
-            apply_override(data, item)
+            apply_override(data, item, names)
         key_lines = key_lines or {}
 
         def where(key: str) -> str:
             return f"{source}, line {key_lines[key]}" if key in key_lines else source
 
-        names = {f.name for f in dataclasses.fields(PreTrainingArguments)}
         for key in data:
             if key not in names:
-                raise ConfigError(f"{where(key)}: unknown key {key!r}{_suggestion(key, names)}")
+                raise ConfigError(f"{where(key)}: unknown key {key!r}{suggestion(key, names)}")
         missing = [f.name for f in dataclasses.fields(PreTrainingArguments)
                    if f.default is dataclasses.MISSING and f.name not in data]
         if missing:
@@ -190,9 +167,7 @@ class PreTrainingArguments:
         return "no" if self.dtype == "fp32" else self.dtype
 
     def get_torch_dtype(self):
-        import torch
-
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+        return torch_dtype(self.dtype)
 
     def get_distributed_train_args(self) -> dict:
         return dict(self.plugin_args or {})
@@ -206,6 +181,22 @@ class PreTrainingArguments:
         return dict(self.dataloader_config or {})
 
     # --------------------------------------------------------------- derived
+    @property
+    def batch_size(self) -> int:
+        """The seed's global batch: micro_batch_size x gradient_accumulation_steps x dp."""
+        return global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, self.dp)
+
+    @property
+    def megatron_args(self) -> dict:
+        """`plugin_args.other_megatron_args` (empty when unset)."""
+        return megatron_args(self.plugin_args)
+
+    @property
+    def data_split(self) -> str:
+        """Train/valid/test document shares of prepared data: dataloader_config.split, the seed's
+        other_megatron_args.split, or Megatron's default."""
+        return str(self.get_dataloader_config().get("split") or self.megatron_args.get("split") or DEFAULT_DATA_SPLIT)
+
     @property
     def resolved_model_path(self) -> str | None:
         return self.model_path or self.openmind_model_path
@@ -241,7 +232,7 @@ class PreTrainingArguments:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "plugin_args" and value:
-                value = _plain(value)
+                value = plain(value)
             out[f.name] = value
         return out
 
@@ -267,16 +258,15 @@ class PreTrainingArguments:
     def _coerce_scientific_strings(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, str) and _SCI_NOTATION.match(value):
-                logger.warning("config key %r: string %r read as the number %s", f.name, value, float(value))
-                setattr(self, f.name, float(value))
-            elif isinstance(value, (dict, list)):
-                setattr(self, f.name, _coerce_nested(value))
+            coerced = coerce_scientific(value)
+            if isinstance(value, str) and coerced is not value:
+                logger.warning("config key %r: string %r read as the number %s", f.name, value, coerced)
+            setattr(self, f.name, coerced)
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            allowed = _allowed_types(f.type)
+            allowed = allowed_types(f.type)
             if value is None and type(None) in allowed:
                 continue
             if float in allowed and isinstance(value, int) and not isinstance(value, bool):
@@ -287,162 +277,56 @@ class PreTrainingArguments:
             else:
                 ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
             if not ok:
-                raise _key_error(f.name, f"expected {_describe(allowed)}, got {value!r} ({type(value).__name__})")
-
-    def _apply_seed_rules(self) -> None:
-        if self.data_path is not None and self.megatron_dataset_flag is None:
-            raise _key_error("data_path", "data_path is set but megatron_dataset_flag is not: add "
-                             "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "
-                             "prefixes (or use the `train_data` key, which needs no flag)")
-        self.dtype = self.dtype.lower()
-        if self.dtype not in DTYPES:
-            raise _key_error("dtype", f"Unknown dtype: {self.dtype!r}; use one of {', '.join(DTYPES)}")
-        if self.model_path and self.openmind_model_path and self.model_path != self.openmind_model_path:
-            raise _key_error("model_path", f"model_path ({self.model_path}) and its alias openmind_model_path "
-                             f"({self.openmind_model_path}) disagree; keep one of them")
-
-    def _merge_megatron_values(self) -> None:
-        """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine."""
-        plugin = self.plugin_args or {}
-        megatron = dict(plugin.get("other_megatron_args") or {})
-        if "gradient_clipping" in plugin and "clip_grad" not in megatron:
-            megatron["clip_grad"] = plugin["gradient_clipping"]
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for key, name in MEGATRON_KEY_TO_FIELD.items():
-            if key not in megatron:
-                continue
-            value = megatron[key]
-            if name == "lr_decay_style" and isinstance(value, str):
-                value = value.lower()
-            current = getattr(self, name)
-            if current != defaults[name] and current != value:
-                raise _key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
-                                 f"{value!r}; set the value in one place only")
-            setattr(self, name, value)
-        self._check_types()
+                raise key_error(f.name, f"expected {describe_types(allowed)}, got {value!r} ({type(value).__name__})")
 
     def _check_values(self) -> None:
         positive = ["num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
                     "eval_iters"]
         for name in positive:
             if getattr(self, name) < 1:
-                raise _key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
+                raise key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("seq_length", "save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints",
                      "keep_checkpoints_every", "max_skipped_updates"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise _key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
+                raise key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
         if self.seq_length is not None and self.seq_length == 0:
-            raise _key_error("seq_length", "seq_length must be >= 1")
+            raise key_error("seq_length", "seq_length must be >= 1")
         if self.lr_decay_style not in DECAY_STYLES:
-            raise _key_error("lr_decay_style", f"lr_decay_style {self.lr_decay_style!r} is not one of "
+            raise key_error("lr_decay_style", f"lr_decay_style {self.lr_decay_style!r} is not one of "
                              f"{', '.join(DECAY_STYLES)}")
         if self.engine not in ENGINES:
-            raise _key_error("engine", f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+            raise key_error("engine", f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise _key_error("activation_checkpointing", f"activation_checkpointing {self.activation_checkpointing!r} "
+            raise key_error("activation_checkpointing", f"activation_checkpointing {self.activation_checkpointing!r} "
                              "is not one of none, full, selective")
         if self.txt_mode not in TXT_MODES:
-            raise _key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
+            raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
         if self.warmup_steps is not None and self.warmup_fraction is not None:
-            raise _key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
+            raise key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
-            raise _key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
+            raise key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps_resolved() > self.num_training_steps:
-            raise _key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
+            raise key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
                              f"num_training_steps ({self.num_training_steps})")
         if not 0 < self.wsd_decay_fraction <= 1:
-            raise _key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
+            raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise _key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+            raise key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise _key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
+            raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
         if self.export_dtype is not None:
             self.export_dtype = self.export_dtype.lower()
             if self.export_dtype not in DTYPES:
-                raise _key_error("export_dtype", f"export_dtype {self.export_dtype!r} is not one of {', '.join(DTYPES)}")
+                raise key_error("export_dtype", f"export_dtype {self.export_dtype!r} is not one of {', '.join(DTYPES)}")
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
-            raise _key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
+            raise key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
                              "exceeds this many times the running mean), or null")
         if self.distributed_timeout_minutes <= 0:
-            raise _key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
+            raise key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
         if isinstance(self.eval_split, float) and not 0 <= self.eval_split < 1:
-            raise _key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
+            raise key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
         if isinstance(self.eval_split, int) and self.eval_split < 0:
-            raise _key_error("eval_split", "eval_split must be >= 0")
+            raise key_error("eval_split", "eval_split must be >= 0")
         if self.resume not in ("auto", "none") and not self.resume:
-            raise _key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
-
-
-# ---------------------------------------------------------------------- helpers
-def apply_override(data: dict, item: str) -> None:
-    """Apply one `key=value` (dotted keys reach into nested mappings); the value is parsed as YAML."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    value = yaml.safe_load(raw) if raw.strip() else None
-    parts = key.split(".")
-    names = {f.name for f in dataclasses.fields(PreTrainingArguments)}
-    if parts[0] not in names:
-        raise ConfigError(f"override {item!r}: unknown key {parts[0]!r}{_suggestion(parts[0], names)}")
-    target = data
-    for part in parts[:-1]:
-        child = target.get(part)
-        if child is None:
-            child = target[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is not a mapping")
-        target = child
-    target[parts[-1]] = value
-
-
-def _coerce_nested(value):
-    if isinstance(value, dict):
-        return {k: _coerce_nested(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_coerce_nested(v) for v in value]
-    if isinstance(value, str) and _SCI_NOTATION.match(value):
-        return float(value)
-    return value
-
-
-def _plain(value):
-    """Drop values YAML cannot write (callables set as hooks) from a nested mapping."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if not callable(v)}
-    return value
-
-
-def _suggestion(key: str, names) -> str:
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _allowed_types(annotation) -> tuple:
-    mapping = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list, "None": type(None)}
-    return tuple(mapping[part.strip()] for part in str(annotation).split("|"))
-
-
-def _describe(types: tuple) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "a mapping",
-             list: "a list", type(None): "null"}
-    return " or ".join(names[t] for t in types)
-
-
-def _key_error(key: str, message: str) -> ConfigError:
-    exc = ConfigError(f"key {key!r}: {message}")
-    exc.key = key
-    return exc
-
-
-def _top_level_key_lines(text: str) -> dict[str, int]:
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return {}
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+            raise key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")

@@ -1,4 +1,6 @@
-"""Global sample order shared by all ranks, and each rank's slice of it.
+"""Streams of micro-batches: this rank's slice of a global sample order, and a user's DataLoader.
+
+Packed samples (`SampleStream`, `EvalBatches`) follow one global sample order shared by all ranks.
 
 Training draws from one endless sequence of sample positions: position `p`
 is window `perm_e[p % N]` of epoch `e = p // N`, with `perm_e` a permutation
@@ -8,16 +10,25 @@ positions from that range. The only state is the number of positions
 consumed, so a run resumes at exactly the next sample on any dp size, and a
 dp=2 run sees the same global batches as a single process with twice the
 micro-batch.
+
+A user's DataLoader goes through `BatchStream`, which runs as many epochs as the
+run needs and knows its exact position (epoch, micro-batches consumed in that
+epoch) counted on the consumer side, so a checkpoint restores the position even
+when DataLoader workers prefetch ahead.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
 
 from .packing import DocumentMasking, collate_packed
+from .readers import DataError
+
+logger = logging.getLogger(__name__)
 
 
 class _PositionBatches:
@@ -114,3 +125,64 @@ class EvalBatches:
                 samples = [{"input_ids": stand_in["input_ids"],
                             "shift_labels": torch.full_like(stand_in["shift_labels"], -100)}]
             yield self.collate(samples)
+
+
+class BatchStream:
+    """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position.
+
+    Each epoch's order is reseeded from (seed, epoch) when the loader shuffles with a RandomSampler, so
+    epoch k is the same permutation whether the run started at epoch 0 or resumed mid-way.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, seed: int):
+        self.loader = loader
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0  # micro-batches handed out in the current epoch
+        self._iterator = None
+        sampler = getattr(loader, "sampler", None)
+        # Reseed only a RandomSampler the user left unseeded; a user's own generator is theirs to manage.
+        self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
+        try:
+            self.batches_per_epoch = len(loader)
+        except TypeError:
+            self.batches_per_epoch = None
+        if self.batches_per_epoch == 0:
+            raise DataError("the training DataLoader is empty")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._iterator is None:
+            self._iterator = self._start_epoch()
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            if self.offset == 0:
+                raise DataError("the training DataLoader yielded no batch in a whole epoch") from None
+            self.epoch, self.offset = self.epoch + 1, 0
+            self._iterator = self._start_epoch()
+            batch = next(self._iterator)
+        self.offset += 1
+        return batch
+
+    def _start_epoch(self):
+        sampler = getattr(self.loader, "sampler", None)
+        if self._reseed:
+            sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        iterator = iter(self.loader)
+        if self.offset:
+            logger.info("resuming data at epoch %d, skipping %d micro-batches", self.epoch, self.offset)
+            for _ in range(self.offset):
+                next(iterator)
+        return iterator

@@ -1,10 +1,7 @@
-"""Build the train/eval data; iterate a user's DataLoader as a resumable stream of micro-batches.
+"""Dataset builders: packed windows from text files, GPT samples from prepared `.bin/.idx` prefixes.
 
-Packed datasets are drawn by `sampling.SampleStream`. A user's DataLoader goes
-through `BatchStream`, which runs as many epochs as the run needs and knows its
-exact position (epoch, micro-batches consumed in that epoch) counted on the
-consumer side, so a checkpoint restores the position even when DataLoader
-workers prefetch ahead.
+Each builder returns the train and eval datasets (samples of `seq_length + 1` tokens); `assemble` turns
+them into this rank's streams of micro-batches.
 """
 
 from __future__ import annotations
@@ -60,25 +57,23 @@ def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
     return BuiltData(train, evaluation)
 
 
-def build_indexed_datasets(args, seq_length: int, world_size: int = 1, is_main: bool = True,
-                           barrier=lambda: None) -> BuiltData:
+def build_indexed_datasets(args, plan, is_main: bool = True, barrier=lambda: None) -> BuiltData:
     """GPT-style train/valid samples from prepared `.bin/.idx` prefixes, split by Megatron's contiguous
-    document ranges and blended by weight when several prefixes are given."""
+    document ranges and blended by weight when several prefixes are given. `plan` (a RunPlan) says the
+    sequence length and how many samples the run and one evaluation read; the main rank builds the index
+    caches while the others wait at `barrier`."""
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
     from .indexed import IndexedDataset
 
-    config = args.get_dataloader_config()
-    megatron = (args.plugin_args or {}).get("other_megatron_args") or {}
-    raw = args.data_path if args.data_path is not None else config.get("data_path")
+    raw = args.data_path if args.data_path is not None else args.get_dataloader_config().get("data_path")
     prefixes, weights = parse_data_path(raw)
-    split = str(config.get("split") or megatron.get("split") or "969,30,1")
-    cache_folder = args.data_cache_path or megatron.get("data_cache_path")
-    cache = IndexCache(Path(cache_folder) if cache_folder else _writable(default_cache_folder(prefixes[0]), args),
-                       build_on_this_rank=is_main, barrier=barrier)
+    split = args.data_split
+    seq_length = plan.seq_length
+    cache_folder = Path(args.data_cache_path) if args.data_cache_path else _writable(
+        default_cache_folder(prefixes[0]), args)
+    cache = IndexCache(cache_folder, build_on_this_rank=is_main, barrier=barrier)
     datasets = [IndexedDataset(p) for p in prefixes]
     ranges = [split_ranges(split, d.num_documents) for d in datasets]
-    train_samples = args.num_training_steps * args.micro_batch_size * args.gradient_accumulation_steps * world_size
-    eval_samples = args.eval_iters * args.micro_batch_size * world_size  # the batches one evaluation reads
 
     def build(part: int, name: str, num_samples: int):
         # the prefixes that have documents in this part (and, in a weighted blend, a weight above 0)
@@ -99,8 +94,8 @@ def build_indexed_datasets(args, seq_length: int, world_size: int = 1, is_main: 
         if r[0][1] <= r[0][0]:
             raise DataError(f"data_path {prefixes[i]}: split {split!r} leaves no training documents out of "
                             f"{datasets[i].num_documents}; give the first (train) part a non-zero share")
-    train = build(0, "train", train_samples)
-    evaluation = build(1, "valid", eval_samples)
+    train = build(0, "train", plan.train_samples)
+    evaluation = build(1, "valid", plan.eval_samples)
     logger.info("data: %s, split %s -> %d train samples of %d tokens, %s", " + ".join(prefixes), split,
                 len(train), seq_length + 1, f"{len(evaluation)} eval samples" if evaluation else "no eval split")
     return BuiltData(train, evaluation, shuffled=True)
@@ -178,64 +173,3 @@ def split_documents(documents: list[Document], eval_split: float | int, seed: in
     train = [d for i, d in enumerate(documents) if i not in held_out]
     evaluation = [d for i, d in enumerate(documents) if i in held_out]
     return train, evaluation
-
-
-class BatchStream:
-    """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position.
-
-    Each epoch's order is reseeded from (seed, epoch) when the loader shuffles with a RandomSampler, so
-    epoch k is the same permutation whether the run started at epoch 0 or resumed mid-way.
-    """
-
-    def __init__(self, loader: torch.utils.data.DataLoader, seed: int):
-        self.loader = loader
-        self.seed = seed
-        self.epoch = 0
-        self.offset = 0  # micro-batches handed out in the current epoch
-        self._iterator = None
-        sampler = getattr(loader, "sampler", None)
-        # Reseed only a RandomSampler the user left unseeded; a user's own generator is theirs to manage.
-        self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
-        try:
-            self.batches_per_epoch = len(loader)
-        except TypeError:
-            self.batches_per_epoch = None
-        if self.batches_per_epoch == 0:
-            raise DataError("the training DataLoader is empty")
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self._iterator = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if self._iterator is None:
-            self._iterator = self._start_epoch()
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            if self.offset == 0:
-                raise DataError("the training DataLoader yielded no batch in a whole epoch") from None
-            self.epoch, self.offset = self.epoch + 1, 0
-            self._iterator = self._start_epoch()
-            batch = next(self._iterator)
-        self.offset += 1
-        return batch
-
-    def _start_epoch(self):
-        sampler = getattr(self.loader, "sampler", None)
-        if self._reseed:
-            sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        iterator = iter(self.loader)
-        if self.offset:
-            logger.info("resuming data at epoch %d, skipping %d micro-batches", self.epoch, self.offset)
-            for _ in range(self.offset):
-                next(iterator)
-        return iterator

@@ -1,0 +1,12 @@
+"""The run's configuration: the schema and its loading (`arguments`), the openMind compatibility layer
+(`openmind`), the dtype table (`dtypes`), and the resolved run plan (`run_plan`)."""
+
+from .arguments import DEFAULT_DATA_SPLIT, PreTrainingArguments
+from .dtypes import DTYPES, dtype_name, torch_dtype
+from .errors import ConfigError, key_error
+from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
+from .run_plan import RunPlan, global_batch_size, resolve_run_plan, resolve_seq_length
+
+__all__ = ["DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD", "ConfigError", "PreTrainingArguments",
+           "RunPlan", "dtype_name", "global_batch_size", "key_error", "megatron_args", "resolve_run_plan",
+           "resolve_seq_length", "torch_dtype"]

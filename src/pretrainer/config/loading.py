@@ -1,0 +1,88 @@
+"""Reading values the way a YAML user writes them: `key=value` overrides, `1e-5` strings, key line numbers,
+type names for messages and spelling suggestions."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+
+import yaml
+
+from .errors import ConfigError
+
+# PyYAML reads `1e-5` (no dot) as a string; the seed turns such strings into floats.
+_SCI_NOTATION = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)$")
+
+
+def apply_override(data: dict, item: str, names: set[str]) -> None:
+    """Apply one `key=value` (dotted keys reach into nested mappings); the value is parsed as YAML.
+    `names` are the top-level keys the schema knows."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    parts = key.split(".")
+    if parts[0] not in names:
+        raise ConfigError(f"override {item!r}: unknown key {parts[0]!r}{suggestion(parts[0], names)}")
+    target = data
+    for part in parts[:-1]:
+        child = target.get(part)
+        if child is None:
+            child = target[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a mapping")
+        target = child
+    target[parts[-1]] = value
+
+
+def coerce_scientific(value):
+    """`"1e-5"` -> 1e-05, in nested mappings and lists too; anything else unchanged (the same object)."""
+    if isinstance(value, dict):
+        return {k: coerce_scientific(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [coerce_scientific(v) for v in value]
+    if isinstance(value, str) and _SCI_NOTATION.match(value):
+        return float(value)
+    return value
+
+
+def plain(value):
+    """Drop values YAML cannot write (callables set as hooks) from a nested mapping."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if not callable(v)}
+    return value
+
+
+def suggestion(key: str, names) -> str:
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def field_names(schema) -> set[str]:
+    return {f.name for f in dataclasses.fields(schema)}
+
+
+def allowed_types(annotation) -> tuple:
+    mapping = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list, "None": type(None)}
+    return tuple(mapping[part.strip()] for part in str(annotation).split("|"))
+
+
+def describe_types(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "a mapping",
+             list: "a list", type(None): "null"}
+    return " or ".join(names[t] for t in types)
+
+
+def top_level_key_lines(text: str) -> dict[str, int]:
+    """The line each top-level key of a YAML text stands on (for messages)."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}

@@ -1,0 +1,77 @@
+"""The openMind compatibility layer: the seed's rules and its Megatron keys, read in one place.
+
+The seed's YAML puts run values (lr, clip, seed, ...) inside `plugin_args.other_megatron_args` for its
+Megatron engine; here they are honoured on every engine. `megatron_args` is the one reader of that mapping:
+the run's own fields, the megatron engine's settings and the prepared-data split all read it through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .dtypes import DTYPES
+from .errors import key_error
+
+# other_megatron_args / plugin_args keys that name a value this run also uses.
+MEGATRON_KEY_TO_FIELD = {
+    "lr": "lr",
+    "min_lr": "min_lr",
+    "lr_decay_style": "lr_decay_style",
+    "lr_warmup_fraction": "warmup_fraction",
+    "lr_warmup_iters": "warmup_steps",
+    "weight_decay": "weight_decay",
+    "adam_beta1": "adam_beta1",
+    "adam_beta2": "adam_beta2",
+    "adam_eps": "adam_eps",
+    "init_method_std": "init_method_std",
+    "clip_grad": "clip_grad",
+    "seed": "seed",
+    "eval_iters": "eval_iters",
+    "data_cache_path": "data_cache_path",
+    "distributed_timeout_minutes": "distributed_timeout_minutes",
+    "reset_position_ids": "reset_position_ids",
+    "reset_attention_mask": "reset_attention_mask",
+}
+
+# The seed's four custom Megatron hooks (functions set in plugin_args by a script).
+HOOK_KEYS = ("custom_megatron_datasets_provider_function", "custom_get_batch_function",
+             "custom_model_provider_function", "custom_loss_function")
+
+
+def megatron_args(plugin_args: dict | None) -> dict:
+    """`plugin_args.other_megatron_args` as a plain dict (empty when unset)."""
+    return dict((plugin_args or {}).get("other_megatron_args") or {})
+
+
+def apply_openmind_rules(args) -> None:
+    """The seed's checks on its own keys: data_path needs megatron_dataset_flag, dtype names, the model alias."""
+    if args.data_path is not None and args.megatron_dataset_flag is None:
+        raise key_error("data_path", "data_path is set but megatron_dataset_flag is not: add "
+                        "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "
+                        "prefixes (or use the `train_data` key, which needs no flag)")
+    args.dtype = args.dtype.lower()
+    if args.dtype not in DTYPES:
+        raise key_error("dtype", f"Unknown dtype: {args.dtype!r}; use one of {', '.join(DTYPES)}")
+    if args.model_path and args.openmind_model_path and args.model_path != args.openmind_model_path:
+        raise key_error("model_path", f"model_path ({args.model_path}) and its alias openmind_model_path "
+                        f"({args.openmind_model_path}) disagree; keep one of them")
+
+
+def merge_megatron_values(args) -> None:
+    """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine."""
+    plugin = args.plugin_args or {}
+    megatron = megatron_args(plugin)
+    if "gradient_clipping" in plugin and "clip_grad" not in megatron:
+        megatron["clip_grad"] = plugin["gradient_clipping"]
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for key, name in MEGATRON_KEY_TO_FIELD.items():
+        if key not in megatron:
+            continue
+        value = megatron[key]
+        if name == "lr_decay_style" and isinstance(value, str):
+            value = value.lower()
+        current = getattr(args, name)
+        if current != defaults[name] and current != value:
+            raise key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
+                            f"{value!r}; set the value in one place only")
+        setattr(args, name, value)

@@ -1,0 +1,83 @@
+"""The resolved run plan: every value derived from the config, the model's config and the launch, made once.
+
+The config says what the user wrote (`seq_length` may be unset, `dp` is a claim about the launch); the plan
+says what the run does. Data builders, engines and the loop read the plan instead of re-deriving values
+from the config, so each derived value has exactly one definition, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dtypes import torch_dtype
+from .errors import ConfigError
+
+
+def resolve_seq_length(seq_length: int | None, model_config, where: str) -> int:
+    """The run's sequence length: `seq_length`, or the model's `max_position_embeddings` when unset; never
+    longer than the model's positions. `where` names the model config in messages."""
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    resolved = seq_length or max_positions
+    if resolved is None:
+        raise ConfigError("seq_length is not set and the model config has no max_position_embeddings; set seq_length")
+    if max_positions is not None and resolved > max_positions:
+        raise ConfigError(f"key 'seq_length': {resolved} exceeds the model's max_position_embeddings "
+                          f"({max_positions}, {where}); lower seq_length")
+    return int(resolved)
+
+
+def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, data_parallel_size: int) -> int:
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    return micro_batch_size * gradient_accumulation_steps * data_parallel_size
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    seq_length: int                  # tokens per sample (inputs; a sample reads seq_length + 1 tokens)
+    micro_batch_size: int            # sequences per forward on one replica
+    gradient_accumulation_steps: int  # micro-batches per optimizer step
+    num_training_steps: int
+    eval_iters: int                  # micro-batches one evaluation reads on each replica
+    world_size: int                  # processes
+    model_parallel_size: int         # processes that hold one model replica together (tp x pp)
+    data_parallel_size: int          # replicas that read different data
+    dtype: str                       # compute dtype name: bf16 | fp16 | fp32
+
+    @property
+    def global_batch_size(self) -> int:
+        return global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, self.data_parallel_size)
+
+    @property
+    def train_samples(self) -> int:
+        """Samples the whole run reads, over all replicas."""
+        return self.num_training_steps * self.global_batch_size
+
+    @property
+    def eval_samples(self) -> int:
+        """Samples one evaluation reads, over all replicas."""
+        return self.eval_iters * self.micro_batch_size * self.data_parallel_size
+
+    @property
+    def torch_dtype(self):
+        return torch_dtype(self.dtype)
+
+    def describe(self) -> str:
+        return (f"seq_length={self.seq_length} global_batch={self.global_batch_size} "
+                f"({self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation x "
+                f"{self.data_parallel_size} replica(s)) world_size={self.world_size} "
+                f"model_parallel={self.model_parallel_size} dtype={self.dtype}")
+
+
+def resolve_run_plan(args, model_config, where: str, world_size: int, model_parallel_size: int) -> RunPlan:
+    """The plan of a run: the config (`args`), the model's config (`where` names it) and the launch."""
+    return RunPlan(
+        seq_length=resolve_seq_length(args.seq_length, model_config, where),
+        micro_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_training_steps=args.num_training_steps,
+        eval_iters=args.eval_iters,
+        world_size=world_size,
+        model_parallel_size=model_parallel_size,
+        data_parallel_size=world_size // model_parallel_size,
+        dtype=args.dtype,
+    )
