@@ -1,7 +1,7 @@
 # The two commands of the README:  `make quickstart`  and  `make test`.
 VENV ?= .venv
 
-.PHONY: setup setup-test quickstart test clean
+.PHONY: setup setup-test quickstart lint docs test clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
@@ -14,8 +14,17 @@ setup-test:
 quickstart: setup
 	$(VENV)/bin/pretrainer train examples/quickstart.yaml
 
-test: setup-test
+# Code checks: ruff's rules and the import-layer contract (both configured in pyproject.toml).
+lint: setup-test
+	$(VENV)/bin/ruff check src tests bench examples scripts
+	$(VENV)/bin/lint-imports
+
+# The manual: a broken link or anchor fails the build.
+docs: setup-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint docs
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs build .pytest_cache

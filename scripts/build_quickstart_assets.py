@@ -107,7 +107,6 @@ def write_model_config(tokenizer) -> None:
 def write_record_formats() -> None:
     """The reference topics as question/answer pairs, in the seeds' alpaca JSON and chat CSV forms."""
     import csv
-
     from pydoc_data.topics import topics
 
     names = sorted(topics)

@@ -1,51 +1,24 @@
-"""Shared fixtures: a tiny real Llama (config + the shipped BPE tokenizer) and a small real corpus."""
+"""Shared fixtures: a tiny real Llama (config + the shipped BPE tokenizer), a small real corpus, a base config.
+Helpers that tests import live in helpers.py (and launching commands in launch.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-QUICKSTART_MODEL = EXAMPLES / "models" / "tiny-llama"
-CORPUS = EXAMPLES / "data" / "python_docs.jsonl"
+from helpers import small_corpus_file, write_tiny_model
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed's ops are built once into the environment by scripts/build_deepspeed_ops.py (make test).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
-def write_tiny_model(folder: Path, **overrides) -> Path:
-    """config.json of a 2-layer Llama with the quickstart tokenizer beside it (no weights: random init)."""
-    from transformers import LlamaConfig
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QUICKSTART_MODEL / name, folder / name)
-    settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    settings.update(overrides)
-    LlamaConfig(**settings).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def small_corpus_file(path: Path) -> Path:
-    """The first 150 documents of the shipped corpus, written to `path`."""
-    with open(CORPUS, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
-        for _, line in zip(range(150), src):
-            dst.write(line)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -62,28 +35,3 @@ def base_config(tiny_model, small_corpus, tmp_path) -> dict:
         "save_dir": str(tmp_path / "run"), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
         "save_interval": 3, "seed": 7, "write_report": False,  # the report has its own tests
     }
-
-
-def read_metrics(save_dir) -> list[dict]:
-    path = Path(save_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def train_losses(save_dir) -> dict[int, float]:
-    return {row["step"]: row["loss"] for row in read_metrics(save_dir) if "loss" in row}
-
-
-def eval_losses(save_dir) -> dict[int, float]:
-    return {row["step"]: row["eval_loss"] for row in read_metrics(save_dir) if "eval_loss" in row}
-
-
-def assert_resume_reproduces(config: dict, folder: Path) -> None:
-    """6 steps straight vs 3 steps, exit, and the same run again: identical per-step losses."""
-    from pretrainer import PreTrainer, PreTrainingArguments
-
-    straight, interrupted = folder / "straight", folder / "interrupted"
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
-    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
-    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
-    assert train_losses(interrupted) == train_losses(straight)

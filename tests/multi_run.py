@@ -77,23 +77,29 @@ def run_case(base: dict, case: dict) -> None:
         HOOK_CALLS.clear()
 
 
+FAILED = "multi_run: case failed: "  # a line each rank prints before it re-raises
+
+
 def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> None:
-    """Run `cases` in one torchrun job of `nproc` processes (from a test); fail with the job's output."""
-    import subprocess
+    """Run `cases` in one torchrun job of `nproc` processes (from a test); a failure names the case(s) that
+    failed, with the job's output."""
+    from launch import describe, run, torchrun
 
     spec = folder / "cases.json"
     spec.write_text(json.dumps({"base": base, "cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc_per_node", str(nproc),
-                           Path(__file__), spec], cwd=Path(__file__).parents[1], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    done = run(torchrun(nproc, Path(__file__), spec), timeout=900)
+    failed = sorted({line.split(FAILED, 1)[1] for line in (done.stdout + done.stderr).splitlines() if FAILED in line})
+    assert done.returncode == 0, f"failed case(s): {', '.join(failed) or '(none reported)'}\n{describe(done)}"
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     for case in spec["cases"]:
-        run_case(spec["base"], case)
+        try:
+            run_case(spec["base"], case)
+        except BaseException:
+            print(f"{FAILED}{case['name']} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
+            raise
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

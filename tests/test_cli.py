@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, eval_losses, read_metrics, train_losses
-
-BIN = Path(sys.executable).parent
+from helpers import eval_losses, read_metrics, train_losses
+from launch import BIN, REPO, pretrainer, run, run_ok, torchrun
 
 
 def write_config(path: Path, config: dict) -> Path:
@@ -21,30 +18,20 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
-def run_cmd(args: list, threads: int | None = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("OMP_NUM_THREADS", None)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.run([str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_train_command_with_overrides_and_export_command(base_config, tmp_path):
     config = write_config(tmp_path / "c.yaml", base_config)
-    done = run_cmd([BIN / "pretrainer", "train", config, "num_training_steps=4", "log_interval=2"])
-    assert done.returncode == 0, done.stderr + done.stdout
+    done = run_ok(pretrainer("train", config, "num_training_steps=4", "log_interval=2"))
     assert "step: 2 | elapsed time per iteration (ms):" in done.stdout and "| lm loss: " in done.stdout
     assert "validation at step: 3 | eval_loss: " in done.stdout
     assert sorted(train_losses(base_config["save_dir"])) == [2, 4]
     shutil.rmtree(Path(base_config["save_dir"]) / "hf")
-    exported = run_cmd([BIN / "pretrainer", "export", config, "--output", tmp_path / "exported"])
-    assert exported.returncode == 0, exported.stderr
+    run_ok(pretrainer("export", config, "--output", tmp_path / "exported"))
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
 
 def test_cli_errors_are_one_clear_line(base_config, tmp_path):
     config = write_config(tmp_path / "c.yaml", {**base_config, "seq_lenght": 4})
-    done = run_cmd([BIN / "pretrainer", "train", config])
+    done = run(pretrainer("train", config))
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "unknown key 'seq_lenght'; did you mean 'seq_length'?" in done.stderr
@@ -56,12 +43,11 @@ def test_seed_script_contract_under_each_launcher(base_config, tmp_path, launche
     script = [REPO / "examples" / "train.py", "--pretrain_config_file", config]
     command = {
         "python": [sys.executable, *script],
-        "torchrun": [BIN / "torchrun", "--standalone", "--nproc_per_node", "1", *script],
+        "torchrun": torchrun(1, *script),
         "accelerate": [BIN / "accelerate", "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
                        "--mixed_precision", "no", "--dynamo_backend", "no", *script],
     }[launcher]
-    done = run_cmd(command)
-    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    run_ok(command)
     assert sorted(train_losses(base_config["save_dir"])) == [1, 2]
     assert 2 in eval_losses(base_config["save_dir"])
 
@@ -69,9 +55,7 @@ def test_seed_script_contract_under_each_launcher(base_config, tmp_path, launche
 def test_quickstart_as_documented(tmp_path):
     """The README's quickstart config, unchanged but for its output folder: eval loss falls, hf/ loads."""
     save_dir = tmp_path / "quickstart"
-    done = run_cmd([BIN / "pretrainer", "train", "examples/quickstart.yaml", f"save_dir={save_dir}"],
-                   threads=None, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ok(pretrainer("train", "examples/quickstart.yaml", f"save_dir={save_dir}"), threads=None, timeout=900)
     evals = eval_losses(save_dir)
     steps = sorted(evals)
     assert evals[steps[-1]] < evals[steps[0]] - 1.0, evals  # clearly falling
@@ -88,16 +72,13 @@ def test_quickstart_as_documented(tmp_path):
 
 def assert_report_renders(report, shot) -> None:
     """The run report opened in headless Chromium: the screenshot shows the plots' lines."""
-    import shutil
-
     from PIL import Image
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is not installed (scripts/setup_system.sh installs it)"
     assert report.read_text().count("<svg") == 5
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1280,1400", report.as_uri()], capture_output=True,
-                   timeout=120)
+    run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
+         "--window-size=1280,1400", report.as_uri()], timeout=120)
     image = Image.open(shot).convert("RGB")
     assert image.size == (1280, 1400)
     pixels = list(image.getdata())
@@ -108,7 +89,7 @@ def assert_report_renders(report, shot) -> None:
 
 def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):
     config = write_config(tmp_path / "c.yaml", base_config)
-    done = run_cmd([BIN / "pretrainer", "export", config, "--checkpoint", tmp_path / "nowhere"])
+    done = run(pretrainer("export", config, "--checkpoint", tmp_path / "nowhere"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "is not a complete checkpoint folder" in done.stderr
 
@@ -135,6 +116,6 @@ cli.run()
 
 
 def test_console_entry_exits_with_mains_code_after_threads_and_atexit():
-    done = subprocess.run([sys.executable, "-c", EXIT_PROGRAM], capture_output=True, text=True, timeout=60)
+    done = run([sys.executable, "-c", EXIT_PROGRAM], timeout=60)
     assert done.returncode == 3, done.stderr
     assert done.stdout.split("\n")[:2] == ["thread done", "atexit ran"]

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from helpers import EXAMPLES
 from pretrainer import ConfigError, PreTrainingArguments
 
 SEEDS = EXAMPLES / "seed_configs"
@@ -21,7 +21,8 @@ def write(tmp_path, text: str, name: str = "c.yaml"):
 
 def test_seed_deepspeed_yaml_loads_with_seed_values():
     args = PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml")
-    assert (args.num_training_steps, args.micro_batch_size, args.dp, args.gradient_accumulation_steps) == (1000, 1, 8, 8)
+    assert (args.num_training_steps, args.micro_batch_size, args.dp,
+            args.gradient_accumulation_steps) == (1000, 1, 8, 8)
     assert args.seq_length == 4096 and args.megatron_dataset_flag is False
     assert args.batch_size == 1 * 8 * 8
     assert args.dtype == "bf16" and args.get_mixed_precision() == "bf16" and args.get_torch_dtype() is torch.bfloat16
@@ -155,3 +156,33 @@ def test_warmup_and_lr_validation():
         PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=11)
     args = PreTrainingArguments(num_training_steps=200, micro_batch_size=1, dp=1, warmup_fraction=0.05)
     assert args.warmup_steps_resolved() == 10
+
+
+def test_run_plan_resolves_each_derived_value_once():
+    from transformers import LlamaConfig
+
+    from pretrainer.config import resolve_run_plan
+
+    model_config = LlamaConfig(max_position_embeddings=256)
+    args = PreTrainingArguments(num_training_steps=10, micro_batch_size=3, dp=2, gradient_accumulation_steps=4,
+                                eval_iters=5, dtype="fp32")
+    plan = resolve_run_plan(args, model_config, "config.json", world_size=4, model_parallel_size=2)
+    assert plan.seq_length == 256  # unset: the model's max_position_embeddings
+    assert plan.data_parallel_size == 2 and plan.global_batch_size == 3 * 4 * 2 == args.batch_size
+    assert plan.train_samples == 10 * 24 and plan.eval_samples == 5 * 3 * 2
+    assert plan.torch_dtype is torch.float32
+    assert resolve_run_plan(PreTrainingArguments(**{**args.to_dict(), "seq_length": 64}), model_config, "c",
+                            world_size=2, model_parallel_size=1).seq_length == 64
+    with pytest.raises(ConfigError, match=r"key 'seq_length': 512 exceeds the model's max_position_embeddings "
+                                          r"\(256, config.json\)"):
+        resolve_run_plan(PreTrainingArguments(**{**args.to_dict(), "seq_length": 512}), model_config,
+                         "config.json", world_size=2, model_parallel_size=1)
+    with pytest.raises(ConfigError, match="seq_length is not set and the model config has no"):
+        resolve_run_plan(args, None, "no model", world_size=2, model_parallel_size=1)
+
+
+def test_dtype_table_round_trips():
+    from pretrainer.config import DTYPES, dtype_name, torch_dtype
+
+    assert [dtype_name(torch_dtype(name)) for name in DTYPES] == list(DTYPES)
+    assert torch_dtype("bf16") is torch.bfloat16 and dtype_name(torch.int8) == "torch.int8"

@@ -9,9 +9,20 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import EXAMPLES, QUICKSTART_MODEL
-from pretrainer.data import (BatchStream, DataError, Document, EvalBatches, PackedDataset, SampleStream,
-                             collate_packed, expand_paths, read_documents, split_documents, tokenize_documents)
+from helpers import EXAMPLES, QUICKSTART_MODEL
+from pretrainer.data import (
+    BatchStream,
+    DataError,
+    Document,
+    EvalBatches,
+    PackedDataset,
+    SampleStream,
+    collate_packed,
+    expand_paths,
+    read_documents,
+    split_documents,
+    tokenize_documents,
+)
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPO, eval_losses, train_losses
+from helpers import EXAMPLES, eval_losses, train_losses
+from launch import BIN, pretrainer, run, run_ok, torchrun
 from pretrainer import ConfigError, PreTrainingArguments
 from pretrainer.parallel.deepspeed_config import fill_deepspeed_config, load_deepspeed_config
 
-BIN = Path(sys.executable).parent
 SEED_JSON = EXAMPLES / "deepspeed"
 
 
@@ -55,12 +51,6 @@ def test_conflicts_and_unfillable_autos_are_errors():
         fill_deepspeed_config({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, args(), 2, 256)
 
 
-def launch(command: list, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(c) for c in command], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.parametrize("seed_json", ["ds_config_zero2.json", "ds_config_zero3.json"])
 def test_seed_json_trains_resumes_and_exports_on_two_ranks(base_config, tmp_path, seed_json):
     """The seed's own JSONs, unchanged: DeepSpeed's AdamW (CPU Adam under ZeRO-2 offload) and WarmupDecayLR."""
@@ -68,16 +58,14 @@ def test_seed_json_trains_resumes_and_exports_on_two_ranks(base_config, tmp_path
 
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({**base_config, "dp": 2, "deepspeed": str(SEED_JSON / seed_json)}))
-    run = [BIN / "torchrun", "--standalone", "--nproc_per_node", "2", BIN / "pretrainer", "train", config]
+    train = torchrun(2, *pretrainer("train", config))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = launch(run + [f"save_dir={straight}"])
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_ok(train + [f"save_dir={straight}"], timeout=400)
     assert "DeepSpeed config: filled" in done.stdout and "zero_stage=" in done.stdout
     losses = train_losses(straight)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses.values())
-    for command in (run + [f"save_dir={resumed}", "exit_interval=3"], run + [f"save_dir={resumed}"]):
-        done = launch(command)
-        assert done.returncode == 0, done.stderr[-4000:]
+    for command in (train + [f"save_dir={resumed}", "exit_interval=3"], train + [f"save_dir={resumed}"]):
+        run_ok(command, timeout=400)
     assert train_losses(resumed) == losses and eval_losses(resumed) == eval_losses(straight)
     from transformers import AutoModelForCausalLM
 
@@ -94,13 +82,12 @@ def test_seed_accelerate_deepspeed_flow_on_two_cpu_processes(tmp_path):
                EXAMPLES / "accelerate" / "accelerate_deepspeed_config.yaml", EXAMPLES / "train.py",
                "--pretrain_config_file", EXAMPLES / "seed_configs" / "llama2-deepspeed.yaml",
                "dp=2", "seq_length=64", "num_training_steps=3", "dtype=fp32", f"save_dir={save_dir}"]
-    done = launch(command)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_ok(command, timeout=400)
     assert "engine=deepspeed world_size=2" in done.stdout and "zero_stage=2" in done.stdout
     assert sorted(train_losses(save_dir)) == [1, 2, 3]
     assert (save_dir / "hf" / "model.safetensors").is_file()
     # The accelerate config says gradient_accumulation_steps: 8; a YAML that disagrees is refused.
-    done = launch(command[:-1] + ["gradient_accumulation_steps=4", f"save_dir={tmp_path / 'conflict'}"])
+    done = run(command[:-1] + ["gradient_accumulation_steps=4", f"save_dir={tmp_path / 'conflict'}"], timeout=400)
     assert done.returncode != 0
     assert "gradient_accumulation_steps=8 but the pretraining config gives 4" in done.stderr
 
@@ -113,7 +100,6 @@ def test_deepspeed_launcher_runs_the_cli(base_config, tmp_path):
     config.write_text(yaml.safe_dump({**base_config, "dp": 2, "num_training_steps": 2, "warmup_steps": 1,
                                       "deepspeed": {"zero_optimization": {"stage": 1}}, "eval_interval": 0,
                                       "save_dir": str(tmp_path / "run")}))
-    done = launch([BIN / "deepspeed", "--num_accelerators", "2", BIN / "pretrainer", "train", config])
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_ok([BIN / "deepspeed", "--num_accelerators", "2", *pretrainer("train", config)], timeout=400)
     assert "engine=deepspeed world_size=2" in done.stdout + done.stderr
     assert sorted(train_losses(tmp_path / "run")) == [1, 2]

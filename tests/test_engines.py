@@ -7,9 +7,7 @@ and schedule and the losses can be compared with the single-process run.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +15,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO, eval_losses, read_metrics, train_losses
+from helpers import eval_losses, read_metrics, train_losses
+from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
 
-BIN = Path(sys.executable).parent
 ENGINES = {
     "ddp": ["engine=ddp"],
     "fsdp": ["engine=fsdp"],
@@ -49,12 +47,8 @@ DEEPSPEED_JSON = {
 }
 
 
-def torchrun(config: Path, *overrides: str, nproc: int = 2) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([BIN / "torchrun", "--standalone", "--nproc_per_node", str(nproc), BIN / "pretrainer",
-                           "train", config, *overrides], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+def train_on_two_ranks(config: Path, *overrides: str) -> None:
+    run_ok(torchrun(2, *pretrainer("train", config, *overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +143,8 @@ def test_deepspeed_checkpoint_on_another_world_size_is_refused(setup, engine_run
     root, config, single_dir = setup
     save_dir = root / "zero2-to-single"
     assert sorted(train_losses(save_dir)) == [1, 2, 3]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "1", str(BIN / "pretrainer"),
-                           "train", str(config), f"deepspeed={root}/zero2.json", "dp=1", "micro_batch_size=4",
-                           f"save_dir={save_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run(torchrun(1, *pretrainer("train", config, f"deepspeed={root}/zero2.json", "dp=1", "micro_batch_size=4",
+                                        f"save_dir={save_dir}")))
     assert done.returncode != 0
     assert "holds DeepSpeed ZeRO shards for 2 process(es); resume it on the same number" in done.stderr
 
@@ -208,12 +200,11 @@ def test_multi_node_rendezvous(setup, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     save_dir = tmp_path / "two-nodes"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
                                str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                                "--rdzv-id", "pretrainer-test", str(BIN / "pretrainer"), "train", str(config),
                                "engine=fsdp", f"save_dir={save_dir}"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][1][-3000:] + outputs[1][1][-3000:]
@@ -249,12 +240,12 @@ def test_prepared_blend_on_two_ranks_matches_one_process_and_resumes_on_one(setu
     PreTrainer(args).train()
     cache = tmp_path / "cache" / "pretrainer_indices"
     built = sorted(p.name for p in cache.iterdir())
-    torchrun(config, "engine=ddp", *data, f"save_dir={tmp_path / 'two'}")
+    train_on_two_ranks(config, "engine=ddp", *data, f"save_dir={tmp_path / 'two'}")
     assert sorted(p.name for p in cache.iterdir()) == built  # same parameters: the cached indices are reused
     assert_same_run(tmp_path / "two", tmp_path / "single", rel=1e-5)
     for p in cache.iterdir():
         p.unlink()
-    torchrun(config, "engine=ddp", *data, f"save_dir={tmp_path / 'moved'}", "exit_interval=3")
+    train_on_two_ranks(config, "engine=ddp", *data, f"save_dir={tmp_path / 'moved'}", "exit_interval=3")
     assert sorted(p.name for p in cache.iterdir()) == built  # built afresh, by one rank, identically
     args = PreTrainingArguments.from_yaml(config, [*data, "dp=1", "micro_batch_size=4",
                                                    f"save_dir={tmp_path / 'moved'}"])

@@ -14,18 +14,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, read_metrics, train_losses
+from helpers import read_metrics, train_losses
+from launch import REPO, pretrainer, run, run_ok, start, torchrun
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.train.errors import TrainingDiverged
 from pretrainer.train.signals import EXIT_PREEMPTED
-
-BIN = Path(sys.executable).parent
-
-
-def start(command: list, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for_step(save_dir: Path, step: int, process: subprocess.Popen, timeout: float = 240) -> None:
@@ -50,9 +43,8 @@ def long_config(base_config, tmp_path) -> Path:
 
 def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run(long_config, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    command = [BIN / "pretrainer", "train", long_config]
-    assert subprocess.run([*map(str, command), f"save_dir={straight}"], cwd=REPO, capture_output=True,
-                          timeout=300).returncode == 0
+    command = pretrainer("train", long_config)
+    run_ok([*command, f"save_dir={straight}"])
     process = start([*command, f"save_dir={stopped}"], tmp_path / "stopped.log")
     wait_for_step(stopped, 5, process)
     process.send_signal(signal.SIGTERM)
@@ -62,8 +54,7 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_matches_an_uninterrupted_run
     saved = sorted(int(p.name.split("-")[1]) for p in (stopped / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and 5 <= saved[0] < 40
     assert max(train_losses(stopped)) == saved[0]  # stopped right after the step it saved
-    assert subprocess.run([*map(str, command), f"save_dir={stopped}"], cwd=REPO, capture_output=True,
-                          timeout=300).returncode == 0
+    run_ok([*command, f"save_dir={stopped}"])
     assert train_losses(stopped) == train_losses(straight)
 
 
@@ -76,8 +67,8 @@ ENGINE_OPTIONS = {"ddp": ["dp=2"], "fsdp": ["dp=2", "engine=fsdp"],
 def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_path, engine):
     save_dir = tmp_path / "two"
     options = [*ENGINE_OPTIONS[engine], "micro_batch_size=1"]
-    process = start([BIN / "torchrun", "--standalone", "--nproc_per_node", "2", BIN / "pretrainer", "train",
-                     long_config, *options, f"save_dir={save_dir}"], tmp_path / "two.log")
+    command = torchrun(2, *pretrainer("train", long_config, *options, f"save_dir={save_dir}"))
+    process = start(command, tmp_path / "two.log")
     wait_for_step(save_dir, 4, process)
     os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: the whole job gets the signal
     process.wait(timeout=120)
@@ -87,11 +78,7 @@ def test_sigterm_on_two_ranks_stops_both_after_the_same_step(long_config, tmp_pa
     assert len(saved) == 1, log[-3000:]
     state = json.loads((saved[0] / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(list(saved[0].glob("extra_state_rank*.pt"))) == 2
-    rerun = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(BIN / "pretrainer"),
-                            "train", str(long_config), *options, f"save_dir={save_dir}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    run_ok(command)
     assert sorted(train_losses(save_dir)) == list(range(1, 41))
 
 
@@ -99,7 +86,7 @@ def test_a_second_signal_aborts_at_once(tmp_path):
     script = ("import os, signal, time\nfrom pretrainer.train.signals import StopRequests\n"
               "s = StopRequests(); s.install()\nos.kill(os.getpid(), signal.SIGTERM)\nprint('first handled', "
               "flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nprint('not reached')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = run([sys.executable, "-c", script], timeout=60)
     assert done.returncode == -signal.SIGTERM and "first handled" in done.stdout and "not reached" not in done.stdout
 
 
@@ -144,8 +131,7 @@ def test_too_many_skipped_updates_in_a_row_stop_the_run(base_config, tmp_path):
 
 
 def run_cli(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "pretrainer"), "train", str(config), *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run(pretrainer("train", config, *overrides))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip a byte"])
@@ -219,10 +205,8 @@ def trained_samples(record: Path) -> dict[int, list[str]]:
 
 
 def fault_run(config: Path, save_dir: Path, record: Path, *fault: str, timeout: int = 300, restarts: int = 0):
-    return subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max-restarts",
-                           str(restarts), str(REPO / "tests" / "fault_run.py"), str(config), f"save_dir={save_dir}",
-                           "--record", str(record), *fault], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run(torchrun(2, REPO / "tests" / "fault_run.py", config, f"save_dir={save_dir}", "--record", record,
+                        *fault, restarts=restarts), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -305,13 +289,12 @@ def test_report_command_rebuilds_the_report_of_a_run(base_config, tmp_path):
     save_dir = tmp_path / "run"
     PreTrainer(PreTrainingArguments(**{**base_config, "save_dir": str(save_dir), "write_report": False})).train()
     assert not (save_dir / "report").exists()
-    done = subprocess.run([str(BIN / "pretrainer"), "report", str(save_dir)], capture_output=True, text=True)
+    done = run(pretrainer("report", save_dir))
     assert done.returncode == 0 and "report.html" in done.stdout
     page = (save_dir / "report" / "report.html").read_text()
     assert page.count("<svg") == 5 and "final eval loss / ppl / acc" in page
     assert "engine</th><td>single on 1 process(es), device cpu, dtype fp32" in page
     assert sorted(p.name for p in (save_dir / "report").glob("*.svg")) == ["loss.svg", "lr.svg", "memory.svg",
                                                                           "mfu.svg", "tokens_per_s.svg"]
-    missing = subprocess.run([str(BIN / "pretrainer"), "report", str(tmp_path / "nowhere")], capture_output=True,
-                             text=True)
+    missing = run(pretrainer("report", tmp_path / "nowhere"))
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr

@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_resume_reproduces
+from helpers import assert_resume_reproduces
 from pretrainer import DataError
-from pretrainer.data import BlendedSamples, DocumentMasking, GPTSamples, IndexCache, document_position_ids, \
-    parse_data_path
+from pretrainer.data import (
+    BlendedSamples,
+    DocumentMasking,
+    GPTSamples,
+    IndexCache,
+    document_position_ids,
+    parse_data_path,
+)
 from pretrainer.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 

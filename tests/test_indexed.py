@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CORPUS, QUICKSTART_MODEL, REPO, assert_resume_reproduces
+from helpers import CORPUS, QUICKSTART_MODEL, assert_resume_reproduces
+from launch import environment, pretrainer, run
 from pretrainer import DataError, PreTrainer, PreTrainingArguments
 from pretrainer.data import split_ranges
 from pretrainer.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-BIN = Path(sys.executable).parent
 DOCS = [[5, 6, 7], [1], list(range(100, 140)), [9, 9]]
 
 
@@ -84,8 +84,7 @@ def test_truncated_pair_and_split_strings_are_clear_errors(tmp_path):
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "pretrainer"), "prepare", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return run(pretrainer("prepare", *args))
 
 
 def test_prepare_matches_the_tokenizer_and_megatron_reads_it(tmp_path):
@@ -174,11 +173,10 @@ def test_prepare_skip_mode_summary_chat_rows_and_parquet(tmp_path):
                     "(its tools/preprocess_data.py; not installable from the package registry) to run this check")
 def test_prepare_is_byte_identical_to_megatron_lm_preprocess_data(tmp_path):
     tree = Path(os.environ["MEGATRON_LM_DIR"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
-    theirs = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(CORPUS), "--output-prefix",
-                             str(tmp_path / "theirs"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                             str(QUICKSTART_MODEL), "--workers", "2", "--append-eod"], cwd=tree, env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = environment(None, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    theirs = run([sys.executable, "tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", tmp_path / "theirs",
+                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", QUICKSTART_MODEL, "--workers", "2",
+                  "--append-eod"], cwd=tree, env=env, timeout=600)
     assert theirs.returncode == 0, theirs.stderr[-3000:]
     assert prepare("--input", str(CORPUS), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
                    str(tmp_path / "ours"), "--workers", "2", "--append-eod").returncode == 0

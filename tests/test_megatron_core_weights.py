@@ -10,8 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrainer.models.megatron_core_weights import (hf_to_mcore, mcore_to_hf, tensor_parallel_merge,
-                                                    tensor_parallel_shard)
+from pretrainer.models.megatron_core_weights import (
+    hf_to_mcore,
+    mcore_to_hf,
+    tensor_parallel_merge,
+    tensor_parallel_shard,
+)
 from pretrainer.models.registry import parse_model_config
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

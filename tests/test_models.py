@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
 import torch
 
-from conftest import REPO, write_tiny_model
+from helpers import write_tiny_model
+from launch import run_ok
 from pretrainer import PreTrainingArguments
 from pretrainer.models import build_model, materialize, preflight
 
@@ -29,8 +29,7 @@ def test_random_init_peak_memory_is_one_copy_of_the_weights(tmp_path):
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(after - before, 4 * count_parameters(model))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = run_ok([sys.executable, "-c", script])
     growth, weight_bytes = map(int, done.stdout.split()[-2:])
     assert weight_bytes > 350e6
     assert growth < 1.3 * weight_bytes, (growth, weight_bytes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -21,7 +23,7 @@ def test_warmup_reaches_peak_on_its_last_step_then_each_style_decays_to_min():
         assert values[-1] == pytest.approx(0.1)
         assert all(a >= b for a, b in zip(values[1:], values[2:]))
     assert lrs("constant")[2:] == [1.0] * 8
-    assert lrs("cosine")[2 + 7 // 2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 3 / 7)))
+    assert lrs("cosine")[2 + 7 // 2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
     assert lrs("linear")[5] == pytest.approx(0.1 + 0.9 * (1 - 3 / 7))
 
 

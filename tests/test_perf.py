@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICKSTART_MODEL, read_metrics, train_losses
+from helpers import QUICKSTART_MODEL, read_metrics, train_losses
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.perf import device_peak, flops_per_token
 from pretrainer.perf.peak import rated_peak

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, eval_losses, read_metrics, train_losses, write_tiny_model
+from helpers import EXAMPLES, eval_losses, read_metrics, train_losses, write_tiny_model
 from pretrainer import ConfigError, DataError, PreTrainer, PreTrainingArguments
 from pretrainer.train.checkpoint import find_latest
 
@@ -252,3 +252,23 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(base_config, tmp_path):
     other = write_tiny_model(tmp_path / "wider", hidden_size=96)
     with pytest.raises(ConfigError, match=r"step-3 does not fit this run's model and optimizer \(.*[Ss]ize mismatch"):
         PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(other), "num_training_steps": 4})).train()
+
+
+def test_a_misspelt_pretrainer_argument_is_an_error(base_config):
+    with pytest.raises(TypeError, match="train_dataloder"):
+        PreTrainer(PreTrainingArguments(**base_config), train_dataloder=None)
+
+
+def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_config, tmp_path):
+    """The capabilities an engine declares decide: a DeepSpeed checkpoint (also one written before the format
+    was recorded) is refused by a DCP engine; a DCP checkpoint of 2 ranks is resharded."""
+    from pretrainer.parallel import SingleEngine
+    from pretrainer.train.checkpoint import check_resumable
+
+    engine = SingleEngine(PreTrainingArguments(**base_config))
+    for state in ({"engine": "deepspeed", "world_size": 2},
+                  {"engine": "deepspeed", "world_size": 1, "checkpoint_format": "deepspeed"}):
+        with pytest.raises(ConfigError, match="was written by engine deepspeed; engine single cannot read it"):
+            check_resumable(tmp_path, state, engine)
+    check_resumable(tmp_path, {"engine": "fsdp", "world_size": 2, "checkpoint_format": "dcp"}, engine)
+    check_resumable(tmp_path, {"engine": "ddp", "world_size": 2}, engine)

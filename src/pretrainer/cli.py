@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", help="checkpoint folder (default: the latest in save_dir)")
     export.add_argument("--output", help="output folder (default: save_dir/hf)")
 
-    report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and PNG plots from a run")
+    report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
     report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
 
     # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment

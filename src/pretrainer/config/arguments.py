@@ -20,8 +20,16 @@ import yaml
 
 from .dtypes import DTYPES, torch_dtype
 from .errors import ConfigError, key_error
-from .loading import (allowed_types, apply_override, coerce_scientific, describe_types, field_names, plain,
-                      suggestion, top_level_key_lines)
+from .loading import (
+    allowed_types,
+    apply_override,
+    coerce_scientific,
+    describe_types,
+    field_names,
+    plain,
+    suggestion,
+    top_level_key_lines,
+)
 from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
 from .run_plan import global_batch_size
 

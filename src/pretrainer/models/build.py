@@ -81,7 +81,8 @@ def load_tokenizer(tokenizer_path: str | None, model_path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tpath))
     except Exception as exc:
-        hint = "; set `tokenizer_path` to a tokenizer folder" if tpath == model_path or tpath == model_path.parent else ""
+        in_model_folder = tpath in (model_path, model_path.parent)
+        hint = "; set `tokenizer_path` to a tokenizer folder" if in_model_folder else ""
         raise ConfigError(f"no usable tokenizer in {tpath}: {exc}{hint}") from None
     return tokenizer
 

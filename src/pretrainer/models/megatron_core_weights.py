@@ -18,7 +18,6 @@ import torch
 from ..config import ConfigError
 from .registry import NetworkShape
 
-
 _HF_TO_MCORE_LAYER = {
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",

@@ -62,7 +62,7 @@ class NetworkShape:
     ffn_hidden_size: int
     vocab_size: int
     untied_embeddings: bool
-    seq_length: int
+    seq_length: int | None  # the run's (the engine passes plan.seq_length); a parser may set its own
     megatron_args: dict
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -116,7 +116,7 @@ def parse_model_config(model, seq_length: int | None = None, batch_data: dict | 
         ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * args["hidden_size"]),
         vocab_size=int(args.get("padded_vocab_size") or args.get("orig_vocab_size") or 0),
         untied_embeddings=bool(args.get("untie_embeddings_and_output_weights", True)),
-        seq_length=int(plugin.seq_length or args.get("max_position_embeddings") or 0),
+        seq_length=plugin.seq_length,
         megatron_args=dict(args),
     )
 

@@ -15,13 +15,17 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 
+from ..batch import batch_targets, forward_logits
 from ..config import ConfigError, RunPlan, torch_dtype
 from ..models import has_meta_tensors, materialize
-from ..batch import batch_targets, forward_logits
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -154,7 +158,8 @@ class Engine(ABC):
         """Logits of a device batch (None on ranks that produce none, e.g. early pipeline stages)."""
         return forward_logits(model, batch)
 
-    def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
+    def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
+                         scale: float) -> torch.Tensor:
         """Forward and backward over one accumulation window; gradients of sum(loss_fn) * scale.
 
         `loss_fn(logits, targets)` returns a micro-batch's summed token loss. Returns this rank's summed

@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from ..config import ConfigError
-
 from .activation_checkpoint import decoder_layers
 from .distributed import DistributedEngine
 

@@ -28,7 +28,6 @@ from ..batch import IGNORE, batch_targets
 from ..config import ConfigError
 from ..models import materialize
 from ..models.registry import parse_model_config
-from ..batch import IGNORE, batch_targets
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
 from .engine import compile_layers, to_device_async

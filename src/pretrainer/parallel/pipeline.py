@@ -103,8 +103,7 @@ class DecoderStage(torch.nn.Module):
 def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_stages: int, schedule: str,
                    num_micro_batches: int, loss_fn, device: torch.device, group):
     """The `torch.distributed.pipelining` schedule over this rank's stages."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     stages = [PipelineStage(module, index, num_stages, device, group=group)
               for module, index in zip(stage_modules, stage_ids)]

@@ -46,6 +46,18 @@ class StepWatchdog:
     def close(self) -> None:
         self._stop.set()
 
+    def _watch(self) -> None:
+        while not self._stop.wait(min(0.5, self.limit / 4)):
+            with self._lock:
+                late = self._deadline is not None and not self._reported and time.monotonic() > self._deadline
+                if late:
+                    self._reported = True
+                    step = self._step
+            if late:
+                logger.error("rank %d: step %d has run for %.0f s, 90%% of distributed_timeout_minutes; another "
+                             "rank has probably died or hangs, and the next collective will fail", self.rank, step,
+                             self.limit)
+
 
 class NoWatchdog:
     """One process has no other rank to wait for."""
@@ -59,15 +71,3 @@ class NoWatchdog:
 
 def open_watchdog(rank: int, world_size: int, timeout_s: float) -> StepWatchdog | NoWatchdog:
     return StepWatchdog(rank, timeout_s) if world_size > 1 else NoWatchdog()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(min(0.5, self.limit / 4)):
-            with self._lock:
-                late = self._deadline is not None and not self._reported and time.monotonic() > self._deadline
-                if late:
-                    self._reported = True
-                    step = self._step
-            if late:
-                logger.error("rank %d: step %d has run for %.0f s, 90%% of distributed_timeout_minutes; another "
-                             "rank has probably died or hangs, and the next collective will fail", self.rank, step,
-                             self.limit)

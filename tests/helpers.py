@@ -1,0 +1,61 @@
+"""Helpers shared by the tests: the tiny real Llama, the small real corpus, and reading a run's metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from launch import REPO
+
+EXAMPLES = REPO / "examples"
+QUICKSTART_MODEL = EXAMPLES / "models" / "tiny-llama"
+CORPUS = EXAMPLES / "data" / "python_docs.jsonl"
+
+
+def write_tiny_model(folder: Path, **overrides) -> Path:
+    """config.json of a 2-layer Llama with the quickstart tokenizer beside it (no weights: random init)."""
+    from transformers import LlamaConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QUICKSTART_MODEL / name, folder / name)
+    settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    settings.update(overrides)
+    LlamaConfig(**settings).save_pretrained(folder)
+    return folder
+
+
+def small_corpus_file(path: Path) -> Path:
+    """The first 150 documents of the shipped corpus, written to `path`."""
+    with open(CORPUS, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        for _, line in zip(range(150), src):
+            dst.write(line)
+    return path
+
+
+def read_metrics(save_dir) -> list[dict]:
+    path = Path(save_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train_losses(save_dir) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_metrics(save_dir) if "loss" in row}
+
+
+def eval_losses(save_dir) -> dict[int, float]:
+    return {row["step"]: row["eval_loss"] for row in read_metrics(save_dir) if "eval_loss" in row}
+
+
+def assert_resume_reproduces(config: dict, folder: Path) -> None:
+    """6 steps straight vs 3 steps, exit, and the same run again: identical per-step losses."""
+    from pretrainer import PreTrainer, PreTrainingArguments
+
+    straight, interrupted = folder / "straight", folder / "interrupted"
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(straight)})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted), "exit_interval": 3})).train()
+    PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
+    assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
+    assert train_losses(interrupted) == train_losses(straight)

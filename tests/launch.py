@@ -1,0 +1,62 @@
+"""Launching the real commands from tests: `pretrainer`, `torchrun`, `accelerate`, `deepspeed` and scripts.
+
+One place for how a test starts a process: from the repository root, with OMP_NUM_THREADS set (1 by default:
+two ranks on two cores), a timeout, and output captured. `run_ok` fails with the command and the tail of
+its output, so a failing launch says what it ran and how it ended.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the environment's console scripts: pretrainer, torchrun, accelerate, ...
+
+
+def environment(threads: int | None = 1, **extra: str) -> dict:
+    """This process's environment with OMP_NUM_THREADS set (`None`: torch's default) and `extra` added."""
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra)
+    return env
+
+
+def pretrainer(*args) -> list:
+    return [BIN / "pretrainer", *args]
+
+
+def torchrun(nproc: int, *args, restarts: int | None = None) -> list:
+    """`torchrun --standalone --nproc_per_node N ARGS` (with `--max-restarts` when given)."""
+    extra = ["--max-restarts", restarts] if restarts is not None else []
+    return [BIN / "torchrun", "--standalone", "--nproc_per_node", nproc, *extra, *args]
+
+
+def run(command: list, *, timeout: float = 300, threads: int | None = 1, env: dict | None = None,
+        cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run to completion with output captured (text)."""
+    return subprocess.run([str(c) for c in command], cwd=cwd, env=env or environment(threads), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_ok(command: list, **options) -> subprocess.CompletedProcess:
+    """`run`, asserting exit code 0 (the message holds the command and the tail of its output)."""
+    done = run(command, **options)
+    assert done.returncode == 0, describe(done)
+    return done
+
+
+def describe(done: subprocess.CompletedProcess, chars: int = 6000) -> str:
+    command = " ".join(str(c) for c in done.args)
+    return (f"`{command}` exited with {done.returncode}\n--- stdout (tail) ---\n{(done.stdout or '')[-chars // 2:]}"
+            f"\n--- stderr (tail) ---\n{(done.stderr or '')[-chars:]}")
+
+
+def start(command: list, log: Path, *, threads: int | None = 1) -> subprocess.Popen:
+    """Start in the background in its own session (so a test can signal the whole group), output to `log`."""
+    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=environment(threads), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
