@@ -95,8 +95,8 @@ def parse_model_config(model, seq_length: int | None = None, batch_data: dict | 
             "your script before PreTrainer(...):\n"
             "    from pretrainer import add_model_config_to_megatron_parser, parse_llama_config\n"
             f"    add_model_config_to_megatron_parser({model_type!r})(parse_llama_config)\n"
-            "otherwise add a plan to pretrainer.parallel.plans and a parser that names it (README: 'Adding a model "
-            "type')")
+            "otherwise add a plan to pretrainer.parallel.plans and a parser that names it (docs/megatron.md: "
+            "'Adding a model type')")
     plugin = ParserPlugin(seq_length=seq_length)
     parser(plugin, model, batch_data or {})
     args = plugin.megatron_lm_default_args
