@@ -80,9 +80,9 @@ def run_case(base: dict, case: dict) -> None:
 FAILED = "multi_run: case failed: "  # a line each rank prints before it re-raises
 
 
-def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> None:
+def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path):
     """Run `cases` in one torchrun job of `nproc` processes (from a test); a failure names the case(s) that
-    failed, with the job's output."""
+    failed, with the job's output. Returns the finished job (its output)."""
     from launch import describe, run, torchrun
 
     spec = folder / "cases.json"
@@ -90,6 +90,7 @@ def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path) -> Non
     done = run(torchrun(nproc, Path(__file__), spec), timeout=900)
     failed = sorted({line.split(FAILED, 1)[1] for line in (done.stdout + done.stderr).splitlines() if FAILED in line})
     assert done.returncode == 0, f"failed case(s): {', '.join(failed) or '(none reported)'}\n{describe(done)}"
+    return done
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers import eval_losses, read_metrics, train_losses
@@ -27,6 +28,13 @@ def test_train_command_with_overrides_and_export_command(base_config, tmp_path):
     shutil.rmtree(Path(base_config["save_dir"]) / "hf")
     run_ok(pretrainer("export", config, "--output", tmp_path / "exported"))
     assert (tmp_path / "exported" / "model.safetensors").is_file()
+    # the same checkpoint exported through the megatron engine's stages (one process, unset seq_length)
+    run_ok(pretrainer("export", config, "engine=megatron", "seq_length=null", "--output", tmp_path / "megatron"))
+    from safetensors.torch import load_file
+
+    exported, through_stages = (load_file(tmp_path / name / "model.safetensors") for name in ("exported", "megatron"))
+    assert exported.keys() == through_stages.keys()
+    assert all(torch.equal(exported[key], through_stages[key]) for key in exported)
 
 
 def test_cli_errors_are_one_clear_line(base_config, tmp_path):

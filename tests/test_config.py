@@ -186,3 +186,24 @@ def test_dtype_table_round_trips():
 
     assert [dtype_name(torch_dtype(name)) for name in DTYPES] == list(DTYPES)
     assert torch_dtype("bf16") is torch.bfloat16 and dtype_name(torch.int8) == "torch.int8"
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_workers", -1, "num_workers must be >= 0"), ("weight_decay", -0.1, "weight_decay must be >= 0"),
+    ("adam_eps", -1e-8, "adam_eps must be >= 0"), ("clip_grad", -1.0, "clip_grad must be >= 0"),
+    ("fsdp_shard_size", 0, "fsdp_shard_size must be >= 1"), ("init_method_std", 0.0, "init_method_std must be > 0"),
+    ("peak_tflops", -5.0, "peak_tflops must be > 0")])
+def test_values_torch_would_refuse_deep_inside_are_config_errors(tmp_path, key, value, message):
+    path = write(tmp_path, f"num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\n{key}: {value}\n")
+    with pytest.raises(ConfigError, match=f"c.yaml, line 4: key '{key}': {message}"):
+        PreTrainingArguments.from_yaml(path)
+
+
+def test_a_device_this_machine_lacks_is_a_config_error():
+    from pretrainer.parallel import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ConfigError, match="key 'device': 'cuda', but this machine has no accelerator"):
+        resolve_device("cuda")
+    assert resolve_device("cpu").type == "cpu"

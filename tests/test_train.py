@@ -272,3 +272,10 @@ def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_con
             check_resumable(tmp_path, state, engine)
     check_resumable(tmp_path, {"engine": "fsdp", "world_size": 2, "checkpoint_format": "dcp"}, engine)
     check_resumable(tmp_path, {"engine": "ddp", "world_size": 2}, engine)
+
+
+def test_unreadable_weights_are_a_config_error_naming_the_folder(base_config, tmp_path):
+    folder = write_tiny_model(tmp_path / "cut-short")
+    (folder / "model.safetensors").write_bytes(b"\x00" * 100)  # a download cut short
+    with pytest.raises(ConfigError, match=f"model_path {folder}: its weights cannot be loaded"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(folder)}))

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import ConfigError, PreTrainingArguments
+from .config import ConfigError, PreTrainingArguments, check_writable_folder, resolve_run_plan
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 
@@ -106,6 +106,8 @@ def prepare_command(ns) -> int:
 def report_command(ns) -> int:
     from .train.report import ReportError, write_report
 
+    if (Path(ns.save_dir) / "metrics.jsonl").is_file():
+        check_writable_folder(Path(ns.save_dir) / "report", "SAVE_DIR")
     try:
         print(f"report: {write_report(ns.save_dir)}")
     except ReportError as exc:
@@ -128,12 +130,14 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)
     if out is None:
         raise ConfigError("no output folder: pass --output or set save_dir")
-    if ckpt.read_trainer_state(path).get("engine") == "deepspeed":
+    check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
+    if ckpt.checkpoint_format(ckpt.read_trainer_state(path)) == "deepspeed":
         raise ConfigError(f"{path} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end; to rebuild "
                           "weights from ZeRO shards use DeepSpeed's zero_to_fp32.py on it")
     engine = create_engine(args)
     spec = preflight(args)
-    model = engine.wrap(build_model(args, spec))
+    plan = resolve_run_plan(args, spec.config, spec.config_source, engine.world_size, engine.model_parallel_size)
+    model = engine.place(build_model(args, spec), plan)
     ckpt.load_model_weights(path, engine=engine, model=model)
     state = engine.full_state_dict(model)
     if engine.is_main:

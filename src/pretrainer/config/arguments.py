@@ -338,3 +338,16 @@ class PreTrainingArguments:
             raise key_error("eval_split", "eval_split must be >= 0")
         if self.resume not in ("auto", "none") and not self.resume:
             raise key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
+        at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise key_error(name, f"{name} must be >= {low}, got {value}")
+        for name in ("init_method_std", "peak_tflops"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise key_error(name, f"{name} must be > 0 (or null for the default), got {value}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..config import ConfigError, check_writable_folder
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
 
@@ -117,6 +118,10 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
     if on_error not in ON_ERROR:
         raise DataError(f"--on-error {on_error!r}: choose one of {', '.join(ON_ERROR)}")
     files = expand_paths(inputs, "--input")
+    try:
+        check_writable_folder(Path(output_prefix).parent, "--output-prefix")
+    except ConfigError as exc:
+        raise DataError(str(exc)) from None
     tokenizer_json = tokenizer_file(tokenizer)
     from tokenizers import Tokenizer
 

@@ -101,7 +101,13 @@ def build_model(args, spec: ModelSpec) -> torch.nn.Module:
         config.initializer_range = args.init_method_std
     if spec.has_weights:
         logger.info("loading weights from %s", spec.source)
-        model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32)
+        except Exception as exc:  # transformers, safetensors and torch raise many kinds for a damaged folder
+            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"model_path {spec.source}: its weights cannot be loaded ({reason}); check the "
+                              "weight files (a download cut short?), or point model_path at a config.json to start "
+                              "from random weights") from None
     else:
         logger.info("building %s from its config on the meta device (init std %s)", config.model_type,
                     getattr(config, "initializer_range", "default"))

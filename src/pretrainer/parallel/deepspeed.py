@@ -15,7 +15,13 @@ import logging
 import torch
 
 from ..config import ConfigError
-from .deepspeed_config import config_from_accelerate_env, fill_deepspeed_config, load_deepspeed_config
+from .deepspeed_config import (
+    config_from_accelerate_env,
+    fill_deepspeed_config,
+    fill_hidden_size,
+    load_deepspeed_config,
+    validate_deepspeed_config,
+)
 from .distributed import DistributedEngine
 
 logger = logging.getLogger(__name__)
@@ -39,8 +45,12 @@ class DeepSpeedEngine(DistributedEngine):
                 from None
         super().__init__(args)
         source = args.deepspeed if args.deepspeed is not None else config_from_accelerate_env()
-        self.raw_config = load_deepspeed_config(source)
-        self.ds_config: dict = {}
+        self.source = (f"key 'deepspeed' ({source})" if isinstance(source, str) else
+                       "key 'deepspeed'" if args.deepspeed is not None else "the accelerate DeepSpeed config")
+        # Filled and checked now, before the model is built: only the bucket sizes wait for its hidden size.
+        self.ds_config, self.filled = fill_deepspeed_config(load_deepspeed_config(source), args, self.world_size,
+                                                            hidden_size=None)
+        validate_deepspeed_config(self.ds_config, self.source)
         self.model_engine = None
 
     @property
@@ -58,16 +68,18 @@ class DeepSpeedEngine(DistributedEngine):
         self.prepare_layers(model)
         self.materialize_if_meta(model)
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        self.ds_config, filled = fill_deepspeed_config(self.raw_config, self.args, self.world_size, hidden)
-        if filled and self.is_main:
-            logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in filled.items()))
+        if hidden:
+            fill_hidden_size(self.ds_config, hidden, self.filled)
+        if self.filled and self.is_main:
+            logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.filled.items()))
         # (A user optimizer never reaches here: it would hold unsharded parameters; PreTrainer refuses it.)
         if "optimizer" not in self.ds_config:
             optimizer = build_optimizer(model)  # our AdamW groups (no decay on norms/biases/embeddings)
             if "offload_optimizer" in (self.ds_config.get("zero_optimization") or {}):
                 self.ds_config["zero_force_ds_cpu_optimizer"] = False
-        if "scheduler" in self.ds_config:
-            logger.info("using the DeepSpeed config's scheduler %s", self.ds_config["scheduler"].get("type"))
+        if "scheduler" in self.ds_config:  # the JSON's scheduler wins over lr_decay_style, as in the HF Trainer
+            logger.info("using the DeepSpeed config's scheduler %s (lr_decay_style is not used)",
+                        self.ds_config["scheduler"].get("type"))
             scheduler = None
         elif scheduler is None:
             # Our schedule; over DeepSpeed's own optimizer when the JSON defines one (a callable it applies).

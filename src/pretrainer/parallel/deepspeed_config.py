@@ -20,6 +20,8 @@ from ..config import ConfigError, global_batch_size
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+# ZeRO bucket sizes filled from the model's hidden size (as the HF Trainer does).
+HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 # Keys found in published configs that current DeepSpeed rejects or ignores, and why.
 DROPPED = {("fp16", "fp16_opt_level"): "an apex (O1/O2) setting; current DeepSpeed rejects it"}
@@ -60,7 +62,8 @@ def config_from_accelerate_env() -> dict:
 
 
 def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int | None) -> tuple[dict, dict]:
-    """Return the filled config and {dotted key: value} of what was filled."""
+    """Return the filled config and {dotted key: value} of what was filled. Without `hidden_size` (the model is
+    not known yet) the ZeRO bucket sizes derived from it stay "auto"."""
     config = copy.deepcopy(config)
     filled: dict = {}
     for (block, key), why in DROPPED.items():
@@ -98,25 +101,55 @@ def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int 
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict):
         params = scheduler.setdefault("params", {})
-        values = {"total_num_steps": args.num_training_steps, "warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
-                  "warmup_num_steps": args.warmup_steps_resolved()}
+        values = scheduler_values(scheduler.get("type"), args)
         for key, value in values.items():
             if params.get(key) == AUTO:
                 params[key] = value
                 filled[f"scheduler.params.{key}"] = value
-    zero = config.get("zero_optimization") or {}
     if hidden_size:
-        sizes = {"reduce_bucket_size": hidden_size * hidden_size,
-                 "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-                 "stage3_param_persistence_threshold": 10 * hidden_size}
-        for key, value in sizes.items():
-            if zero.get(key) == AUTO:
-                zero[key] = value
-                filled[f"zero_optimization.{key}"] = value
-    leftovers = [k for k, v in _walk(config) if v == AUTO]
+        fill_hidden_size(config, hidden_size, filled)
+    later = {f"zero_optimization.{key}" for key in HIDDEN_SIZE_KEYS} if not hidden_size else set()
+    leftovers = [k for k, v in _walk(config) if v == AUTO and k not in later]
     if leftovers:
         raise ConfigError(f"DeepSpeed config: cannot fill \"auto\" for {', '.join(leftovers)}; give explicit values")
     return config, filled
+
+
+def fill_hidden_size(config: dict, hidden_size: int, filled: dict) -> None:
+    """Fill the ZeRO bucket sizes still "auto" from the model's hidden size."""
+    zero = config.get("zero_optimization") or {}
+    sizes = dict(zip(HIDDEN_SIZE_KEYS, (hidden_size * hidden_size, int(0.9 * hidden_size * hidden_size),
+                                        10 * hidden_size)))
+    for key, value in sizes.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+            filled[f"zero_optimization.{key}"] = value
+
+
+def scheduler_values(kind: str | None, args) -> dict:
+    """What each "auto" parameter of a DeepSpeed scheduler block becomes, from the run's lr, min_lr, warmup and
+    num_training_steps. DeepSpeed refuses warmup_num_steps 0 (and warms up over at least 2 steps), so a run
+    without warmup gets a flat one: warmup from lr to lr, which leaves the schedule the config asks for."""
+    total, warmup = args.num_training_steps, args.warmup_steps_resolved()
+    lr, min_lr = args.lr, args.min_lr
+    warmup_steps = max(1, warmup)
+    warmup_start = 0.0 if warmup else lr
+    common = {"warmup_num_steps": warmup_steps, "warmup_type": "linear"}
+    values = {
+        "WarmupLR": {**common, "warmup_min_lr": warmup_start, "warmup_max_lr": lr},
+        "WarmupDecayLR": {**common, "warmup_min_lr": warmup_start, "warmup_max_lr": lr, "total_num_steps": total},
+        "WarmupCosineLR": {**common, "total_num_steps": total, "warmup_min_ratio": warmup_start / lr,
+                           "cos_min_ratio": min_lr / lr},
+        # one cycle: up from min_lr to lr over the warmup (at least one step), down again over the rest
+        "OneCycle": {"cycle_min_lr": min_lr, "cycle_max_lr": lr, "cycle_first_step_size": warmup_steps,
+                     "cycle_second_step_size": max(1, total - warmup_steps), "decay_lr_rate": 0.0,
+                     "decay_step_size": 0, "cycle_min_mom": args.adam_beta1, "cycle_max_mom": args.adam_beta1,
+                     "decay_mom_rate": 0.0},
+        # a sweep that starts at lr and grows by lr every num_training_steps steps
+        "LRRangeTest": {"lr_range_test_min_lr": lr, "lr_range_test_step_size": total, "lr_range_test_step_rate": 1.0,
+                        "lr_range_test_staircase": False},
+    }
+    return values.get(kind, {})
 
 
 def _fill_or_check(block: dict, key: str, value, filled: dict, prefix: str = "") -> None:
@@ -127,6 +160,92 @@ def _fill_or_check(block: dict, key: str, value, filled: dict, prefix: str = "")
     elif current != value and not (isinstance(value, float) and float(current) == value):
         raise ConfigError(f"DeepSpeed config sets {prefix}{key}={current!r} but the pretraining config gives "
                           f"{value!r}; set it to \"auto\" or make the two agree")
+
+
+def validate_deepspeed_config(config: dict, source: str) -> None:
+    """Check a (filled) config with DeepSpeed's own config models, as `deepspeed.initialize` will, so a bad value
+    is one line naming its JSON path, the value and what is allowed. Values still "auto" are left to
+    DeepSpeed's defaults here."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # DeepSpeed versions without pydantic models
+        ValidationError = ()
+    checked = _without_auto(config)
+    # DeepSpeed checks the global batch against its own world size, which it knows only once deepspeed.initialize
+    # has set up its communication; the batch sizes were filled (and checked) from the launch above.
+    checked.pop("train_batch_size", None)
+    try:
+        DeepSpeedConfig(checked)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            location = tuple(str(part) for part in error["loc"])
+            value = error.get("input")
+            path = _find_path(checked, location, value) or ".".join(location)
+            allowed = "not a DeepSpeed setting (misspelt?)" if error["type"] == "extra_forbidden" else error["msg"]
+            problems.append(f"{path}={value!r}: {allowed}")
+        raise ConfigError(f"{source}: {'; '.join(problems)}") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{source}: DeepSpeed does not accept this config: {exc}") from None
+    _check_named_parts(checked, source)
+
+
+def _check_named_parts(config: dict, source: str) -> None:
+    """The optimizer and scheduler named by type, and the scheduler's parameters: DeepSpeed looks them up only
+    inside deepspeed.initialize (an assertion or a TypeError there)."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    optimizer = (config.get("optimizer") or {}).get("type")
+    if optimizer is not None and str(optimizer).lower() not in DEEPSPEED_OPTIMIZERS \
+            and getattr(torch.optim, str(optimizer), None) is None:
+        raise ConfigError(f"{source}: optimizer.type={optimizer!r}: not an optimizer DeepSpeed knows (its own: "
+                          f"{', '.join(DEEPSPEED_OPTIMIZERS)}; or a torch.optim class name)")
+    scheduler = config.get("scheduler") or {}
+    kind = scheduler.get("type")
+    if kind is None:
+        return
+    cls = getattr(lr_schedules, str(kind), None) or getattr(torch.optim.lr_scheduler, str(kind), None)
+    if not inspect.isclass(cls):
+        raise ConfigError(f"{source}: scheduler.type={kind!r}: not a DeepSpeed scheduler (one of "
+                          f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}; or a torch.optim.lr_scheduler class name)")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer"}
+    unknown = sorted(set(scheduler.get("params") or {}) - accepted)
+    if unknown:
+        raise ConfigError(f"{source}: scheduler.params.{unknown[0]}: not a parameter of {kind} (it takes "
+                          f"{', '.join(sorted(accepted))})")
+
+
+def _without_auto(node):
+    if isinstance(node, dict):
+        return {k: _without_auto(v) for k, v in node.items() if v != AUTO}
+    return node
+
+
+def _find_path(config: dict, location: tuple, value) -> str | None:
+    """The dotted path in `config` that ends with `location` and holds `value` (a pydantic error's location is
+    relative to the block its model reads)."""
+    for path, found in _walk(config):
+        parts = tuple(path.split("."))
+        if parts[-len(location):] == location and found == value:
+            return path
+    for path, _ in _walk_mappings(config):  # the value is a mapping (a whole block is wrong)
+        if tuple(path.split("."))[-len(location):] == location:
+            return path
+    return None
+
+
+def _walk_mappings(node, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield f"{prefix}{key}", value
+                yield from _walk_mappings(value, f"{prefix}{key}.")
 
 
 def _walk(node, prefix: str = ""):

@@ -39,9 +39,15 @@ CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def resolve_device(name: str) -> torch.device:
     if name != "auto":
         try:
-            return torch.device(name)
+            device = torch.device(name)
         except RuntimeError as exc:
             raise ConfigError(f"key 'device': {exc}") from None
+        available = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if device.type != "cpu" and (available is None or available.type != device.type):
+            raise ConfigError(f"key 'device': {name!r}, but this machine has "
+                              f"{'no accelerator' if available is None else 'a ' + available.type + ' device'}"
+                              "; set device: auto (or cpu)")
+        return device
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
 
@@ -133,10 +139,14 @@ class Engine(ABC):
     def setup(self, model: torch.nn.Module, plan: RunPlan, optimizer, scheduler, build_optimizer, build_scheduler):
         """Wrap the model for the run `plan` describes and pair it with an optimizer and schedule (given, or
         built over the wrapped model)."""
-        self.plan = plan
-        model = self.wrap(model)
+        model = self.place(model, plan)
         optimizer = optimizer or build_optimizer(model)
         return model, optimizer, scheduler or build_scheduler(optimizer)
+
+    def place(self, model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
+        """Wrap the model for the run `plan` describes, without an optimizer (training setup, export)."""
+        self.plan = plan
+        return self.wrap(model)
 
     def finish_step(self, optimizer, scheduler) -> None:
         """After an update: advance the schedule once and clear gradients."""

@@ -159,11 +159,16 @@ def read_trainer_state(path: str | Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
+def checkpoint_format(trainer_state: dict) -> str:
+    """How a checkpoint's model/optimizer state was written ("dcp" or "deepspeed")."""
+    # Checkpoints that predate the format field: only the deepspeed engine wrote its own format.
+    default = "deepspeed" if trainer_state.get("engine") == "deepspeed" else "dcp"
+    return trainer_state.get("checkpoint_format", default)
+
+
 def check_resumable(path: Path, trainer_state: dict, engine) -> None:
     """Refuse a checkpoint this engine cannot read (another format, or shards for another process count)."""
-    saved_engine = trainer_state.get("engine")
-    # Checkpoints that predate the format field: only the deepspeed engine wrote its own format.
-    saved_format = trainer_state.get("checkpoint_format", "deepspeed" if saved_engine == "deepspeed" else "dcp")
+    saved_engine, saved_format = trainer_state.get("engine"), checkpoint_format(trainer_state)
     if saved_format != engine.checkpoint_format:
         raise ConfigError(f"{path} was written by engine {saved_engine}; engine {engine.name} cannot read it. "
                           "Resume with the same engine or start a new save_dir.")

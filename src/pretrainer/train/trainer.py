@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..batch import count_inputs, count_targets, to_device
-from ..config import ConfigError, PreTrainingArguments, RunPlan, resolve_run_plan
+from ..config import ConfigError, PreTrainingArguments, RunPlan, check_writable_folder, resolve_run_plan
 from ..data import DataPlacement, assemble_data
 from ..models import build_model, count_parameters, load_tokenizer, preflight
 from ..parallel import create_engine
@@ -56,6 +56,9 @@ class PreTrainer:
         if lr_scheduler is not None and optimizer is None:
             raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
         requested_trackers(args.report_to)  # an unknown name fails before any heavy work
+        for key in ("save_dir", "data_cache_path"):
+            if getattr(args, key):
+                check_writable_folder(getattr(args, key), f"key {key!r}")
         self.engine = engine = create_engine(args)
         if args.host_malloc_reuse and engine.device.type == "cpu":
             reuse_freed_host_memory()  # before the model and data allocate

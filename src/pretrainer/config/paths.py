@@ -1,0 +1,24 @@
+"""Folders a run will write into, checked when the run starts instead of failing at the first save."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+def check_writable_folder(path: str | Path, what: str) -> Path:
+    """Create `path` (and its parents) if needed and write a probe file in it. `what` names the setting in the
+    message (e.g. "key 'save_dir'")."""
+    folder = Path(path)
+    probe = folder / f".pretrainer-write-check-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"{what}: {folder} cannot be created or written ({reason}); choose a folder you can "
+                          "write to") from None
+    return folder
