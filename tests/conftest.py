@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 from helpers import small_corpus_file, write_tiny_model
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tokenized stores of train_data go to a cache of this test session (shared by the processes it starts), not
+# to the user's ~/.cache.
+os.environ.setdefault("PRETRAINER_CACHE_DIR", tempfile.mkdtemp(prefix="pretrainer-test-cache-"))
 # DeepSpeed's ops are built once into the environment by scripts/build_deepspeed_ops.py (make test).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 

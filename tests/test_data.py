@@ -13,16 +13,26 @@ from helpers import EXAMPLES, QUICKSTART_MODEL
 from pretrainer.data import (
     BatchStream,
     DataError,
-    Document,
     EvalBatches,
     PackedDataset,
     SampleStream,
     collate_packed,
     expand_paths,
     read_documents,
-    split_documents,
-    tokenize_documents,
+    split_indices,
 )
+from pretrainer.data.assemble import DataPlacement
+from pretrainer.data.token_store import open_store, store_spec
+
+ONE_PROCESS = DataPlacement(0, 1, True, lambda: None)
+
+
+def tokenized(tmp_path, tokenizer, rows: list[str]):
+    """The token store of a jsonl file holding `rows` (through the training pipeline's tokenization)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    return open_store(store_spec([path], tokenizer, "text", "line"), tmp_path / "cache", "train_data", tokenizer,
+                      ONE_PROCESS)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +67,10 @@ def test_alpaca_records_use_the_alpaca_template():
     assert first.endswith("### Response:\n" + raw[0]["output"])
 
 
-def test_chat_rows_get_no_doubled_bos_and_no_extra_eos(tokenizer):
+def test_chat_rows_get_no_doubled_bos_and_no_extra_eos(tokenizer, tmp_path):
     rows = docs(EXAMPLES / "data" / "python_topics_chat.csv")
     assert rows[0].text.startswith("<s>Human: ")
-    stream, _ = tokenize_documents(rows[:2], tokenizer)
+    stream = tokenized(tmp_path, tokenizer, [row.text for row in rows[:2]]).tokens
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     assert stream[0] == bos and stream[1] != bos
     first_end = int(np.flatnonzero(stream == eos)[1])  # each row holds two turns, each closed by </s>
@@ -101,10 +111,10 @@ def test_skip_mode_reports_each_bad_record_and_keeps_the_rest(tmp_path):
     assert [d.where.rsplit(":", 1)[1] for d in docs(tmp_path / "gaps.txt")] == ["1", "4"]  # blank lines: no documents
 
 
-def test_plain_documents_get_bos_and_eos_between_them(tokenizer):
-    stream, skipped = tokenize_documents([Document("hello world", "x:1"), Document("", "x:2"),
-                                          Document("second doc", "x:3")], tokenizer)
-    assert skipped == 1
+def test_plain_documents_get_bos_and_eos_between_them(tokenizer, tmp_path):
+    store = tokenized(tmp_path, tokenizer, ["hello world", "", "second doc"])
+    assert store.num_documents == 3 and store.sequence_lengths[1] == 0  # an empty text: an empty document
+    stream = np.asarray(store.tokens)
     hello = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     second = tokenizer("second doc", add_special_tokens=False)["input_ids"]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -128,13 +138,24 @@ def test_packing_keeps_every_token_as_a_target_once(tokenizer):
 
 
 def test_eval_split_on_tiny_inputs_does_not_crash():
-    one = [Document("a", "f:1")]
-    assert split_documents(one, 0.05, seed=1) == (one, [])
-    two = [Document("a", "f:1"), Document("b", "f:2")]
-    train, held = split_documents(two, 0.5, seed=1)
+    train, held = split_indices(1, 0.05, seed=1)
+    assert train.tolist() == [0] and held.tolist() == []
+    train, held = split_indices(2, 0.5, seed=1)
     assert len(train) == 1 and len(held) == 1
-    train, held = split_documents(two, 10, seed=1)  # a count larger than the data leaves one for training
+    train, held = split_indices(2, 10, seed=1)  # a count larger than the data leaves one for training
     assert len(train) == 1 and len(held) == 1
+
+
+def test_packed_windows_over_chosen_documents_read_their_concatenation():
+    tokens = np.arange(100, dtype=np.uint16)
+    starts, lengths = np.array([0, 10, 40, 70]), np.array([10, 0, 20, 5])  # doc 1 empty; gaps between others
+    dataset = PackedDataset(tokens, seq_length=4, documents=(starts, lengths))
+    expected = [*range(0, 10), *range(40, 60), *range(70, 75)]
+    assert dataset.num_tokens == 35 and len(dataset) == 9  # ceil(34 / 4)
+    assert torch.cat([dataset[i]["shift_labels"] for i in range(len(dataset))]).tolist() == expected[1:]
+    assert torch.cat([dataset[i]["input_ids"] for i in range(len(dataset))]).tolist() == expected[:-1]
+    adjacent = PackedDataset(tokens, seq_length=4, documents=(np.array([20, 30]), np.array([10, 10])))
+    assert adjacent[0]["input_ids"].tolist() == [20, 21, 22, 23]
 
 
 @pytest.mark.parametrize("content, suffix, message", [
@@ -242,3 +263,47 @@ def test_gzip_and_zstd_inputs_read_like_plain_files(tmp_path):
     (tmp_path / "x.bin.gz").write_bytes(gzip.compress(b"x"))
     with pytest.raises(DataError, match=r"unsupported type \.bin\.gz"):
         expand_paths([str(tmp_path / "x.bin.gz")])
+
+
+def test_token_store_is_reused_and_rebuilt_when_its_inputs_or_tokenizer_change(tokenizer, tmp_path, caplog):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(50)))
+    root = tmp_path / "cache"
+
+    def store(tok=tokenizer):
+        return open_store(store_spec([path], tok, "text", "line"), root, "train_data", tok, ONE_PROCESS, workers=2)
+
+    first = store()
+    folders = sorted(p.name for p in root.iterdir())
+    with caplog.at_level("INFO", logger="pretrainer.data.token_store"):
+        again = store()
+    assert "reusing the tokenized store" in caplog.text and sorted(p.name for p in root.iterdir()) == folders
+    assert np.array_equal(first.tokens, again.tokens) and first.num_documents == 50
+    with open(path, "a") as f:  # a changed input: another store
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    assert store().num_documents == 51 and len(list(root.iterdir())) == 2
+    extended = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    extended.add_tokens(["zzqx"])  # a changed tokenizer: another store
+    store(extended)
+    assert len(list(root.iterdir())) == 3
+
+
+def test_a_damaged_or_interrupted_token_store_is_rebuilt(tokenizer, tmp_path, caplog):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"text {i} " * 20}) + "\n" for i in range(200)))
+    root = tmp_path / "cache"
+    spec = store_spec([path], tokenizer, "text", "line")
+    good = np.asarray(open_store(spec, root, "train_data", tokenizer, ONE_PROCESS).tokens).copy()
+    folder = root / spec.key()
+    with open(folder / "tokens.bin", "r+b") as f:  # truncated on disk
+        f.truncate(100)
+    with caplog.at_level("WARNING", logger="pretrainer.data.token_store"):
+        rebuilt = open_store(spec, root, "train_data", tokenizer, ONE_PROCESS)
+    assert "is damaged" in caplog.text and np.array_equal(rebuilt.tokens, good)
+    # a build that fails half-way (a bad record near the end) leaves no store that looks complete
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(path.read_text() + '{"text": oops}\n')
+    bad_spec = store_spec([bad], tokenizer, "text", "line")
+    with pytest.raises(DataError, match=r"bad\.jsonl:201: invalid JSON"):
+        open_store(bad_spec, root, "train_data", tokenizer, ONE_PROCESS)
+    assert not any((root / bad_spec.key()).glob("manifest.json")) and not any((root / bad_spec.key()).glob("*.idx"))

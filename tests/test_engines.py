@@ -191,6 +191,25 @@ def test_ddp_accumulation_communicates_once_per_update(base_config):
     assert calls[1] > 0 and calls[3] == calls[1]  # 3 micro-batches per update, same number of all-reduces
 
 
+def test_two_ranks_share_one_tokenization_of_train_data(setup, tmp_path):
+    """Rank 0 tokenizes train_data into the cache while rank 1 waits; both train from the one store."""
+    root, config, single_dir = setup
+    cache = tmp_path / "cache"
+
+    def train(save_dir: Path):
+        command = pretrainer("train", config, "engine=ddp", "num_training_steps=1", "eval_interval=0",
+                             f"save_dir={save_dir}")
+        return run_ok(torchrun(2, *command), env=environment(PRETRAINER_CACHE_DIR=str(cache)))
+
+    done = train(tmp_path / "run")
+    assert (done.stdout + done.stderr).count("train_data: tokenized") == 1
+    manifests = list(cache.glob("*/manifest.json"))
+    assert len(manifests) == 1 and json.loads(manifests[0].read_text())["built_by"]["rank"] == 0
+    again = train(tmp_path / "again")
+    assert "train_data: reusing the tokenized store" in again.stdout + again.stderr
+    assert train_losses(tmp_path / "again") == train_losses(tmp_path / "run")
+
+
 def test_multi_node_rendezvous(setup, tmp_path):
     """Two torchrun 'nodes' (one process each) meeting through c10d rendezvous, as on a cluster."""
     import socket

@@ -183,3 +183,23 @@ def test_prepare_is_byte_identical_to_megatron_lm_preprocess_data(tmp_path):
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"ours_text_document{suffix}").read_bytes() == \
             (tmp_path / f"theirs_text_document{suffix}").read_bytes()
+
+
+def test_prepare_shards_split_the_input_files_and_train_as_one_blend(tmp_path, base_config):
+    for name in "abcde":
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} text {i}"}) + "\n"
+                                                        for i in range(40)))
+    for k in (1, 2):
+        done = prepare("--input", str(tmp_path / "*.jsonl"), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                       str(tmp_path / f"part{k}"), "--append-eod", "--shard", f"{k}/2")
+        assert done.returncode == 0, done.stderr
+    parts = [IndexedDataset(tmp_path / f"part{k}_text_document") for k in (1, 2)]
+    assert [p.num_documents for p in parts] == [120, 80]  # files a, c, e and b, d
+    bad = prepare("--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(QUICKSTART_MODEL), "--output-prefix",
+                  str(tmp_path / "none"), "--shard", "2/2")
+    assert bad.returncode == 2 and "--shard 2/2: the 1 input file(s) give part 2 nothing" in bad.stderr
+    blend = [str(tmp_path / f"part{k}_text_document") for k in (1, 2)]
+    args = PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
+                                   "data_path": blend, "dataloader_config": {"split": "90,10,0"},
+                                   "num_training_steps": 2, "save_dir": str(tmp_path / "run")})
+    PreTrainer(args).train()

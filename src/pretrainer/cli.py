@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--append-eod", action="store_true", help="append the EOS token to every document")
     prep.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
+    prep.add_argument("--shard", metavar="K/N", help="prepare only the K-th of N parts of the input files (K from 1; "
+                      "files dealt round-robin), so N machines each write a part; train on the parts as a blend")
     prep.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                       help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
     # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
@@ -96,7 +98,7 @@ def prepare_command(ns) -> int:
         raise DataError("--split-sentences is not supported: documents are written whole (one sequence each)")
 
     summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
-                      ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error)
+                      ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error, shard=ns.shard)
     for line in summary.lines():
         print(line)
     print(f"summary: {write_summary(summary, ns.output_prefix)}")

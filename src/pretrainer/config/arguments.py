@@ -70,6 +70,7 @@ class PreTrainingArguments:
     text_key: str = "text"
     txt_mode: str = "line"
     num_workers: int = 0
+    tokenize_workers: int | None = None
     data_cache_path: str | None = None
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -342,7 +343,8 @@ class PreTrainingArguments:
 
     def _check_ranges(self) -> None:
         """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
-        at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1}
+        at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1,
+                    "tokenize_workers": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

@@ -9,9 +9,10 @@ import importlib
 _HOMES = {
     "DataPlacement": "assemble", "RunData": "assemble", "assemble_data": "assemble",
     "BuiltData": "builders", "build_datasets": "builders", "build_indexed_datasets": "builders",
-    "split_documents": "builders", "split_ranges": "builders", "parse_data_path": "builders",
+    "split_indices": "builders", "split_ranges": "builders", "parse_data_path": "builders",
     "ProvidedSamples": "provided",
-    "PackedDataset": "packing", "collate_packed": "packing", "tokenize_documents": "packing",
+    "PackedDataset": "packing", "collate_packed": "packing",
+    "open_store": "token_store", "store_spec": "token_store", "default_cache_root": "token_store",
     "DocumentMasking": "packing", "document_position_ids": "packing",
     "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
     "BatchStream": "streams", "EvalBatches": "streams", "SampleStream": "streams",

@@ -26,8 +26,10 @@ class DataPlacement:
 
     rank: int                  # this replica's index (which part of each global batch it reads)
     replicas: int              # data-parallel replicas
-    is_main: bool              # builds index caches while the other ranks wait
+    is_main: bool              # builds shared caches while the other ranks wait
     barrier: Callable[[], None]
+    gather: Callable[[object], list] = lambda value: [value]  # every rank's value, on every rank
+    local_rank: int = 0        # this process's index on its machine (builds node-local caches)
 
 
 @dataclass
@@ -71,4 +73,4 @@ def _build_datasets(args, plan, tokenizer, placement: DataPlacement, datasets_pr
     if args.dataloader_config:
         logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the built-in pipeline "
                     "packs sequences without padding and does not use it")
-    return build_datasets(args, tokenizer, plan.seq_length)
+    return build_datasets(args, tokenizer, plan.seq_length, placement)

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .packing import PackedDataset, tokenize_documents
-from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
+from .packing import PackedDataset
+from .readers import DataError, expand_paths
+from .token_store import default_cache_root, open_store, store_spec
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +29,48 @@ class BuiltData:
     shuffled: bool = False  # the samples are already in a seeded random order (prepared data)
 
 
-def build_datasets(args, tokenizer, seq_length: int) -> BuiltData:
-    """Read, tokenize and pack the configured files; hold out an eval split when no eval files are given."""
-    train_files = expand_paths(args.resolved_train_data, "train_data")
-    special = SpecialTokens(tokenizer.bos_token or "", tokenizer.eos_token or "")
-    documents = list(read_documents(train_files, args.text_key, args.txt_mode, special=special))
-    if not documents:
+def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
+    """Packed windows from the configured files, through their cached token stores (tokenized on first use);
+    an eval split of whole documents is held out when no eval files are given."""
+    root = Path(args.data_cache_path) / "tokenized" if args.data_cache_path else default_cache_root()
+    workers = args.tokenize_workers or os.cpu_count() or 1
+
+    def store(what: str, patterns: list[str]):
+        files = expand_paths(patterns, what)
+        return open_store(store_spec(files, tokenizer, args.text_key, args.txt_mode), root, what, tokenizer,
+                          placement, workers), files
+
+    train_store, train_files = store("train_data", args.resolved_train_data)
+    if train_store.num_documents == 0:
         raise DataError(f"train_data: {', '.join(map(str, train_files))} holds no documents")
-    eval_documents: list[Document] = []
+    train_ids = np.arange(train_store.num_documents)
+    eval_store, eval_ids = None, np.zeros(0, dtype=np.int64)
     if args.resolved_eval_data:
-        eval_files = expand_paths(args.resolved_eval_data, "eval_data")
-        eval_documents = list(read_documents(eval_files, args.text_key, args.txt_mode, special=special))
+        eval_store, _ = store("eval_data", args.resolved_eval_data)
+        eval_ids = np.arange(eval_store.num_documents)
     elif args.eval_split:
-        documents, eval_documents = split_documents(documents, args.eval_split, args.seed)
-    train_stream, skipped = tokenize_documents(documents, tokenizer)
-    if skipped:
-        logger.warning("skipped %d empty document(s) in the training data", skipped)
-    train = PackedDataset(train_stream, seq_length)
+        eval_store = train_store
+        train_ids, eval_ids = split_indices(train_store.num_documents, args.eval_split, args.seed)
+    empty = int(np.count_nonzero(train_store.sequence_lengths[train_ids] == 0))
+    if empty:
+        logger.warning("skipped %d empty document(s) in the training data", empty)
+    train = PackedDataset(train_store.tokens, seq_length, document_spans(train_store, train_ids))
     if len(train) == 0:
         raise DataError("the training data tokenizes to fewer than 2 tokens; nothing to train on")
     evaluation = None
-    if eval_documents:
-        eval_stream, _ = tokenize_documents(eval_documents, tokenizer)
-        evaluation = PackedDataset(eval_stream, seq_length) if len(eval_stream) > 1 else None
+    if len(eval_ids):
+        evaluation = PackedDataset(eval_store.tokens, seq_length, document_spans(eval_store, eval_ids))
+        evaluation = evaluation if len(evaluation) else None
     logger.info("data: %d train documents -> %d tokens in %d windows of %d; %d eval documents -> %s",
-                len(documents), train.num_target_tokens + 1, len(train), seq_length, len(eval_documents),
+                len(train_ids), train.num_tokens, len(train), seq_length, len(eval_ids),
                 f"{len(evaluation)} windows" if evaluation else "no eval windows")
     return BuiltData(train, evaluation)
+
+
+def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token offsets, lengths) of documents `ids` of an indexed store (one sequence per document)."""
+    itemsize = np.dtype(store.dtype).itemsize
+    return store.sequence_pointers[ids] // itemsize, store.sequence_lengths[ids]
 
 
 def build_indexed_datasets(args, plan, is_main: bool = True, barrier=lambda: None) -> BuiltData:
@@ -160,16 +176,14 @@ def _is_number(text) -> bool:
         return False
 
 
-def split_documents(documents: list[Document], eval_split: float | int, seed: int):
-    """Hold out a seeded random set of documents: a fraction (< 1) or a count; always leaves >= 1 for training."""
-    n = len(documents)
-    if n < 2:
-        logger.warning("only %d document: no eval split is taken from the training data", n)
-        return documents, []
-    count = int(eval_split) if isinstance(eval_split, int) else max(1, int(round(eval_split * n)))
-    count = min(count, n - 1)
-    order = np.random.default_rng(seed).permutation(n)
-    held_out = set(order[:count].tolist())
-    train = [d for i, d in enumerate(documents) if i not in held_out]
-    evaluation = [d for i, d in enumerate(documents) if i in held_out]
-    return train, evaluation
+def split_indices(count: int, eval_split: float | int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hold out a seeded random set of documents: a fraction (< 1) or a count; always leaves >= 1 for
+    training. Returns the train and eval document indices, each in order."""
+    if count < 2:
+        logger.warning("only %d document: no eval split is taken from the training data", count)
+        return np.arange(count), np.zeros(0, dtype=np.int64)
+    held = int(eval_split) if isinstance(eval_split, int) else max(1, int(round(eval_split * count)))
+    held = min(held, count - 1)
+    held_out = np.zeros(count, dtype=bool)
+    held_out[np.random.default_rng(seed).permutation(count)[:held]] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)

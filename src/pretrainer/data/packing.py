@@ -1,12 +1,9 @@
-"""Tokenize documents and pack them into fixed windows.
+"""Pack tokenized documents into fixed windows, collate them, and mask across documents.
 
-Every document becomes `[BOS] text [EOS]` (BOS only when the tokenizer has one
-distinct from EOS and the text does not already start with it; EOS only when
-the text does not already end with it), and all documents are concatenated
-into one token stream. Window `i` covers stream tokens `[i*L, i*L + L]`:
-`L` inputs and the `L` next tokens as targets, so every token after the first
-is a target exactly once. Nothing is padded and nothing is dropped; only the
-final window may be shorter.
+Documents (each `[BOS] text [EOS]`, see `encode`) are concatenated into one stream. Window `i` covers
+stream tokens `[i*L, i*L + L]`: `L` inputs and the `L` next tokens as targets, so every token after the
+first is a target exactly once. Nothing is padded and nothing is dropped; only the final window may be
+shorter.
 """
 
 from __future__ import annotations
@@ -16,56 +13,61 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .readers import DataError, Document
-
-TOKENIZE_BATCH = 512
-
-
-def tokenize_documents(documents: list[Document], tokenizer) -> tuple[np.ndarray, int]:
-    """Return the packed token stream and the number of empty documents skipped."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("the tokenizer has no EOS token, which separates packed documents; "
-                        "use a tokenizer that defines eos_token")
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id not in (None, eos) else None
-    pieces: list[list[int]] = []
-    skipped = 0
-    for start in range(0, len(documents), TOKENIZE_BATCH):
-        batch = documents[start:start + TOKENIZE_BATCH]
-        encoded = tokenizer([d.text for d in batch], add_special_tokens=False, verbose=False)["input_ids"]
-        for ids in encoded:
-            if not ids:
-                skipped += 1
-                continue
-            if bos is not None and ids[0] != bos:
-                ids = [bos] + ids
-            if ids[-1] != eos:
-                ids = ids + [eos]
-            pieces.append(ids)
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32
-    stream = np.fromiter((t for ids in pieces for t in ids), dtype=dtype) if pieces else np.zeros(0, dtype)
-    return stream, skipped
-
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Windows of `seq_length` inputs over a token stream, each with its pre-shifted targets."""
+    """Windows of `seq_length` inputs over the concatenation of documents, each with its pre-shifted targets.
 
-    def __init__(self, stream: np.ndarray, seq_length: int):
-        self.stream = stream
+    `tokens` is a token store's memory-mapped array (or any 1-D array); `documents` picks the documents, in
+    order, as (start offsets, lengths) into it (None: all of `tokens`, one stream). Window `i` covers the
+    concatenation's tokens `[i*L, i*L + L]`; reading one touches only the documents it spans.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_length: int, documents: tuple[np.ndarray, np.ndarray] | None = None):
+        self.tokens = tokens
         self.seq_length = seq_length
-        self.num_windows = max(0, -(-(len(stream) - 1) // seq_length)) if len(stream) > 1 else 0
+        if documents is None:
+            self._starts = self._virtual_ends = None
+            self._offset, total = 0, len(tokens)
+        else:
+            starts, lengths = (np.asarray(a, dtype=np.int64) for a in documents)
+            keep = lengths > 0
+            starts, lengths = starts[keep], lengths[keep]
+            self._virtual_ends = np.cumsum(lengths)
+            total = int(self._virtual_ends[-1]) if len(lengths) else 0
+            contiguous = len(starts) == 0 or bool(np.all(starts[1:] == starts[:-1] + lengths[:-1]))
+            self._starts = None if contiguous else starts
+            self._offset = int(starts[0]) if len(starts) else 0
+        self.num_tokens = total
+        self.num_windows = max(0, -(-(total - 1) // seq_length)) if total > 1 else 0
 
     def __len__(self) -> int:
         return self.num_windows
 
     def __getitem__(self, index: int) -> dict:
         start = index * self.seq_length
-        window = torch.from_numpy(self.stream[start:start + self.seq_length + 1].astype(np.int64))
+        window = torch.from_numpy(self._read(start, min(start + self.seq_length + 1, self.num_tokens))
+                                  .astype(np.int64))
         return {"input_ids": window[:-1], "shift_labels": window[1:]}
+
+    def _read(self, low: int, high: int) -> np.ndarray:
+        """Tokens [low, high) of the documents' concatenation."""
+        if self._starts is None:
+            return np.asarray(self.tokens[self._offset + low:self._offset + high])
+        ends = self._virtual_ends
+        document = int(np.searchsorted(ends, low, side="right"))
+        pieces = []
+        while low < high:
+            begin = int(ends[document - 1]) if document else 0
+            take = min(high, int(ends[document])) - low
+            first = int(self._starts[document]) + (low - begin)
+            pieces.append(np.asarray(self.tokens[first:first + take]))
+            low += take
+            document += 1
+        return np.concatenate(pieces)
 
     @property
     def num_target_tokens(self) -> int:
-        return max(0, len(self.stream) - 1)
+        return max(0, self.num_tokens - 1)
 
 
 @dataclass(frozen=True)

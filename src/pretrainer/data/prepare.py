@@ -12,26 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain, islice
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
-
 from ..config import ConfigError, check_writable_folder
+from .encode import EncodeSettings, encode_into
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
 
-BATCH = 256
 MAX_EXAMPLES = 10  # bad records quoted in the summary in skip mode
 ON_ERROR = ("fail", "skip")
-_worker = {}
 
 
 @dataclass
@@ -81,43 +75,14 @@ def special_token_strings(tokenizer_json: Path) -> dict:
     return found
 
 
-def _init_worker(tokenizer_json: str, bos: int | None, eod: int | None, dtype) -> None:
-    from tokenizers import Tokenizer
-
-    _worker.update(tokenizer=Tokenizer.from_file(tokenizer_json), bos=bos, eod=eod, dtype=dtype)
-
-
-def _encode(texts: list[str]) -> tuple[bytes, np.ndarray]:
-    """A batch's tokens back to back (in the output dtype) and each document's length.
-
-    Returned as two arrays rather than lists of ints: pickling them back to the parent is nearly free.
-    """
-    tokenizer, bos, eod, dtype = _worker["tokenizer"], _worker["bos"], _worker["eod"], _worker["dtype"]
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    pieces = []
-    for encoding in encode(texts, add_special_tokens=True):
-        ids = encoding.ids
-        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
-            del ids[0]  # the text began with the BOS itself
-        if eod is not None and (not ids or ids[-1] != eod):
-            ids.append(eod)
-        pieces.append(ids)
-    lengths = np.fromiter(map(len, pieces), dtype=np.int32, count=len(pieces))
-    tokens = np.fromiter(chain.from_iterable(pieces), dtype=dtype, count=int(lengths.sum()))
-    return tokens.tobytes(), lengths
-
-
-def _batches(iterator, size: int):
-    while batch := list(islice(iterator, size)):
-        yield batch
-
-
 def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: list[str], append_eod: bool = False,
-            workers: int = 1, txt_mode: str = "line", progress: bool = True, on_error: str = "fail") \
-        -> PrepareSummary:
+            workers: int = 1, txt_mode: str = "line", progress: bool = True, on_error: str = "fail",
+            shard: str | None = None) -> PrepareSummary:
     if on_error not in ON_ERROR:
         raise DataError(f"--on-error {on_error!r}: choose one of {', '.join(ON_ERROR)}")
     files = expand_paths(inputs, "--input")
+    if shard is not None:
+        files = shard_files(files, shard)
     try:
         check_writable_folder(Path(output_prefix).parent, "--output-prefix")
     except ConfigError as exc:
@@ -137,39 +102,41 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
     summary = PrepareSummary()
     on_bad = summary.skip if on_error == "skip" else None
     start = time.perf_counter()
-    # fork: workers start at once and load only the `tokenizers` library; the parent has run no torch op.
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    initargs = (str(tokenizer_json), bos, eod if append_eod else None, dtype)
-    with context.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool:
-        for key in json_keys:
-            prefix = f"{output_prefix}_{key}_document"
-            writer = IndexedDatasetWriter(prefix, dtype)
-            bar = tqdm(unit="doc", disable=not progress, desc=key)
-            written = 0
-            try:
-                documents = (_non_empty(doc, on_bad) for doc in read_documents(files, key, txt_mode, on_bad, special))
-                texts = (doc.text for doc in documents if doc is not None)
-                for tokens, lengths in pool.imap(_encode, _batches(texts, BATCH)):
-                    writer.add_documents(tokens, lengths)
-                    summary.tokens += int(lengths.sum())
-                    summary.documents += len(lengths)
-                    written += len(lengths)
-                    bar.update(len(lengths))
-                    elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix(docs_per_s=f"{summary.documents / elapsed:,.0f}",
-                                    tokens_per_s=f"{summary.tokens / elapsed:,.0f}")
-                if written == 0:
-                    raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
-                                    + (" (every record was skipped)" if summary.skipped else ""))
-                writer.finalize()
-            except BaseException:
-                writer.abort()  # no .bin/.idx pair that looks complete
-                raise
-            finally:
-                bar.close()
-            summary.outputs.append(prefix)
+    settings = EncodeSettings(tokenizer_json.read_text(encoding="utf-8"), bos, eod if append_eod else None, dtype,
+                              policy="prepare")
+    for key in json_keys:
+        prefix = f"{output_prefix}_{key}_document"
+        writer = IndexedDatasetWriter(prefix, dtype)
+        try:
+            documents = (_non_empty(doc, on_bad) for doc in read_documents(files, key, txt_mode, on_bad, special))
+            texts = (doc.text for doc in documents if doc is not None)
+            written, tokens = encode_into(writer, texts, settings, workers, progress, description=key)
+            summary.documents += written
+            summary.tokens += tokens
+            if written == 0:
+                raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
+                                + (" (every record was skipped)" if summary.skipped else ""))
+            writer.finalize()
+        except BaseException:
+            writer.abort()  # no .bin/.idx pair that looks complete
+            raise
+        summary.outputs.append(prefix)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def shard_files(files: list, shard: str) -> list:
+    """Part K of N (`"K/N"`, K from 1) of the input files, dealt round-robin in their sorted order."""
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise DataError(f"--shard {shard!r}: give K/N, e.g. 1/4 for the first of four parts") from None
+    if not 1 <= k <= n:
+        raise DataError(f"--shard {shard}: K must be between 1 and N")
+    part = files[k - 1::n]
+    if not part:
+        raise DataError(f"--shard {shard}: the {len(files)} input file(s) give part {k} nothing; use fewer parts")
+    return part
 
 
 def _non_empty(doc: Document, on_bad) -> Document | None:

@@ -80,6 +80,11 @@ class DistributedEngine(Engine):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj) -> list:
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def any_rank(self, flag: bool) -> bool:
         if getattr(self, "_host_group", None) is None:  # CPU tensors need a gloo group beside NCCL
             self._host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

@@ -242,6 +242,10 @@ class Engine(ABC):
         """The main rank's `obj` on every rank (picklable objects)."""
         return obj
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        return [obj]
+
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (a host-side collective: never waits for the device)."""
         return flag

@@ -11,6 +11,7 @@ when to leave. At the end it evaluates, saves, exports an HF folder and writes t
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -72,8 +73,9 @@ class PreTrainer:
             model = self.hooks.build_model()
         spec = self._preflight(model, train_dataloader)
         self.plan = self._resolve_plan(spec, model)
-        data = assemble_data(args, self.plan, self.tokenizer,
-                             DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier),
+        placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
+                                  engine.all_gather_object, int(os.environ.get("LOCAL_RANK", "0")))
+        data = assemble_data(args, self.plan, self.tokenizer, placement,
                              datasets_provider=self.hooks.datasets_provider, train_dataloader=train_dataloader,
                              eval_dataloader=eval_dataloader)
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, data.train, data.eval

@@ -1,0 +1,157 @@
+"""Raw training files tokenized once into a cached token store that every run and rank memory-maps.
+
+`train_data` / `eval_data` files are read record by record, tokenized by worker processes (`encode`) and
+written as an indexed `.bin/.idx` pair (one document per record, in order; an empty text is an empty
+document) under a folder named by a hash of everything that changes the tokens: each file's path, size and
+modification time, the tokenizer, `text_key`, `txt_mode` and the BOS/EOS policy. A changed input or
+tokenizer gets a new folder; `manifest.json`, written last, marks a store complete, so an interrupted build
+leaves nothing that looks finished, and a store whose files no longer match their index is rebuilt.
+
+Where: `data_cache_path` if set, else `$PRETRAINER_CACHE_DIR`, else `~/.cache/pretrainer/tokenized` (never
+under `save_dir`, so the next run on the same corpus starts from it). Who builds: rank 0 first; then, on
+machines that do not see its store (node-local caches), each node's local rank 0; everyone else waits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .encode import EncodeSettings, apply_policy, encode_into
+from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from .readers import DataError, SpecialTokens, read_documents
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "PRETRAINER_CACHE_DIR"
+STORE_FORMAT = 1  # raise when the way tokens are produced changes: older stores are then not reused
+MANIFEST = "manifest.json"
+PREFIX = "tokens"
+
+
+def default_cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pretrainer" / "tokenized"
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What a store is made of; its hash names the store's folder."""
+
+    files: tuple[Path, ...]
+    text_key: str
+    txt_mode: str
+    special: SpecialTokens
+    encode: EncodeSettings
+
+    def key(self) -> str:
+        description = {
+            "format": STORE_FORMAT,
+            "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files],
+            "tokenizer": hashlib.sha256(self.encode.tokenizer_json.encode()).hexdigest(),
+            "bos": self.encode.bos, "eos": self.encode.eos, "policy": self.encode.policy,
+            "dtype": str(self.encode.dtype.__name__), "text_key": self.text_key, "txt_mode": self.txt_mode,
+            "special": [self.special.bos, self.special.eos],
+        }
+        return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def pack_settings(tokenizer) -> EncodeSettings:
+    """The training pipeline's encoding for an HF tokenizer: BOS (when distinct from EOS) and EOS around each
+    document."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token, which separates packed documents; use a tokenizer that "
+                        "defines eos_token")
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id not in (None, eos) else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    serialized = backend.to_str() if backend is not None else ""
+    return EncodeSettings(serialized, bos, eos, optimal_dtype(len(tokenizer)), policy="pack")
+
+
+def store_spec(files: list[Path], tokenizer, text_key: str, txt_mode: str) -> StoreSpec:
+    special = SpecialTokens(tokenizer.bos_token or "", tokenizer.eos_token or "")
+    return StoreSpec(tuple(files), text_key, txt_mode, special, pack_settings(tokenizer))
+
+
+def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, workers: int = 1) -> IndexedDataset:
+    """The store of `spec` under `root`, built where it is missing by the ranks whose turn it is (see the
+    module docstring); every rank returns the memory-mapped store."""
+    folder = root / spec.key()
+    # Rank 0 first; then a node that does not see its store (a node-local cache) builds its own.
+    for builds in (placement.is_main, placement.local_rank == 0 and not placement.is_main):
+        outcome = None
+        if builds:
+            try:
+                _ensure(folder, spec, what, tokenizer, workers)
+            except DataError as exc:
+                outcome = str(exc)
+        elif placement.replicas > 1:
+            logger.info("waiting for the tokenization of %s into %s", what, folder)
+        errors = [error for error in placement.gather(outcome) if error]
+        if errors:
+            raise DataError(errors[0])
+    return IndexedDataset(folder / PREFIX)
+
+
+def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> None:
+    if _is_complete(folder):
+        try:
+            IndexedDataset(folder / PREFIX)
+            logger.info("%s: reusing the tokenized store %s", what, folder)
+            return
+        except DataError as exc:
+            logger.warning("%s: the tokenized store %s is damaged (%s); tokenizing again", what, folder, exc)
+            (folder / MANIFEST).unlink(missing_ok=True)
+    _build(folder, spec, what, tokenizer, workers)
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    writer = IndexedDatasetWriter(folder / PREFIX, spec.encode.dtype)
+    texts = (document.text for document in read_documents(list(spec.files), spec.text_key, spec.txt_mode,
+                                                          special=spec.special))
+    try:
+        if spec.encode.tokenizer_json:
+            documents, tokens = encode_into(writer, texts, spec.encode, workers, progress=sys.stderr.isatty(),
+                                            description=f"tokenizing {what}")
+        else:  # a tokenizer without a serializable fast backend: encoded here, one process
+            documents, tokens = _encode_here(writer, texts, spec.encode, tokenizer)
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - start
+    manifest = {"format": STORE_FORMAT, "what": what, "files": [str(p) for p in spec.files], "documents": documents,
+                "tokens": tokens, "seconds": round(seconds, 3),
+                "built_by": {"host": socket.gethostname(), "rank": int(os.environ.get("RANK", "0")),
+                             "pid": os.getpid()}}
+    tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, folder / MANIFEST)  # last: the store is complete
+    logger.info("%s: tokenized %d documents (%d tokens) in %.1f s into %s", what, documents, tokens, seconds, folder)
+
+
+def _encode_here(writer, texts, settings: EncodeSettings, tokenizer) -> tuple[int, int]:
+    import numpy as np
+
+    documents = tokens = 0
+    for text in texts:
+        ids = apply_policy(list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]), settings)
+        writer.add_document(np.asarray(ids, dtype=settings.dtype))
+        documents += 1
+        tokens += len(ids)
+    return documents, tokens
