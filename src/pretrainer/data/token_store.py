@@ -94,6 +94,9 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
                 _ensure(folder, spec, what, tokenizer, workers)
             except DataError as exc:
                 outcome = str(exc)
+            except Exception as exc:  # the other ranks wait for this one: tell them, then fail everywhere
+                logger.exception("%s: tokenizing into %s failed", what, folder)
+                outcome = f"{what}: tokenizing into {folder} failed ({type(exc).__name__}: {exc})"
         elif placement.replicas > 1:
             logger.info("waiting for the tokenization of %s into %s", what, folder)
         errors = [error for error in placement.gather(outcome) if error]
