@@ -197,7 +197,7 @@ def test_two_ranks_share_one_tokenization_of_train_data(setup, tmp_path):
     cache = tmp_path / "cache"
 
     def train(save_dir: Path):
-        command = pretrainer("train", config, "engine=ddp", "num_training_steps=1", "eval_interval=0",
+        command = pretrainer("train", config, "engine=ddp", "num_training_steps=2", "eval_interval=0",
                              f"save_dir={save_dir}")
         return run_ok(torchrun(2, *command), env=environment(PRETRAINER_CACHE_DIR=str(cache)))
 
