@@ -72,8 +72,8 @@ def main() -> None:
     tokenizer = REPO / "examples" / "models" / "tiny-llama"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     train = [BIN / "torchrun", "--standalone", "--nproc_per_node", ns.nproc, BIN / "pretrainer", "train",
-             REPO / "examples" / "quickstart.yaml", f"dp={ns.nproc}", "num_training_steps=1", "eval_interval=0",
-             "eval_split=0", "export_hf=false", "write_report=false", "save_interval=0",
+             REPO / "examples" / "quickstart.yaml", f"dp={ns.nproc}", "num_training_steps=1", "warmup_steps=0",
+             "eval_interval=0", "eval_split=0", "export_hf=false", "write_report=false", "save_interval=0",
              f"tokenize_workers={ns.workers}"]
     small = folder / "small.jsonl"
     write_corpus(small, 1)
