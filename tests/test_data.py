@@ -307,3 +307,18 @@ def test_a_damaged_or_interrupted_token_store_is_rebuilt(tokenizer, tmp_path, ca
     with pytest.raises(DataError, match=r"bad\.jsonl:201: invalid JSON"):
         open_store(bad_spec, root, "train_data", tokenizer, ONE_PROCESS)
     assert not any((root / bad_spec.key()).glob("manifest.json")) and not any((root / bad_spec.key()).glob("*.idx"))
+
+
+def test_on_error_skip_leaves_bad_records_out_of_the_store_and_counts_them(tokenizer, tmp_path, caplog):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"text": "good one"}\n{"text": oops}\n{"title": "no text"}\n{"text": "good two"}\n')
+    with pytest.raises(DataError, match=r"mixed\.jsonl:2: invalid JSON"):
+        open_store(store_spec([path], tokenizer, "text", "line"), tmp_path / "cache", "train_data", tokenizer,
+                   ONE_PROCESS)
+    spec = store_spec([path], tokenizer, "text", "line", on_error="skip")
+    with caplog.at_level("WARNING", logger="pretrainer.data.token_store"):
+        store = open_store(spec, tmp_path / "cache", "train_data", tokenizer, ONE_PROCESS)
+    assert store.num_documents == 2
+    assert "skipped 2 bad record(s) (on_error: skip; invalid JSON: 1, missing field: 1)" in caplog.text
+    manifest = json.loads((tmp_path / "cache" / spec.key() / "manifest.json").read_text())
+    assert manifest["skipped"] == 2 and manifest["skipped_examples"][0].startswith(f"{path}:2: invalid JSON")

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
+ON_ERROR = ("fail", "skip")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
@@ -69,6 +70,7 @@ class PreTrainingArguments:
     eval_split: float | int = 0.05
     text_key: str = "text"
     txt_mode: str = "line"
+    on_error: str = "fail"
     num_workers: int = 0
     tokenize_workers: int | None = None
     data_cache_path: str | None = None
@@ -311,6 +313,8 @@ class PreTrainingArguments:
                              "is not one of none, full, selective")
         if self.txt_mode not in TXT_MODES:
             raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
+        if self.on_error not in ON_ERROR:
+            raise key_error("on_error", f"on_error {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             raise key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:

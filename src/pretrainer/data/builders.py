@@ -37,8 +37,8 @@ def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
 
     def store(what: str, patterns: list[str]):
         files = expand_paths(patterns, what)
-        return open_store(store_spec(files, tokenizer, args.text_key, args.txt_mode), root, what, tokenizer,
-                          placement, workers), files
+        spec = store_spec(files, tokenizer, args.text_key, args.txt_mode, args.on_error)
+        return open_store(spec, root, what, tokenizer, placement, workers), files
 
     train_store, train_files = store("train_data", args.resolved_train_data)
     if train_store.num_documents == 0:

@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class StoreSpec:
     txt_mode: str
     special: SpecialTokens
     encode: EncodeSettings
+    skip_bad_records: bool = False  # on_error: skip
 
     def key(self) -> str:
         description = {
@@ -59,7 +61,7 @@ class StoreSpec:
             "tokenizer": hashlib.sha256(self.encode.tokenizer_json.encode()).hexdigest(),
             "bos": self.encode.bos, "eos": self.encode.eos, "policy": self.encode.policy,
             "dtype": str(self.encode.dtype.__name__), "text_key": self.text_key, "txt_mode": self.txt_mode,
-            "special": [self.special.bos, self.special.eos],
+            "special": [self.special.bos, self.special.eos], "skip_bad_records": self.skip_bad_records,
         }
         return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -77,9 +79,9 @@ def pack_settings(tokenizer) -> EncodeSettings:
     return EncodeSettings(serialized, bos, eos, optimal_dtype(len(tokenizer)), policy="pack")
 
 
-def store_spec(files: list[Path], tokenizer, text_key: str, txt_mode: str) -> StoreSpec:
+def store_spec(files: list[Path], tokenizer, text_key: str, txt_mode: str, on_error: str = "fail") -> StoreSpec:
     special = SpecialTokens(tokenizer.bos_token or "", tokenizer.eos_token or "")
-    return StoreSpec(tuple(files), text_key, txt_mode, special, pack_settings(tokenizer))
+    return StoreSpec(tuple(files), text_key, txt_mode, special, pack_settings(tokenizer), on_error == "skip")
 
 
 def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, workers: int = 1) -> IndexedDataset:
@@ -125,8 +127,10 @@ def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) ->
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     writer = IndexedDatasetWriter(folder / PREFIX, spec.encode.dtype)
+    skipped: list[DataError] = []
+    on_bad = skipped.append if spec.skip_bad_records else None
     texts = (document.text for document in read_documents(list(spec.files), spec.text_key, spec.txt_mode,
-                                                          special=spec.special))
+                                                          on_bad=on_bad, special=spec.special))
     try:
         if spec.encode.tokenizer_json:
             documents, tokens = encode_into(writer, texts, spec.encode, workers, progress=sys.stderr.isatty(),
@@ -138,8 +142,14 @@ def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) ->
         writer.abort()
         raise
     seconds = time.perf_counter() - start
+    if skipped:
+        reasons = Counter(exc.reason for exc in skipped)
+        logger.warning("%s: skipped %d bad record(s) (on_error: skip; %s), e.g. %s", what, len(skipped),
+                       ", ".join(f"{reason}: {count}" for reason, count in reasons.most_common()),
+                       "; ".join(str(exc) for exc in skipped[:3]))
     manifest = {"format": STORE_FORMAT, "what": what, "files": [str(p) for p in spec.files], "documents": documents,
-                "tokens": tokens, "seconds": round(seconds, 3),
+                "tokens": tokens, "seconds": round(seconds, 3), "skipped": len(skipped),
+                "skipped_examples": [str(exc) for exc in skipped[:10]],
                 "built_by": {"host": socket.gethostname(), "rank": int(os.environ.get("RANK", "0")),
                              "pid": os.getpid()}}
     tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
