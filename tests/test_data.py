@@ -322,3 +322,20 @@ def test_on_error_skip_leaves_bad_records_out_of_the_store_and_counts_them(token
     assert "skipped 2 bad record(s) (on_error: skip; invalid JSON: 1, missing field: 1)" in caplog.text
     manifest = json.loads((tmp_path / "cache" / spec.key() / "manifest.json").read_text())
     assert manifest["skipped"] == 2 and manifest["skipped_examples"][0].startswith(f"{path}:2: invalid JSON")
+
+
+def test_a_tokenizer_without_a_fast_backend_is_encoded_in_process_with_the_same_tokens(tokenizer, tmp_path):
+    import dataclasses
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i} of the corpus"}) + "\n" for i in range(30)) +
+                    json.dumps({"text": ""}) + "\n")
+    spec = store_spec([path], tokenizer, "text", "line")
+    workers = open_store(spec, tmp_path / "a", "train_data", tokenizer, ONE_PROCESS)
+    # What store_spec makes for a tokenizer with no serializable backend: no worker JSON, a vocabulary key.
+    here = dataclasses.replace(spec, encode=dataclasses.replace(spec.encode, tokenizer_json=""),
+                               tokenizer_fingerprint=json.dumps(sorted(tokenizer.get_vocab().items())))
+    assert here.key() != spec.key()
+    in_process = open_store(here, tmp_path / "b", "train_data", tokenizer, ONE_PROCESS)
+    assert np.array_equal(in_process.sequence_lengths, workers.sequence_lengths)
+    assert np.array_equal(in_process.tokens, workers.tokens) and in_process.sequence_lengths[-1] == 0

@@ -52,13 +52,14 @@ class StoreSpec:
     txt_mode: str
     special: SpecialTokens
     encode: EncodeSettings
+    tokenizer_fingerprint: str      # what identifies the tokenizer's encoding (its serialized form or vocabulary)
     skip_bad_records: bool = False  # on_error: skip
 
     def key(self) -> str:
         description = {
             "format": STORE_FORMAT,
             "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files],
-            "tokenizer": hashlib.sha256(self.encode.tokenizer_json.encode()).hexdigest(),
+            "tokenizer": hashlib.sha256(self.tokenizer_fingerprint.encode()).hexdigest(),
             "bos": self.encode.bos, "eos": self.encode.eos, "policy": self.encode.policy,
             "dtype": str(self.encode.dtype.__name__), "text_key": self.text_key, "txt_mode": self.txt_mode,
             "special": [self.special.bos, self.special.eos], "skip_bad_records": self.skip_bad_records,
@@ -81,42 +82,46 @@ def pack_settings(tokenizer) -> EncodeSettings:
 
 def store_spec(files: list[Path], tokenizer, text_key: str, txt_mode: str, on_error: str = "fail") -> StoreSpec:
     special = SpecialTokens(tokenizer.bos_token or "", tokenizer.eos_token or "")
-    return StoreSpec(tuple(files), text_key, txt_mode, special, pack_settings(tokenizer), on_error == "skip")
+    settings = pack_settings(tokenizer)
+    # A tokenizer without a serializable fast backend is told apart by its class and vocabulary.
+    fingerprint = settings.tokenizer_json or json.dumps([type(tokenizer).__name__,
+                                                         sorted(tokenizer.get_vocab().items())])
+    return StoreSpec(tuple(files), text_key, txt_mode, special, settings, fingerprint, on_error == "skip")
 
 
 def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, workers: int = 1) -> IndexedDataset:
     """The store of `spec` under `root`, built where it is missing by the ranks whose turn it is (see the
     module docstring); every rank returns the memory-mapped store."""
     folder = root / spec.key()
+    store = None
     # Rank 0 first; then a node that does not see its store (a node-local cache) builds its own.
     for builds in (placement.is_main, placement.local_rank == 0 and not placement.is_main):
         outcome = None
         if builds:
             try:
-                _ensure(folder, spec, what, tokenizer, workers)
+                store = _ensure(folder, spec, what, tokenizer, workers)
             except DataError as exc:
                 outcome = str(exc)
             except Exception as exc:  # the other ranks wait for this one: tell them, then fail everywhere
                 logger.exception("%s: tokenizing into %s failed", what, folder)
                 outcome = f"{what}: tokenizing into {folder} failed ({type(exc).__name__}: {exc})"
-        elif placement.replicas > 1:
-            logger.info("waiting for the tokenization of %s into %s", what, folder)
         errors = [error for error in placement.gather(outcome) if error]
         if errors:
             raise DataError(errors[0])
-    return IndexedDataset(folder / PREFIX)
+    return store if store is not None else IndexedDataset(folder / PREFIX)
 
 
-def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> None:
+def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> IndexedDataset:
     if _is_complete(folder):
         try:
-            IndexedDataset(folder / PREFIX)
+            store = IndexedDataset(folder / PREFIX)
             logger.info("%s: reusing the tokenized store %s", what, folder)
-            return
+            return store
         except DataError as exc:
             logger.warning("%s: the tokenized store %s is damaged (%s); tokenizing again", what, folder, exc)
             (folder / MANIFEST).unlink(missing_ok=True)
     _build(folder, spec, what, tokenizer, workers)
+    return IndexedDataset(folder / PREFIX)
 
 
 def _is_complete(folder: Path) -> bool:
