@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import ConfigError, PreTrainingArguments, check_writable_folder, resolve_run_plan
+from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder, resolve_run_plan
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
     prep.add_argument("--shard", metavar="K/N", help="prepare only the K-th of N parts of the input files (K from 1; "
                       "files dealt round-robin), so N machines each write a part; train on the parts as a blend")
-    prep.add_argument("--on-error", choices=["fail", "skip"], default="fail",
+    prep.add_argument("--on-error", choices=ON_ERROR, default="fail",
                       help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
     # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
     megatron = prep.add_argument_group("Megatron-LM preprocess_data.py compatibility")

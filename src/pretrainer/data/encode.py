@@ -24,7 +24,6 @@ import numpy as np
 from tqdm import tqdm
 
 BATCH = 256
-POLICIES = ("prepare", "pack")
 _worker: dict = {}
 
 

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, check_writable_folder
+from ..config import ON_ERROR, ConfigError, check_writable_folder
 from .encode import EncodeSettings, encode_into
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
@@ -25,7 +25,6 @@ from .readers import DataError, Document, SpecialTokens, expand_paths, read_docu
 logger = logging.getLogger(__name__)
 
 MAX_EXAMPLES = 10  # bad records quoted in the summary in skip mode
-ON_ERROR = ("fail", "skip")
 
 
 @dataclass

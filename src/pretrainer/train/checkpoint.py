@@ -175,8 +175,7 @@ def check_resumable(path: Path, trainer_state: dict, engine) -> None:
     saved_world = trainer_state.get("world_size", 1)
     if engine.checkpoint_needs_same_world_size and saved_world != engine.world_size:
         raise ConfigError(f"{path} holds {FORMAT_NAMES.get(saved_format, saved_format)} shards for {saved_world} "
-                          f"process(es); resume it on the "
-                          f"same number (this run has {engine.world_size})")
+                          f"process(es); resume it on the same number (this run has {engine.world_size})")
     if saved_world != engine.world_size:
         logger.info("%s was saved by %d process(es) (%s); resharded onto %d (%s)", path, saved_world, saved_engine,
                     engine.world_size, engine.name)
