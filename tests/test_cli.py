@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import eval_losses, read_metrics, train_losses
+from helpers import CORPUS, QUICKSTART_MODEL, eval_losses, read_metrics, train_losses
 from launch import BIN, REPO, pretrainer, run, run_ok, torchrun
 
 
@@ -93,6 +93,24 @@ def assert_report_renders(report, shot) -> None:
     blue = sum(1 for r, g, b in pixels if b > 150 and r < 100 and g < 160)  # the first series' colour
     orange = sum(1 for r, g, b in pixels if r > 200 and 90 < g < 160 and b < 60)  # the eval-loss line
     assert blue > 500 and orange > 50, (blue, orange)
+
+
+def test_output_folders_that_cannot_be_written_are_one_line_errors(base_config, tmp_path):
+    from pretrainer import PreTrainer, PreTrainingArguments
+
+    save_dir = tmp_path / "run"
+    PreTrainer(PreTrainingArguments(**{**base_config, "num_training_steps": 1, "warmup_steps": 0,
+                                       "eval_interval": 0, "export_hf": False})).train()
+    config = write_config(tmp_path / "c.yaml", base_config)
+    (save_dir / "report").write_text("a file where the report folder goes")
+    for command, message in [
+            (pretrainer("export", config, "--output", "/proc/nope/hf"), "--output: /proc/nope cannot be created"),
+            (pretrainer("report", save_dir), f"SAVE_DIR: {save_dir / 'report'} cannot be created or written"),
+            (pretrainer("prepare", "--input", CORPUS, "--tokenizer", QUICKSTART_MODEL, "--output-prefix",
+                        "/proc/nope/docs"), "--output-prefix: /proc/nope cannot be created")]:
+        done = run(command)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert message in done.stderr
 
 
 def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):
