@@ -339,3 +339,87 @@ def test_a_tokenizer_without_a_fast_backend_is_encoded_in_process_with_the_same_
     in_process = open_store(here, tmp_path / "b", "train_data", tokenizer, ONE_PROCESS)
     assert np.array_equal(in_process.sequence_lengths, workers.sequence_lengths)
     assert np.array_equal(in_process.tokens, workers.tokens) and in_process.sequence_lengths[-1] == 0
+
+
+def test_a_build_killed_mid_way_leaves_no_complete_looking_store_and_the_next_run_cleans_up(tokenizer, tmp_path,
+                                                                                             caplog):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:  # ~40 MB: the build runs for seconds
+        for i in range(40_000):
+            f.write(json.dumps({"text": f"document {i} " + "some words of the corpus " * 40}) + "\n")
+    root = tmp_path / "cache"
+    build = ("import sys; from transformers import AutoTokenizer; from pretrainer.data.assemble import DataPlacement; "
+             "from pretrainer.data.token_store import open_store, store_spec; "
+             f"t = AutoTokenizer.from_pretrained({str(QUICKSTART_MODEL)!r}); "
+             f"open_store(store_spec([__import__('pathlib').Path({str(path)!r})], t, 'text', 'line'), "
+             f"__import__('pathlib').Path({str(root)!r}), 'train_data', t, DataPlacement(0, 1, True, lambda: None))")
+    process = subprocess.Popen([sys.executable, "-c", build])
+    spec = store_spec([path], tokenizer, "text", "line")
+    folder = root / spec.key()
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size > 1_000_000 for p in folder.glob(".tokens.bin.tmp-*")):
+        assert process.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (folder / "manifest.json").exists() and not (folder / "tokens.idx").exists()
+    with caplog.at_level("INFO", logger="pretrainer.data.token_store"):
+        store = open_store(spec, root, "train_data", tokenizer, ONE_PROCESS, workers=2)
+    assert "removed the partial files of an interrupted build" in caplog.text
+    assert store.num_documents == 40_000 and (folder / "manifest.json").is_file()
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "tokens.bin", "tokens.idx"]
+
+
+def test_the_quickstart_batches_are_its_documents_tokenized_directly_and_packed_in_order(tokenizer):
+    """The token store changes nothing in what is trained on: the quickstart's train and eval windows equal
+    the documents encoded one by one with the tokenizer (BOS + text + EOS), concatenated in order."""
+    from pretrainer import PreTrainingArguments
+    from pretrainer.data import build_datasets
+
+    args = PreTrainingArguments.from_yaml(EXAMPLES / "quickstart.yaml",
+                                          [f"train_data={EXAMPLES / 'data/python_docs.jsonl'}"])
+    built = build_datasets(args, tokenizer, args.seq_length, ONE_PROCESS)
+    texts = [d.text for d in read_documents(expand_paths(args.resolved_train_data))]
+    train_ids, eval_ids = split_indices(len(texts), args.eval_split, args.seed)
+
+    def stream(ids):
+        tokens = []
+        for i in ids:
+            body = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+            if body:
+                tokens += [tokenizer.bos_token_id] + body + [tokenizer.eos_token_id]
+        return torch.tensor(tokens)
+
+    length = args.seq_length
+    for dataset, ids in ((built.train, train_ids), (built.eval, eval_ids)):
+        expected = stream(ids)
+        assert len(dataset) == -(-(len(expected) - 1) // length)
+        for index in range(len(dataset)):
+            window = expected[index * length:index * length + length + 1]
+            assert torch.equal(dataset[index]["input_ids"], window[:-1])
+            assert torch.equal(dataset[index]["shift_labels"], window[1:])
+
+
+def test_bytes_read_follow_the_files_on_disk_for_plain_and_compressed_inputs(tmp_path):
+    import gzip
+
+    from pretrainer.data.readers import BytesRead
+
+    random = np.random.default_rng(0)  # hex noise: the .gz stays large enough to be read in many chunks
+    rows = "".join(json.dumps({"text": random.bytes(200).hex()}) + "\n" for i in range(4000))
+    plain, packed = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    plain.write_text(rows)
+    packed.write_bytes(gzip.compress(rows.encode()))
+    meter = BytesRead([plain, packed])
+    assert meter.total == plain.stat().st_size + packed.stat().st_size and meter.done == 0
+    seen = []
+    for number, _ in enumerate(read_documents([plain, packed], meter=meter)):
+        if number % 500 == 0:
+            seen.append(meter.done)
+    assert seen == sorted(seen) and 0 < seen[1] < plain.stat().st_size < seen[-1] < meter.total
+    assert meter.done == meter.total

@@ -219,15 +219,39 @@ def test_multi_node_rendezvous(setup, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     save_dir = tmp_path / "two-nodes"
+    caches = [tmp_path / f"node-{rank}-cache" for rank in range(2)]  # node-local token caches
     nodes = [subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
                                str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                                "--rdzv-id", "pretrainer-test", str(BIN / "pretrainer"), "train", str(config),
                                "engine=fsdp", f"save_dir={save_dir}"],
-                              cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env=environment(PRETRAINER_CACHE_DIR=str(caches[rank])),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert_same_run(save_dir, single_dir, rel=1e-5)
+    # Each machine that does not see rank 0's store tokenizes its own (local rank 0), after rank 0.
+    built_by = [[json.loads(m.read_text())["built_by"]["rank"] for m in cache.glob("*/manifest.json")]
+                for cache in caches]
+    assert built_by == [[0], [1]]
+    keys = [[m.parent.name for m in cache.glob("*/manifest.json")] for cache in caches]
+    assert keys[0] == keys[1]
+
+
+def test_ranks_waiting_for_a_tokenization_longer_than_the_timeout_say_what_they_waited_for(setup, tmp_path):
+    import gzip
+
+    root, config, single_dir = setup
+    endless = tmp_path / "huge.jsonl.gz"  # ~2 GB of text in 4 MB: gzip members one after another
+    member = gzip.compress(b'{"text": "the same short document, many times over"}\n' * 20_000)
+    endless.write_bytes(member * 2_000)
+    done = run(torchrun(2, *pretrainer("train", config, "engine=ddp", f"train_data={endless}", "eval_split=0",
+                                       "tokenize_workers=1", "distributed_timeout_minutes=0.1",
+                                       f"save_dir={tmp_path / 'run'}")),
+               env=environment(PRETRAINER_CACHE_DIR=str(tmp_path / "cache")))
+    assert done.returncode != 0
+    assert "train_data: waiting for rank 0 to tokenize into" in done.stderr, done.stderr[-3000:]
+    assert "raise it, or tokenize beforehand with `pretrainer prepare`" in done.stderr
 
 
 def test_async_checkpoint_on_two_ranks(setup, engine_runs):

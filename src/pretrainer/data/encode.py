@@ -76,23 +76,28 @@ def _batches(iterator, size: int):
 
 
 def encode_into(writer, texts: Iterable[str], settings: EncodeSettings, workers: int = 1,
-                progress: bool = False, description: str = "tokenizing") -> tuple[int, int]:
+                progress: bool = False, description: str = "tokenizing", meter=None) -> tuple[int, int]:
     """Encode `texts` in order into `writer`; returns (documents, tokens). A progress bar on a terminal shows
-    documents/s and tokens/s."""
+    documents/s and tokens/s, and with `meter` (the readers' BytesRead) the input bytes read and an ETA."""
     # fork: workers start at once and import only `tokenizers`; the parent has run no torch op on this path.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     documents = tokens = 0
     start = time.perf_counter()
-    bar = tqdm(unit="doc", disable=not progress, desc=description)
+    if meter is not None:
+        bar = tqdm(total=meter.total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                   desc=description)
+    else:
+        bar = tqdm(unit="doc", disable=not progress, desc=description)
     try:
         with context.Pool(max(1, workers), initializer=_init_worker, initargs=(settings,)) as pool:
             for data, lengths in pool.imap(_encode, _batches(iter(texts), BATCH)):
                 writer.add_documents(data, lengths)
                 documents += len(lengths)
                 tokens += int(lengths.sum())
-                bar.update(len(lengths))
+                bar.update(meter.done - bar.n if meter is not None else len(lengths))
                 elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(docs_per_s=f"{documents / elapsed:,.0f}", tokens_per_s=f"{tokens / elapsed:,.0f}")
+                bar.set_postfix(docs_per_s=f"{documents / elapsed:,.0f}", tokens_per_s=f"{tokens / elapsed:,.0f}",
+                                refresh=False)
     finally:
         bar.close()
     return documents, tokens

@@ -12,6 +12,7 @@ The writer streams tokens to hidden temporary files and renames them into place 
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from pathlib import Path
 
@@ -36,13 +37,39 @@ def paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def _partial_suffix(pid: int | None = None) -> str:
+    return f".tmp-{socket.gethostname()}-{pid or os.getpid()}"
+
+
+def remove_stale_partial_files(folder: Path) -> int:
+    """Delete the temporary files that writers on this machine left when killed (their process is gone);
+    returns how many. Files of live writers, and of writers on other machines, are left alone."""
+    removed = 0
+    for path in folder.glob(f".*{_partial_suffix(pid=1)[:-1]}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class IndexedDatasetWriter:
     def __init__(self, prefix: str | Path, dtype=np.uint16):
         self.bin_path, self.idx_path = paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
-        self._tmp_bin = self.bin_path.with_name(f".{self.bin_path.name}.tmp-{os.getpid()}")
-        self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp-{os.getpid()}")
+        self._tmp_bin = self.bin_path.with_name(f".{self.bin_path.name}{_partial_suffix()}")
+        self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}{_partial_suffix()}")
         self._bin = open(self._tmp_bin, "wb")
         self.lengths: list[np.ndarray] = []  # one int32 array per batch of documents
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config import ON_ERROR, ConfigError, check_writable_folder
 from .encode import EncodeSettings, encode_into
 from .indexed import IndexedDatasetWriter, optimal_dtype
-from .readers import DataError, Document, SpecialTokens, expand_paths, read_documents
+from .readers import BytesRead, DataError, Document, SpecialTokens, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,11 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
         prefix = f"{output_prefix}_{key}_document"
         writer = IndexedDatasetWriter(prefix, dtype)
         try:
-            documents = (_non_empty(doc, on_bad) for doc in read_documents(files, key, txt_mode, on_bad, special))
+            meter = BytesRead(files)
+            documents = (_non_empty(doc, on_bad)
+                         for doc in read_documents(files, key, txt_mode, on_bad, special, meter))
             texts = (doc.text for doc in documents if doc is not None)
-            written, tokens = encode_into(writer, texts, settings, workers, progress, description=key)
+            written, tokens = encode_into(writer, texts, settings, workers, progress, description=key, meter=meter)
             summary.documents += written
             summary.tokens += tokens
             if written == 0:

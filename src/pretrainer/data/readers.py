@@ -15,6 +15,7 @@ them into documents and either raises on the first bad one or hands it to an
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import gzip
@@ -52,6 +53,34 @@ class DataError(ValueError):
 class Document:
     text: str
     where: str  # "path:line", "path: record N" (or "path" for a whole-file document)
+
+
+class BytesRead:
+    """How far reading has got through the input files, in their bytes on disk (compressed bytes for .gz and
+    .zst), for a progress bar's ETA. Files parsed whole (a JSON array, a CSV, parquet) count when read."""
+
+    def __init__(self, files: list[Path]):
+        self.total = sum(p.stat().st_size for p in files)
+        self._finished = 0
+        self._reading = None  # the raw file being read
+
+    def watch(self, raw) -> None:
+        self._reading = raw
+
+    def file_done(self, path: Path) -> None:
+        self._finished += path.stat().st_size
+        self._reading = None
+
+    @property
+    def done(self) -> int:
+        position = 0
+        raw = self._reading
+        if raw is not None:
+            try:
+                position = raw.tell()
+            except (OSError, ValueError):  # closed meanwhile
+                pass
+        return min(self.total, self._finished + position)
 
 
 @dataclass(frozen=True)
@@ -98,10 +127,11 @@ def record_format(path: Path) -> str:
 
 def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "line",
                    on_bad: Callable[[DataError], None] | None = None,
-                   special: SpecialTokens = SpecialTokens()) -> Iterator[Document]:
-    """Documents of all files in order. A bad record raises, or goes to `on_bad` and is left out."""
+                   special: SpecialTokens = SpecialTokens(), meter: BytesRead | None = None) -> Iterator[Document]:
+    """Documents of all files in order. A bad record raises, or goes to `on_bad` and is left out. `meter`
+    follows the bytes read."""
     for path in files:
-        for where, record in _records(path, text_key, txt_mode):
+        for where, record in _records(path, text_key, txt_mode, meter):
             try:
                 if isinstance(record, DataError):
                     raise record
@@ -112,17 +142,19 @@ def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "l
                 on_bad(exc)
                 continue
             yield Document(text, where)
+        if meter is not None:
+            meter.file_done(path)
 
 
-def _records(path: Path, text_key: str, txt_mode: str) -> Iterator[tuple[str, object]]:
+def _records(path: Path, text_key: str, txt_mode: str, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
     kind = record_format(path)
     if kind == ".txt":
-        return _txt_records(path, txt_mode)
+        return _txt_records(path, txt_mode, meter)
     if kind == ".csv":
-        return _csv_records(path, text_key)
+        return _csv_records(path, text_key, meter)
     if kind == ".parquet":
         return _parquet_records(path)
-    return _json_records(path)
+    return _json_records(path, meter)
 
 
 def record_to_text(record, where: str, text_key: str, special: SpecialTokens = SpecialTokens()) -> str:
@@ -167,20 +199,20 @@ def messages_to_text(messages, where: str, special: SpecialTokens) -> str:
     return "".join(turns)
 
 
-def _txt_records(path: Path, mode: str) -> Iterator[tuple[str, object]]:
+def _txt_records(path: Path, mode: str, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
     if mode == "file":
         try:
-            yield str(path), _read_text(path)
+            yield str(path), _read_text(path, meter)
         except DataError as exc:
             yield str(path), exc
         return
-    for number, line in _lines(path):
+    for number, line in _lines(path, meter):
         if isinstance(line, DataError) or line.strip():  # blank lines separate documents; they are none
             yield f"{path}:{number}", line if isinstance(line, DataError) else line.rstrip("\r\n")
 
 
-def _csv_records(path: Path, text_key: str) -> Iterator[tuple[str, object]]:
-    text = _read_text(path)  # a CSV field may span lines, so the file is parsed whole
+def _csv_records(path: Path, text_key: str, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
+    text = _read_text(path, meter)  # a CSV field may span lines, so the file is parsed whole
     reader = csv.DictReader(text.splitlines(keepends=True))
     if reader.fieldnames is None:
         return
@@ -191,10 +223,10 @@ def _csv_records(path: Path, text_key: str) -> Iterator[tuple[str, object]]:
         yield f"{path}:{reader.line_num}", row
 
 
-def _json_records(path: Path) -> Iterator[tuple[str, object]]:
+def _json_records(path: Path, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
     if _first_char(path) == "[":  # a JSON array is parsed whole; JSON lines stream one line at a time
         try:
-            records = json.loads(_read_text(path))
+            records = json.loads(_read_text(path, meter))
         except DataError as exc:
             yield str(path), exc
             return
@@ -205,7 +237,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, object]]:
         for index, record in enumerate(records):
             yield f"{path}: record {index}", record
         return
-    for number, line in _lines(path):
+    for number, line in _lines(path, meter):
         where = f"{path}:{number}"
         if isinstance(line, DataError):
             yield where, line
@@ -235,23 +267,31 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
             index += 1
 
 
-def _open_binary(path: Path):
-    """The file's bytes, decompressed on the fly for .gz and .zst."""
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+@contextlib.contextmanager
+def _open_binary(path: Path, meter: BytesRead | None = None):
+    """The file's bytes, decompressed on the fly for .gz and .zst; `meter` watches the file on disk."""
     if path.suffix == ".zst":
         try:
             import zstandard
         except ImportError:
             raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") \
                 from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+    with open(path, "rb") as raw:
+        if meter is not None:
+            meter.watch(raw)
+        if path.suffix == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f
+        elif path.suffix == ".zst":
+            with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)) as f:
+                yield f
+        else:
+            yield raw
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str | DataError]]:
+def _lines(path: Path, meter: BytesRead | None = None) -> Iterator[tuple[int, str | DataError]]:
     """Numbered lines, decoded one at a time (memory stays flat whatever the file size)."""
-    with _open_binary(path) as f:
+    with _open_binary(path, meter) as f:
         for number, raw in enumerate(f, start=1):
             try:
                 yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -266,8 +306,8 @@ def _first_char(path: Path) -> str:
     return head[:1]
 
 
-def _read_text(path: Path) -> str:
-    with _open_binary(path) as f:
+def _read_text(path: Path, meter: BytesRead | None = None) -> str:
+    with _open_binary(path, meter) as f:
         raw = f.read()
     try:
         return raw.decode("utf-8-sig")

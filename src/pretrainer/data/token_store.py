@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .encode import EncodeSettings, apply_policy, encode_into
-from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
-from .readers import DataError, SpecialTokens, read_documents
+from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype, remove_stale_partial_files
+from .readers import BytesRead, DataError, SpecialTokens, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
     folder = root / spec.key()
     store = None
     # Rank 0 first; then a node that does not see its store (a node-local cache) builds its own.
-    for builds in (placement.is_main, placement.local_rank == 0 and not placement.is_main):
+    phases = ((placement.is_main, "rank 0"),
+              (placement.local_rank == 0 and not placement.is_main, "local rank 0 of each machine"))
+    for builds, builder in phases:
         outcome = None
         if builds:
             try:
@@ -105,10 +107,20 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
             except Exception as exc:  # the other ranks wait for this one: tell them, then fail everywhere
                 logger.exception("%s: tokenizing into %s failed", what, folder)
                 outcome = f"{what}: tokenizing into {folder} failed ({type(exc).__name__}: {exc})"
-        errors = [error for error in placement.gather(outcome) if error]
+        try:
+            errors = [error for error in placement.gather(outcome) if error]
+        except RuntimeError as exc:  # a rank waited longer than the collective timeout, or one died
+            raise DataError(f"{what}: waiting for {builder} to tokenize into {folder} failed ({_first_line(exc)}); "
+                            "a corpus of many GB can take longer than distributed_timeout_minutes: raise it, or "
+                            "tokenize beforehand with `pretrainer prepare` and train on its output "
+                            "(megatron_dataset_flag: true)") from None
         if errors:
             raise DataError(errors[0])
     return store if store is not None else IndexedDataset(folder / PREFIX)
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> IndexedDataset:
@@ -130,16 +142,21 @@ def _is_complete(folder: Path) -> bool:
 
 def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    if remove_stale_partial_files(folder):
+        logger.info("%s: removed the partial files of an interrupted build in %s", what, folder)
     start = time.perf_counter()
+    logger.info("%s: tokenizing %d file(s) into %s with %d worker(s); other ranks wait for it (at most "
+                "distributed_timeout_minutes)", what, len(spec.files), folder, workers)
     writer = IndexedDatasetWriter(folder / PREFIX, spec.encode.dtype)
     skipped: list[DataError] = []
     on_bad = skipped.append if spec.skip_bad_records else None
+    meter = BytesRead(list(spec.files))
     texts = (document.text for document in read_documents(list(spec.files), spec.text_key, spec.txt_mode,
-                                                          on_bad=on_bad, special=spec.special))
+                                                          on_bad=on_bad, special=spec.special, meter=meter))
     try:
         if spec.encode.tokenizer_json:
             documents, tokens = encode_into(writer, texts, spec.encode, workers, progress=sys.stderr.isatty(),
-                                            description=f"tokenizing {what}")
+                                            description=f"tokenizing {what}", meter=meter)
         else:  # a tokenizer without a serializable fast backend: encoded here, one process
             documents, tokens = _encode_here(writer, texts, spec.encode, tokenizer)
         writer.finalize()
