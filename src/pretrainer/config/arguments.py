@@ -39,6 +39,7 @@ DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
+NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
@@ -76,6 +77,12 @@ class PreTrainingArguments:
     data_cache_path: str | None = None
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+
+    # --- a larger tokenizer than the model's vocabulary (an extended one) ---
+    pad_vocab_to_multiple_of: int = 64
+    new_token_init: str = "subtoken_mean"
+    allow_tokenizer_mismatch: bool = False
+    trainable_parameters: str | list = "all"
 
     # --- optimisation ---
     lr: float = 3e-4
@@ -313,6 +320,13 @@ class PreTrainingArguments:
                              "is not one of none, full, selective")
         if self.txt_mode not in TXT_MODES:
             raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
+        if self.new_token_init not in NEW_TOKEN_INITS:
+            raise key_error("new_token_init", f"new_token_init {self.new_token_init!r} is not one of "
+                             f"{', '.join(NEW_TOKEN_INITS)}")
+        if isinstance(self.trainable_parameters, list) and not (
+                self.trainable_parameters and all(isinstance(p, str) and p for p in self.trainable_parameters)):
+            raise key_error("trainable_parameters", "trainable_parameters is all, embeddings, or a non-empty list of "
+                             "glob patterns over parameter names (e.g. ['model.embed_tokens.*', 'lm_head.*'])")
         if self.on_error not in ON_ERROR:
             raise key_error("on_error", f"on_error {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
         if self.warmup_steps is not None and self.warmup_fraction is not None:
@@ -348,7 +362,7 @@ class PreTrainingArguments:
     def _check_ranges(self) -> None:
         """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
         at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1,
-                    "tokenize_workers": 1}
+                    "tokenize_workers": 1, "pad_vocab_to_multiple_of": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

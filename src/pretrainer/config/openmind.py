@@ -31,6 +31,7 @@ MEGATRON_KEY_TO_FIELD = {
     "distributed_timeout_minutes": "distributed_timeout_minutes",
     "reset_position_ids": "reset_position_ids",
     "reset_attention_mask": "reset_attention_mask",
+    "make_vocab_size_divisible_by": "pad_vocab_to_multiple_of",
 }
 
 # The seed's four custom Megatron hooks (functions set in plugin_args by a script).

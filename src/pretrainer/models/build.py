@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +30,15 @@ class ModelSpec:
     has_weights: bool
     source: str             # the model folder (or the hook that built the model)
     config_source: str      # where the config came from, for messages
+    growth: VocabGrowth | None = None  # the vocabulary grows to a larger (extended) tokenizer
 
 
-def preflight(args, config=None) -> ModelSpec:
+def preflight(args, config=None, model_parallel: int = 1) -> ModelSpec:
     """Resolve and check the model config and tokenizer without building the model.
 
     `config` is the config of a model built elsewhere (custom_model_provider_function): no model path needed.
+    A tokenizer larger than the model's vocabulary plans its growth (padded to a multiple of
+    `pad_vocab_to_multiple_of` and of `model_parallel`).
     """
     from transformers import AutoConfig
 
@@ -60,12 +64,8 @@ def preflight(args, config=None) -> ModelSpec:
     has_weights = path.is_dir() and any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
 
     tokenizer = load_tokenizer(args.resolved_tokenizer_path, path)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise ConfigError(f"the tokenizer ({args.resolved_tokenizer_path}) has {len(tokenizer)} tokens but the model's "
-                          f"embedding has vocab_size={vocab}; use the model's own tokenizer or raise vocab_size in "
-                          f"{config_file}")
-    return ModelSpec(config, tokenizer, has_weights, str(path), str(config_file))
+    growth = plan_growth(config, tokenizer, args, config_file.parent, str(config_file), model_parallel)
+    return ModelSpec(config, tokenizer, has_weights, str(path), str(config_file), growth)
 
 
 def load_tokenizer(tokenizer_path: str | None, model_path: Path):
@@ -108,7 +108,13 @@ def build_model(args, spec: ModelSpec) -> torch.nn.Module:
             raise ConfigError(f"model_path {spec.source}: its weights cannot be loaded ({reason}); check the "
                               "weight files (a download cut short?), or point model_path at a config.json to start "
                               "from random weights") from None
+        if spec.growth is not None:
+            grow_embeddings(model, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std, args.seed)
     else:
+        if spec.growth is not None:  # random weights: the larger vocabulary is built directly
+            config.vocab_size = spec.growth.new_size
+            logger.info("vocabulary: %d rows for the tokenizer's %d tokens (random init)", spec.growth.new_size,
+                        spec.growth.tokens)
         logger.info("building %s from its config on the meta device (init std %s)", config.model_type,
                     getattr(config, "initializer_range", "default"))
         with torch.device("meta"):

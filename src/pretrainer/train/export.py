@@ -57,8 +57,18 @@ def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str 
         model.config.use_cache = False
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+        _copy_sentencepiece_model(tokenizer, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+def _copy_sentencepiece_model(tokenizer, folder: Path) -> None:
+    """A SentencePiece `tokenizer.model` beside the tokenizer goes along: slow tokenizers (`use_fast=False`)
+    and older transformers load it, and a fast tokenizer's save does not always write it."""
+    source = Path(getattr(tokenizer, "name_or_path", "") or "")
+    model_file = (source if source.is_dir() else source.parent) / "tokenizer.model"
+    if model_file.is_file() and not (folder / "tokenizer.model").exists():
+        shutil.copy(model_file, folder / "tokenizer.model")

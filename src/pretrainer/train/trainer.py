@@ -22,7 +22,7 @@ import torch
 from ..batch import count_inputs, count_targets, to_device
 from ..config import ConfigError, PreTrainingArguments, RunPlan, check_writable_folder, resolve_run_plan
 from ..data import DataPlacement, assemble_data
-from ..models import build_model, count_parameters, load_tokenizer, preflight
+from ..models import build_model, count_parameters, load_tokenizer, preflight, select_trainable
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from ..perf.host_memory import reuse_freed_host_memory
@@ -118,7 +118,8 @@ class PreTrainer:
         the user's: only a tokenizer is looked for, to export with the model)."""
         args = self.pretrain_args
         if model is None or train_dataloader is None:
-            spec = preflight(args, config=model.config if model is not None else None)
+            spec = preflight(args, config=model.config if model is not None else None,
+                             model_parallel=self.engine.model_parallel_size)
             self.tokenizer = spec.tokenizer
             return spec
         self.tokenizer = None
@@ -144,6 +145,7 @@ class PreTrainer:
                               "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
                               "adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
+        self.trainable_parameters = select_trainable(model, args.trainable_parameters)
         self.flops = flops_per_token(model, self.plan.seq_length)  # counted before an engine shards the model
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
             model, self.plan, optimizer, lr_scheduler,
@@ -415,7 +417,7 @@ class PreTrainer:
                      f"  Gradient Accumulation steps = {plan.gradient_accumulation_steps}",
                      f"  Total steps = {plan.num_training_steps}",
                      f"  {engine.describe()}",
-                     f"  Model parameters = {self.num_parameters:,}",
+                     f"  Model parameters = {self.num_parameters:,} (trainable {self.trainable_parameters:,})",
                      f"  LR = {args.lr:g} ({args.lr_decay_style}, warmup {args.warmup_steps_resolved()} steps, "
                      f"min {args.min_lr:g}), weight decay {args.weight_decay:g}, clip {args.clip_grad}",
                      f"  MFU = useful tokens/s per device x model FLOPs/token / peak; {meter.flops.describe()}; "

@@ -65,8 +65,8 @@ def tokenizer_command(ns) -> int:
         print(f"added {len(extension.added):,} tokens to the {extension.kind} tokenizer: {extension.base_size:,} -> "
               f"{extension.size:,} (ids {extension.base_size:,} and up)")
         if len(extension.added) < ns.add:
-            print(f"only {len(extension.added):,} of --add {ns.add:,}: the corpus offered no more tokens of the "
-                  "target scripts")
+            print(f"only {len(extension.added):,} of --add {ns.add:,}: {'--from' if source else 'the corpus'} offered "
+                  "no more tokens of the target scripts")
         print(f"wrote {extension.folder}")
     else:
         from .inspect import inspect_tokenizers, stats_json, stats_table

@@ -1,0 +1,156 @@
+"""Growing a model's vocabulary to an extended tokenizer, before any engine shards the model.
+
+`plan_growth` (at preflight) decides the new size: the tokenizer's length rounded up to
+`pad_vocab_to_multiple_of` (and to the tensor-parallel degree, which splits the vocabulary), and checks
+that the tokenizer extends the model's own (every token the model's tokenizer has keeps its id).
+`grow_embeddings` (after the weights are loaded) resizes the input embedding and the output head and fills
+the new rows by `new_token_init`:
+
+- `subtoken_mean`: each new token's row is the mean of the rows of the pieces the model's own tokenizer
+  splits its text into (input and output rows alike), so a new token starts where the model already
+  "reads" it; a text the old tokenizer cannot split (none) gets the mean of all rows;
+- `mean`: the mean of all existing rows plus a perturbation with 1e-9 times their covariance (the
+  transformers `resize_token_embeddings` default);
+- `normal`: N(0, init_method_std or the config's initializer_range).
+
+Rows past the tokenizer's length (padding) get the mean of all rows. Random draws use a generator seeded
+with `seed`, so every rank builds the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class VocabGrowth:
+    old_size: int                     # the model's vocab_size
+    new_size: int                     # the padded size the embedding grows to
+    tokens: int                       # the tokenizer's length
+    base_tokenizer: object | None     # the model's own tokenizer (None: not found beside the model)
+
+
+def padded_size(tokens: int, multiple: int, model_parallel: int = 1) -> int:
+    step = math.lcm(max(1, multiple), max(1, model_parallel))
+    return -(-tokens // step) * step
+
+
+def plan_growth(config, tokenizer, args, model_folder: Path | None, config_source: str,
+                model_parallel: int = 1) -> VocabGrowth | None:
+    """None when the tokenizer fits the model's vocabulary; else the growth, after checking the tokenizer
+    extends the model's own."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None or len(tokenizer) <= vocab:
+        return None
+    base = _model_tokenizer(model_folder, args.resolved_tokenizer_path)
+    if base is not None:
+        check_extension(base, tokenizer, args.resolved_tokenizer_path, model_folder, args.allow_tokenizer_mismatch)
+    elif not args.allow_tokenizer_mismatch:
+        raise ConfigError(f"the tokenizer ({args.resolved_tokenizer_path}) has {len(tokenizer):,} tokens but the "
+                          f"model has vocab_size={vocab:,} ({config_source}), and no tokenizer of the model's own "
+                          "is there to check that the new one extends it (the model folder has none, or it is the "
+                          "one given); keep the model's original tokenizer in its folder and point tokenizer_path "
+                          "at the extended one, or set allow_tokenizer_mismatch: true")
+    new_size = padded_size(len(tokenizer), args.pad_vocab_to_multiple_of, model_parallel)
+    return VocabGrowth(vocab, new_size, len(tokenizer), base)
+
+
+def _model_tokenizer(model_folder: Path | None, tokenizer_path: str | None):
+    from transformers import AutoTokenizer
+
+    if model_folder is None or not any((model_folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    if tokenizer_path and Path(tokenizer_path).resolve() in (model_folder.resolve(), model_folder.resolve() /
+                                                             "config.json"):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(model_folder))
+    except Exception:  # a folder with a partial tokenizer: nothing to compare with
+        return None
+
+
+def check_extension(base, tokenizer, tokenizer_path, model_folder, allow: bool) -> None:
+    """Every token of the model's tokenizer must keep its id in the new one."""
+    new_vocab = tokenizer.get_vocab()
+    differing = [(token, i, new_vocab.get(token)) for token, i in base.get_vocab().items()
+                 if new_vocab.get(token) != i]
+    if not differing:
+        return
+    token, old, new = differing[0]
+    message = (f"the tokenizer ({tokenizer_path}) is not an extension of the model's ({model_folder}): "
+               f"{len(differing):,} of the model tokenizer's {len(base):,} tokens have another id or none "
+               f"(e.g. {token!r}: {old} -> {new}), so their embedding rows would be read for other tokens")
+    if allow:
+        logger.warning("%s; training anyway (allow_tokenizer_mismatch: true)", message)
+        return
+    raise ConfigError(f"{message}; make it with `pretrainer tokenizer extend --tokenizer {model_folder}`, or set "
+                      "allow_tokenizer_mismatch: true to train anyway")
+
+
+def grow_embeddings(model: torch.nn.Module, growth: VocabGrowth, tokenizer, method: str, std: float | None,
+                    seed: int) -> None:
+    """Resize the input embedding and output head of a loaded model to `growth.new_size` and initialise the
+    new rows by `method` (see the module docstring)."""
+    generator = torch.Generator().manual_seed(seed)
+    std = std if std is not None else getattr(model.config, "initializer_range", 0.02)
+    model.resize_token_embeddings(growth.new_size, mean_resizing=False)
+    matrices = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not matrices[0]:
+        matrices.append(head.weight)
+    pieces = _base_pieces(tokenizer, growth) if method == "subtoken_mean" else None
+    with torch.no_grad():
+        for weight in matrices:
+            old = weight[:growth.old_size]
+            mean = old.mean(dim=0)
+            new_rows = weight[growth.old_size:growth.tokens]
+            if method == "normal":
+                new_rows.copy_(torch.randn(new_rows.shape, generator=generator, dtype=torch.float32) * std)
+            elif method == "mean":
+                new_rows.copy_(_perturbed_means(old, len(new_rows), generator))
+            else:
+                for row, ids in zip(new_rows, pieces):
+                    row.copy_(old[ids].mean(dim=0) if ids else mean)
+            weight[growth.tokens:] = mean  # padding rows: never a target, never read
+    logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s", growth.old_size,
+                growth.new_size, growth.tokens,
+                method if pieces is None else f"subtoken_mean ({sum(1 for p in pieces if not p)} without pieces)")
+
+
+def _base_pieces(tokenizer, growth: VocabGrowth) -> list[list[int]]:
+    """For each new id, the ids of the pieces the model's own tokenizer splits the token into: its BPE model
+    applied to the token's string (byte-level and SentencePiece-style tokens alike), else its text encoded."""
+    base = growth.base_tokenizer or tokenizer
+    backend = getattr(base, "backend_tokenizer", None)
+    pieces = []
+    for token_id in range(growth.old_size, growth.tokens):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if backend is not None:
+            ids = [piece.id for piece in backend.model.tokenize(token)]
+        else:
+            ids = base(tokenizer.convert_tokens_to_string([token]), add_special_tokens=False)["input_ids"]
+        pieces.append([i for i in ids if i < growth.old_size])
+    return pieces
+
+
+def _perturbed_means(old: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    mean = old.mean(dim=0)
+    centered = old - mean
+    covariance = centered.T @ centered / len(old)
+    try:
+        factor = torch.linalg.cholesky(1e-9 * covariance)
+    except RuntimeError:  # not positive definite (few rows): the plain mean
+        return mean.expand(count, -1).clone()
+    noise = torch.randn((count, old.shape[1]), generator=generator, dtype=old.dtype)
+    return mean + noise @ factor.T
