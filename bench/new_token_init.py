@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def main() -> None:
     mixed = folder / "mixed.jsonl"
     mixed.write_text("\n".join(line for pair in zip(english, chinese) for line in pair) + "\n", encoding="utf-8")
     common = ["dtype=fp32", "micro_batch_size=8", "dp=1", "gradient_accumulation_steps=1", "seq_length=256",
-              "lr=2e-3", "min_lr=2e-4", "eval_iters=10", "write_report=false", "save_interval=0", "seed=42"]
+              "lr=2e-3", "min_lr=2e-4", "eval_iters=10", "write_report=false", "save_interval=0", "seed=42",
+              "log_interval=1"]
     base = folder / "base"
     if not (base / "hf" / "config.json").is_file():
         print(f"pretraining the quickstart model for {ns.pretrain_steps} steps on English + Chinese ...", flush=True)
@@ -62,6 +64,7 @@ def main() -> None:
     rows = []
     for init in ("subtoken_mean", "mean", "normal"):
         save_dir = folder / f"continue-{init}"
+        shutil.rmtree(save_dir, ignore_errors=True)  # a finished run there would be resumed, not redone
         print(f"continuing with new_token_init={init} ...", flush=True)
         pretrainer("train", "examples/quickstart.yaml", *common, f"num_training_steps={ns.steps}",
                    f"model_path={base / 'hf'}", f"tokenizer_path={extended}", f"new_token_init={init}",

@@ -6,15 +6,23 @@ Batches from a user DataLoader follow the HF convention: `labels` aligned with
 `input_ids`, -100 to ignore; they are shifted here. Targets that fall on
 padding (attention_mask 0) are ignored too. The loss is returned as a sum with
 its target count, so accumulation and ranks can average over tokens exactly.
+
+An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never
+exist (`models/chunked_loss.py`): `forward_logits` hands it the batch's targets, and its "logits" are then
+`[summed loss, correct predictions]` (`is_head_loss`), which `loss_sum` and evaluation read.
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
 IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+_head_targets: ContextVar[torch.Tensor | None] = ContextVar("targets for a loss-computing output head",
+                                                            default=None)
 
 
 def batch_targets(batch: dict) -> torch.Tensor:
@@ -40,11 +48,28 @@ def count_inputs(batch: dict) -> int:
 
 
 def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model's logits for a device batch, or its summed loss when its output head computes it."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    return model(**inputs, use_cache=False).logits
+    token = _head_targets.set(batch_targets(batch))
+    try:
+        return model(**inputs, use_cache=False).logits
+    finally:
+        _head_targets.reset(token)
+
+
+def head_targets() -> torch.Tensor | None:
+    """The targets of the batch being forwarded (None outside `forward_logits`, e.g. in `generate`)."""
+    return _head_targets.get()
+
+
+def is_head_loss(output: torch.Tensor) -> bool:
+    """Whether a forward's output is an output head's own `[summed loss, correct predictions]`."""
+    return output.dim() == 1 and output.shape[0] == 2
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if is_head_loss(logits):  # the output head computed the summed loss itself (chunked)
+        return logits[0]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
 

@@ -40,6 +40,7 @@ ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
@@ -83,6 +84,11 @@ class PreTrainingArguments:
     new_token_init: str = "subtoken_mean"
     allow_tokenizer_mismatch: bool = False
     trainable_parameters: str | list = "all"
+
+    # --- longer contexts ---
+    rope_scaling: dict | None = None
+    rope_theta: float | None = None
+    loss_chunk_size: int | str = "auto"
 
     # --- optimisation ---
     lr: float = 3e-4
@@ -327,6 +333,7 @@ class PreTrainingArguments:
                 self.trainable_parameters and all(isinstance(p, str) and p for p in self.trainable_parameters)):
             raise key_error("trainable_parameters", "trainable_parameters is all, embeddings, or a non-empty list of "
                              "glob patterns over parameter names (e.g. ['model.embed_tokens.*', 'lm_head.*'])")
+        self._check_long_context()
         if self.on_error not in ON_ERROR:
             raise key_error("on_error", f"on_error {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
         if self.warmup_steps is not None and self.warmup_fraction is not None:
@@ -358,6 +365,23 @@ class PreTrainingArguments:
         if self.resume not in ("auto", "none") and not self.resume:
             raise key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
         self._check_ranges()
+
+    def _check_long_context(self) -> None:
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_TYPES:
+                raise key_error("rope_scaling", f"rope_scaling needs rope_type, one of {', '.join(ROPE_TYPES)} (got "
+                                 f"{kind!r}); e.g. rope_scaling: {{rope_type: yarn, factor: 4.0}}")
+            factor = self.rope_scaling.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+                raise key_error("rope_scaling", f"rope_scaling.factor must be a number >= 1 (the new length over the "
+                                 f"original), got {factor!r}")
+        if self.rope_theta is not None and self.rope_theta <= 0:
+            raise key_error("rope_theta", f"rope_theta must be > 0, got {self.rope_theta}")
+        chunk = self.loss_chunk_size
+        if isinstance(chunk, str) and chunk != "auto" or isinstance(chunk, int) and chunk < 0:
+            raise key_error("loss_chunk_size", f"loss_chunk_size is auto, 0 (off) or a number of tokens per chunk, "
+                             f"got {chunk!r}")
 
     def _check_ranges(self) -> None:
         """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""

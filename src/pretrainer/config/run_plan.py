@@ -16,14 +16,27 @@ from .errors import ConfigError
 def resolve_seq_length(seq_length: int | None, model_config, where: str) -> int:
     """The run's sequence length: `seq_length`, or the model's `max_position_embeddings` when unset; never
     longer than the model's positions. `where` names the model config in messages."""
-    max_positions = getattr(model_config, "max_position_embeddings", None)
+    max_positions = model_positions(model_config)
     resolved = seq_length or max_positions
     if resolved is None:
         raise ConfigError("seq_length is not set and the model config has no max_position_embeddings; set seq_length")
     if max_positions is not None and resolved > max_positions:
+        factor = -(-resolved // max_positions)
         raise ConfigError(f"key 'seq_length': {resolved} exceeds the model's max_position_embeddings "
-                          f"({max_positions}, {where}); lower seq_length")
+                          f"({max_positions}, {where}); lower seq_length, or extend the positions with "
+                          f"rope_scaling, e.g. rope_scaling: {{rope_type: yarn, factor: {factor}}} (or linear, "
+                          "dynamic, llama3; see the long-context docs)")
     return int(resolved)
+
+
+def model_positions(model_config) -> int | None:
+    """The positions a model config covers: `max_position_embeddings`, times the factor of a `dynamic` (NTK)
+    RoPE scaling, which rescales past it at run time (other scalings set max_position_embeddings)."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    if positions is not None and isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
+        return int(positions * rope.get("factor", 1.0))
+    return positions
 
 
 def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, data_parallel_size: int) -> int:

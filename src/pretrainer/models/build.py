@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from .rope import apply_rope_settings
 from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def preflight(args, config=None, model_parallel: int = 1) -> ModelSpec:
     except Exception as exc:  # transformers raises several types for bad configs
         raise ConfigError(f"{config_file}: cannot be read as a model config: {exc}") from None
     has_weights = path.is_dir() and any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
+    apply_rope_settings(config, args.rope_scaling, args.rope_theta, str(config_file))
 
     tokenizer = load_tokenizer(args.resolved_tokenizer_path, path)
     growth = plan_growth(config, tokenizer, args, config_file.parent, str(config_file), model_parallel)

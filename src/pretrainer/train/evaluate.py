@@ -7,7 +7,7 @@ from itertools import islice
 
 import torch
 
-from ..batch import IGNORE, batch_targets, loss_sum, to_device
+from ..batch import IGNORE, batch_targets, is_head_loss, loss_sum, to_device
 
 
 @torch.no_grad()
@@ -26,7 +26,10 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
             continue
         valid = targets != IGNORE
         total_loss += loss_sum(logits, targets).double()
-        total_correct += ((logits.argmax(-1) == targets) & valid).sum()
+        if is_head_loss(logits):  # the output head counted its correct predictions itself
+            total_correct += logits[1].double()
+        else:
+            total_correct += ((logits.argmax(-1) == targets) & valid).sum()
         total_tokens += valid.sum()
     model.train(was_training)
     totals = engine.reduce_sum(torch.stack([total_loss, total_correct, total_tokens]))

@@ -22,7 +22,15 @@ import torch
 from ..batch import count_inputs, count_targets, to_device
 from ..config import ConfigError, PreTrainingArguments, RunPlan, check_writable_folder, resolve_run_plan
 from ..data import DataPlacement, assemble_data
-from ..models import build_model, count_parameters, load_tokenizer, preflight, select_trainable
+from ..models import (
+    build_model,
+    count_parameters,
+    install_chunked_loss,
+    load_tokenizer,
+    preflight,
+    resolve_chunk_size,
+    select_trainable,
+)
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from ..perf.host_memory import reuse_freed_host_memory
@@ -146,11 +154,29 @@ class PreTrainer:
                               "adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
         self.trainable_parameters = select_trainable(model, args.trainable_parameters)
+        self._chunk_loss(model)
         self.flops = flops_per_token(model, self.plan.seq_length)  # counted before an engine shards the model
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
             model, self.plan, optimizer, lr_scheduler,
             build_optimizer=lambda m: build_optimizer(m, args, engine.device),
             build_scheduler=lambda o: build_scheduler(o, args))
+
+    def _chunk_loss(self, model) -> None:
+        """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
+        args, plan = self.pretrain_args, self.plan
+        chunk = resolve_chunk_size(args.loss_chunk_size, plan.micro_batch_size, plan.seq_length,
+                                   model.config.vocab_size)
+        if not chunk:
+            return
+        explicit = args.loss_chunk_size != "auto"
+        blocker = ("engine megatron splits the output head over ranks" if self.engine.name == "megatron" else
+                   "custom_loss_function needs per-token losses" if self.hooks.loss_function is not None else None)
+        if blocker and explicit:
+            raise ConfigError(f"loss_chunk_size: not available here ({blocker}); set loss_chunk_size: 0")
+        if blocker:
+            logger.info("chunked loss not used: %s", blocker)
+            return
+        install_chunked_loss(model, chunk, explicit)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:

@@ -18,15 +18,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.readers import DataError
 from .corpus import Corpus
-from .scripts import detect_target_scripts, holds_target_char
-from .train import _import_sentencepiece, convert_sentencepiece
+from .scripts import count_characters, detect_target_scripts, holds_target_char
+from .train import convert_sentencepiece, import_sentencepiece
 
-SAMPLE_BYTES = 64 * 2**20  # of corpus read to find the target scripts
+SAMPLE_BYTES = 64 * 2**20  # of corpus read to count its characters and find the target scripts
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
                 "generation_config.json")
 
@@ -70,10 +71,16 @@ def _tokenizer_folder(path: Path, flag: str) -> Path:
     return folder
 
 
-def _targets(scripts: list[str] | None, texts, covers) -> dict[str, float]:
+def _characters(corpus: Corpus | None, source: Path | None) -> Counter:
+    """The characters of (a sample of) the corpus, or of the other tokenizer's vocabulary."""
+    return count_characters(corpus.documents("surveying characters", SAMPLE_BYTES) if corpus else
+                            _pieces_text(source))
+
+
+def _targets(scripts: list[str] | None, characters: Counter, covers) -> dict[str, float]:
     if scripts:
         return {script.upper(): 1.0 for script in scripts}
-    found = detect_target_scripts(texts, covers)
+    found = detect_target_scripts(characters, covers)
     if not found:
         raise DataError("the base tokenizer already covers every script of the corpus (no script has more than 5% "
                         "of its characters uncovered); name the scripts to extend with --scripts (e.g. CJK)")
@@ -82,7 +89,7 @@ def _targets(scripts: list[str] | None, texts, covers) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------- SentencePiece model
 def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -> Extension:
-    sentencepiece = _import_sentencepiece()
+    sentencepiece = import_sentencepiece()
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = pb.ModelProto()
@@ -93,10 +100,12 @@ def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -
                         "(as Llama-2 ships) are extended")
     vocab = {piece.piece for piece in proto.pieces}
     extension = Extension(output, len(proto.pieces), kind="SentencePiece BPE")
-    texts = corpus.documents("finding scripts", SAMPLE_BYTES) if corpus else _pieces_text(source)
-    extension.targets = _targets(scripts, texts, lambda char: char in vocab)
+    characters = _characters(corpus, source)
+    extension.targets = _targets(scripts, characters, lambda char: char in vocab)
+    # room for every character (SentencePiece needs them in its vocabulary) and for pieces the filter drops
+    learned_size = add + len(characters) + 1000
     candidates = (_sentencepiece_pieces(source, pb) if source else
-                  _learn_sentencepiece(corpus, proto, add, workers, sentencepiece, pb))
+                  _learn_sentencepiece(corpus, proto, learned_size, workers, sentencepiece, pb))
     lowest = min((piece.score for piece in proto.pieces), default=0.0)
     for piece in candidates:
         if len(extension.added) == add:
@@ -118,13 +127,12 @@ def _buildable(piece: str, vocab: set[str]) -> bool:
     return len(piece) == 1 or any(piece[:i] in vocab and piece[i:] in vocab for i in range(1, len(piece)))
 
 
-def _learn_sentencepiece(corpus, proto, add, workers, sentencepiece, pb) -> list[str]:
+def _learn_sentencepiece(corpus, proto, size, workers, sentencepiece, pb) -> list[str]:
     """Pieces a SentencePiece BPE with the base's normalisation learns on the corpus, most frequent first."""
     spec = proto.trainer_spec
     with tempfile.TemporaryDirectory() as scratch:
         prefix = Path(scratch) / "learned"
-        options = dict(model_type="bpe", vocab_size=add + 2000,  # room for pieces the filter drops
-                        byte_fallback=spec.byte_fallback,
+        options = dict(model_type="bpe", vocab_size=size, byte_fallback=spec.byte_fallback,
                        split_digits=spec.split_digits, character_coverage=0.9995,
                        allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
                        remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
@@ -178,8 +186,7 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
     if not byte_level:
         raise DataError(f"--tokenizer {base}: a tokenizer.json BPE that is not byte-level is extended through its "
                         "SentencePiece tokenizer.model; put that file in the folder (Llama-2 repositories ship it)")
-    texts = corpus.documents("finding scripts", SAMPLE_BYTES) if corpus else _pieces_text(source)
-    extension.targets = _targets(scripts, texts, covers)
+    extension.targets = _targets(scripts, _characters(corpus, source), covers)
     targets = set(extension.targets)
     learned = _merges_of(source) if source else _learn_merges(corpus, data, add)
     new_merges = []

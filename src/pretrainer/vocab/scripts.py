@@ -36,18 +36,25 @@ def script_of(char: str) -> str:
     return "CJK" if first in ("CJK", "IDEOGRAPHIC", "KANGXI") else first
 
 
-def detect_target_scripts(texts: Iterable[str], covers: Callable[[str], bool]) -> dict[str, float]:
-    """The scripts the base tokenizer covers poorly in `texts`, with the share of their characters' occurrences
-    it leaves uncovered; `covers(char)` says whether the base has a single token for the character."""
-    seen, uncovered = Counter(), Counter()
+def count_characters(texts: Iterable[str]) -> Counter:
+    counts: Counter = Counter()
     for text in texts:
-        for char, count in Counter(text).items():
-            if char.isspace():
-                continue
-            script = script_of(char)
-            seen[script] += count
-            if not covers(char):
-                uncovered[script] += count
+        counts.update(text)
+    return counts
+
+
+def detect_target_scripts(counts: Counter, covers: Callable[[str], bool]) -> dict[str, float]:
+    """The scripts the base tokenizer covers poorly, with the share of their characters' occurrences it leaves
+    uncovered; `counts` are the corpus's characters, `covers(char)` says whether the base has a single token
+    for one."""
+    seen, uncovered = Counter(), Counter()
+    for char, count in counts.items():
+        if char.isspace():
+            continue
+        script = script_of(char)
+        seen[script] += count
+        if not covers(char):
+            uncovered[script] += count
     total = sum(seen.values())
     shares = {script: uncovered[script] / seen[script] for script in seen
               if script != "COMMON" and seen[script] >= MIN_CORPUS_SHARE * total}

@@ -63,7 +63,7 @@ def _train_byte_level(corpus: Corpus, vocab_size: int, output: Path) -> TrainedT
 
 def _train_sentencepiece(corpus: Corpus, vocab_size: int, output: Path, kind: str, byte_fallback: bool,
                          workers: int) -> TrainedTokenizer:
-    sentencepiece = _import_sentencepiece()
+    sentencepiece = import_sentencepiece()
     with tempfile.TemporaryDirectory() as scratch:
         prefix = Path(scratch) / "spm"
         try:
@@ -101,7 +101,7 @@ def convert_sentencepiece(folder: Path) -> int:
     return len(tokenizer)
 
 
-def _import_sentencepiece():
+def import_sentencepiece():
     try:
         import sentencepiece
     except ImportError:

@@ -1,0 +1,113 @@
+"""The output head and the cross-entropy in chunks of tokens, so the `[tokens, vocab]` logits never exist
+whole (`loss_chunk_size`): with long sequences and large (extended) vocabularies they are the largest
+tensor of a step, 4 bytes x tokens x vocabulary in fp32.
+
+Each chunk's logits are made, turned into the chunk's loss and, when a backward will follow, into the
+gradients for the hidden states and the head's weight at once, then dropped; backward only scales the
+stored gradients. The head's weight is thus used only inside the head's own forward, where every engine
+(FSDP's unsharded parameters, DeepSpeed ZeRO-3's gathered ones) has it whole. The math is the plain
+softmax cross-entropy's, so loss and gradients equal the unchunked ones within fp32 rounding.
+
+The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its
+forward changes, and outside `batch.forward_logits` (no targets: `generate`, a user's call) it returns
+ordinary logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import IGNORE, head_targets
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AUTO_LOGITS_BYTES = 256 * 2**20  # fp32 logits of a micro-batch above this: chunk ("auto")
+AUTO_CHUNK_BYTES = 64 * 2**20    # one chunk's fp32 logits under "auto"
+
+
+def resolve_chunk_size(setting, micro_batch_size: int, seq_length: int, vocab_size: int) -> int:
+    """Tokens per chunk (0: off) for `loss_chunk_size` (auto, 0 or a number)."""
+    if setting != "auto":
+        return int(setting)
+    if 4 * micro_batch_size * seq_length * vocab_size <= AUTO_LOGITS_BYTES:
+        return 0
+    return max(128, AUTO_CHUNK_BYTES // (4 * vocab_size))
+
+
+def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool) -> bool:
+    """Make the model's output head compute the loss in chunks of `chunk_size` tokens; False (with a reason
+    logged, or an error when the setting was explicit) for heads it cannot replace."""
+    head = model.get_output_embeddings()
+    reason = None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        reason = "its output head is not a bias-free Linear"
+    elif any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale")):
+        reason = "it transforms the logits after the head (softcapping or scaling)"
+    if reason:
+        if explicit:
+            raise ConfigError(f"loss_chunk_size: this model cannot compute its loss in chunks ({reason}); set "
+                              "loss_chunk_size: 0")
+        logger.info("chunked loss not used: %s", reason)
+        return False
+    head.forward = types.MethodType(_chunked_forward, head)
+    head.loss_chunk_size = chunk_size
+    logger.info("loss: the output head and cross-entropy run in chunks of %d tokens (loss_chunk_size)", chunk_size)
+    return True
+
+
+def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    targets = head_targets()
+    if targets is None:
+        return F.linear(hidden, self.weight)
+    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions],
+    ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        labels = targets.reshape(-1).to(flat.device)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(flat) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        correct = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.shape[0], chunk):
+            h, t = flat[start:start + chunk], labels[start:start + chunk]
+            logits = F.linear(h, weight).float()
+            valid = t != IGNORE
+            safe = t.clamp(min=0)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            total += ((log_norm - logits.gather(1, safe[:, None])[:, 0]) * valid).sum()
+            correct += ((logits.argmax(dim=-1) == t) & valid).sum()
+            if want_hidden or want_weight:
+                grad_logits = torch.exp(logits - log_norm[:, None])  # softmax, minus one at the target
+                grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(log_norm)[:, None])
+                grad_logits *= valid[:, None]
+                grad_logits = grad_logits.to(h.dtype)
+                if want_hidden:
+                    grad_hidden[start:start + chunk] = grad_logits @ weight.to(h.dtype)
+                if want_weight:
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
+        ctx.have = (want_hidden, want_weight)
+        return torch.stack([total, correct])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_total = grad_output[0]
+        saved = list(ctx.saved_tensors)
+        grad_hidden = saved.pop(0) * grad_total if ctx.have[0] else None
+        grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
+        return grad_hidden, grad_weight, None, None
