@@ -111,3 +111,48 @@ def test_the_chunked_loss_trains_like_the_plain_one_on_every_engine(base_config,
                                                                                             row["eval_acc"])]
         expected = [v for row in want_eval if "eval_loss" in row for v in (row["eval_loss"], row["eval_acc"])]
         assert len(evals) == 4 and evals == pytest.approx(expected, rel=1e-5), name
+
+
+def test_context_parallel_on_two_ranks_trains_like_one_process_and_resumes_on_one(base_config, tmp_path):
+    """cp=2: each rank holds half of every sequence (chunks 0+3 and 1+2); ddp, fsdp and a yarn-scaled run
+    give the single process's per-step losses; a cp=2 checkpoint continues on one process."""
+    yarn = {"seq_length": 64, "rope_scaling": {"rope_type": "yarn", "factor": 2}}
+    references = {}
+    for name, extra in {"plain": {}, "yarn": yarn}.items():
+        references[name] = tmp_path / f"single-{name}"
+        PreTrainer(PreTrainingArguments(**{**base_config, **extra, "save_dir": str(references[name])})).train()
+    cases = [
+        {"name": "ddp-cp2", "config": {"engine": "ddp", "save_dir": str(tmp_path / "ddp")}},
+        {"name": "fsdp-cp2", "config": {"engine": "fsdp", "save_dir": str(tmp_path / "fsdp")}},
+        {"name": "fsdp-cp2-yarn", "config": {"engine": "fsdp", **yarn, "save_dir": str(tmp_path / "yarn")}},
+        {"name": "cp2-exit", "config": {"engine": "ddp", "exit_interval": 3, "save_dir": str(tmp_path / "moved")}},
+    ]
+    done = launch_cases({**base_config, "context_parallel_degree": 2, "export_hf": False}, cases, 2, tmp_path)
+    assert (done.stdout + done.stderr).count("every sequence split over 2 ranks") == 4
+    PreTrainer(PreTrainingArguments(**{**base_config, "save_dir": str(tmp_path / "moved")})).train()
+    for name, reference in (("ddp", "plain"), ("fsdp", "plain"), ("yarn", "yarn"), ("moved", "plain")):
+        want, have = read_metrics(references[reference]), read_metrics(tmp_path / name)
+        for key in ("loss", "eval_loss", "eval_acc"):
+            expected = [row[key] for row in want if key in row]
+            assert [row[key] for row in have if key in row] == pytest.approx(expected, rel=1e-4), (name, key)
+
+
+def test_context_parallel_refuses_what_it_cannot_split(base_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"context_parallel_degree.*needs several processes and engine ddp or fsdp"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "context_parallel_degree": 2}))
+    with pytest.raises(ConfigError, match=r"cannot split sequences whose attention stops at document boundaries"):
+        PreTrainingArguments(**{**base_config, "context_parallel_degree": 2, "reset_attention_mask": True})
+    from pretrainer.parallel.context_parallel import ContextParallel
+
+    layout = ContextParallel(2, 1, None)
+    assert layout.local_indices(8).tolist() == [2, 3, 4, 5] and layout.local_indices(6).tolist() == [2, 3, 4, 5]
+    batch = {"input_ids": torch.arange(12).view(2, 6), "shift_labels": torch.arange(12).view(2, 6),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1]])}
+    with pytest.raises(ConfigError, match="attention_mask other than right padding"):
+        layout.shard(batch)
+    right_padded = {"input_ids": batch["input_ids"], "attention_mask": torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]),
+                    "shift_labels": torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, -100, -100, -100]])}
+    assert layout.shard(right_padded)["shift_labels"].tolist() == [[3, 4, 5, 6], [9, -100, -100, -100]]
+    first = ContextParallel(2, 0, None).shard(right_padded)  # chunks 0 and 3 of 6 tokens padded to 8
+    assert first["shift_labels"].tolist() == [[1, 2, -100, -100], [7, 8, -100, -100]]
+    assert first["position_ids"].tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]

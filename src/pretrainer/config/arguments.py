@@ -89,6 +89,7 @@ class PreTrainingArguments:
     rope_scaling: dict | None = None
     rope_theta: float | None = None
     loss_chunk_size: int | str = "auto"
+    context_parallel_degree: int = 1
 
     # --- optimisation ---
     lr: float = 3e-4
@@ -378,6 +379,10 @@ class PreTrainingArguments:
                                  f"original), got {factor!r}")
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise key_error("rope_theta", f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.context_parallel_degree > 1 and self.reset_attention_mask:
+            raise key_error("context_parallel_degree", "context_parallel_degree > 1 cannot split sequences whose "
+                             "attention stops at document boundaries (reset_attention_mask: true); use one of them "
+                             "(reset_position_ids alone works)")
         chunk = self.loss_chunk_size
         if isinstance(chunk, str) and chunk != "auto" or isinstance(chunk, int) and chunk < 0:
             raise key_error("loss_chunk_size", f"loss_chunk_size is auto, 0 (off) or a number of tokens per chunk, "
@@ -386,7 +391,8 @@ class PreTrainingArguments:
     def _check_ranges(self) -> None:
         """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
         at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1,
-                    "tokenize_workers": 1, "pad_vocab_to_multiple_of": 1}
+                    "tokenize_workers": 1, "pad_vocab_to_multiple_of": 1,
+                    "context_parallel_degree": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

@@ -10,6 +10,7 @@ from .distributed import DistributedEngine
 
 class DDPEngine(DistributedEngine):
     name = "ddp"
+    supports_context_parallel = True
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.prepare_layers(model)

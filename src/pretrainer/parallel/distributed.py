@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..config import ConfigError
+from . import context_parallel
 from .engine import Engine, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ def launch_world_size() -> int:
 
 class DistributedEngine(Engine):
     """Joins the process group the launcher (torchrun, accelerate, deepspeed) describes in the environment."""
+
+    supports_context_parallel = False  # engines whose ranks can split sequences (see context_parallel.py)
 
     def __init__(self, args):
         super().__init__(args)
@@ -48,6 +51,44 @@ class DistributedEngine(Engine):
             atexit.register(_destroy_process_group)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.context = None
+        if args.context_parallel_degree > 1:
+            if not self.supports_context_parallel:
+                raise ConfigError(f"key 'context_parallel_degree': engine {self.name} does not split sequences "
+                                  "over ranks; use engine ddp or fsdp")
+            self.context = context_parallel.create(args.context_parallel_degree, self.rank, self.world_size)
+            self.model_parallel_size = args.context_parallel_degree  # ranks that read one replica's batches
+
+    # ------------------------------------------------------------ context parallelism
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.context.degree if self.context else self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.world_size // self.context.degree if self.context else self.world_size
+
+    @property
+    def gradient_average_size(self) -> int:
+        # ddp and fsdp average over every rank; the cp ranks of a replica each hold part of its loss
+        return self.world_size if self.context else self.data_world_size
+
+    def shard_batch(self, batch: dict) -> dict:
+        return self.context.shard(batch) if self.context else batch
+
+    def prepare_layers(self, model: torch.nn.Module) -> None:
+        if self.context:
+            context_parallel.install(model, self.context.degree)
+        super().prepare_layers(model)
+
+    def describe(self) -> str:
+        return super().describe() + (f" context_parallel_degree={self.context.degree}" if self.context else "")
+
+    def forward(self, model: torch.nn.Module, batch: dict):
+        if not self.context:
+            return super().forward(model, batch)
+        with self.context.active(batch["cp_length"]):
+            return super().forward(model, batch)
 
     def save_state_async(self, folder, model, optimizer):
         # The background writer coordinates over its own gloo group, so its collectives never interleave

@@ -129,8 +129,17 @@ class Engine(ABC):
 
     @property
     def data_world_size(self) -> int:
-        """How many replicas read different data (gradients are averaged over them)."""
+        """How many replicas read different data."""
         return self.world_size
+
+    @property
+    def gradient_average_size(self) -> int:
+        """Over how many ranks' gradients the engine averages (the loop scales the loss to undo it)."""
+        return self.data_world_size
+
+    def shard_batch(self, batch: dict) -> dict:
+        """This rank's part of a host batch (context parallelism splits sequences; others keep it whole)."""
+        return batch
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -58,5 +58,8 @@ def create_engine(args) -> Engine:
         from .fsdp import FSDPEngine
 
         engine = FSDPEngine(args)
+    if args.context_parallel_degree > 1 and getattr(engine, "context", None) is None:
+        raise ConfigError(f"key 'context_parallel_degree': {args.context_parallel_degree} needs several processes "
+                          "and engine ddp or fsdp")
     args.check_world_size(engine.world_size, engine.model_parallel_size)
     return engine

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 class FSDPEngine(DistributedEngine):
     name = "fsdp"
     shards_parameters = True
+    supports_context_parallel = True
 
     def __init__(self, args):
         super().__init__(args)

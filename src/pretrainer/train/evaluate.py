@@ -18,7 +18,7 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
     total_correct = torch.zeros((), dtype=torch.float64, device=engine.device)
     total_tokens = torch.zeros((), dtype=torch.float64, device=engine.device)
     for batch in islice(loader, max_batches):
-        batch = to_device(batch, engine.device)
+        batch = to_device(engine.shard_batch(batch), engine.device)
         targets = batch_targets(batch)
         with engine.autocast():
             logits = engine.forward(model, batch)

@@ -252,7 +252,8 @@ class PreTrainer:
         """
         args, engine = self.pretrain_args, self.engine
         with phases.host("data"):
-            host_batches = [self.hooks.next_batch(self.train_stream) for _ in range(args.gradient_accumulation_steps)]
+            host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
+                            for _ in range(args.gradient_accumulation_steps)]
             local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
                                          sum(count_inputs(b) for b in host_batches)], dtype=torch.int64)
             micro_batches = [to_device(b, engine.device) for b in host_batches]
@@ -260,9 +261,9 @@ class PreTrainer:
         # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
         with phases.host("comm"):
             counts = engine.reduce_counts(local_counts)
-        # Data-parallel engines average gradients over replicas; scaling by their number makes the result the
-        # gradient of (sum of token losses on all replicas) / (tokens on all replicas).
-        scale = engine.data_world_size / counts[0].clamp(min=1)
+        # Engines average gradients over ranks; scaling by their number makes the result the gradient of
+        # (sum of token losses on all ranks) / (tokens on all ranks).
+        scale = engine.gradient_average_size / counts[0].clamp(min=1)
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale)
         spike = False

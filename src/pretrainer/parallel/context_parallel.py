@@ -1,0 +1,146 @@
+"""Context parallelism (`context_parallel_degree`, cp) for the ddp and fsdp engines: each sequence is split
+over the cp ranks of a data replica, which see the same batches; processes = dp x cp.
+
+Load balance: a window of T tokens is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r, so
+under a causal mask every rank has the same attention work. Attention: each rank computes queries, keys
+and values of its own tokens (RoPE at their global positions), all-gathers the keys and values of its cp
+group (a differentiable all-gather: the backward sums every rank's gradient for each rank's keys and
+values) and attends its queries to all of them under the causal mask of their global positions. This is
+the all-gather scheme of Megatron-Core's `allgather` CP and of the Llama 3 paper rather than ring attention
+(torch's `context_parallel`): it runs on any torch.distributed backend, gloo included, and with any
+attention mask shape, at the cost of holding a layer's keys and values for the whole sequence, which for
+grouped-query attention is small next to the rest of the step.
+
+Each rank's loss covers its own tokens; loss sums and token counts are reduced over all ranks, and the
+engine averages gradients over all of them (cp ranks hold full model replicas). A short final window is
+padded (ignored targets) to a multiple of 2 x cp. Document masking (`reset_attention_mask`) is refused;
+`reset_position_ids` works (positions feed RoPE, the causal mask uses window order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..batch import IGNORE, batch_targets
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "pretrainer_context_parallel"
+_active: ContextVar["ContextParallel | None"] = ContextVar("the context-parallel layout of this forward",
+                                                           default=None)
+
+
+@dataclass
+class ContextParallel:
+    degree: int
+    rank: int            # index within the cp group
+    group: object        # the cp group's ProcessGroup
+    pad_token_id: int = 0
+
+    def chunks(self, length: int) -> tuple[int, int]:
+        """(chunk size, padded length) for a window of `length` tokens."""
+        pieces = 2 * self.degree
+        size = -(-length // pieces)
+        return size, size * pieces
+
+    def order(self, length: int) -> torch.Tensor:
+        """Window indices held by every rank, rank by rank (rank r: chunks r and 2cp-1-r)."""
+        size, padded = self.chunks(length)
+        chunk = torch.arange(padded).view(2 * self.degree, size)
+        return torch.cat([torch.cat([chunk[r], chunk[2 * self.degree - 1 - r]]) for r in range(self.degree)])
+
+    def local_indices(self, length: int) -> torch.Tensor:
+        size, _ = self.chunks(length)
+        return self.order(length).view(self.degree, 2 * size)[self.rank]
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's part of a host batch (input_ids, shift_labels, position_ids)."""
+        mask = batch.get("attention_mask")
+        if mask is not None and not _is_right_padding(mask):
+            raise ConfigError("context_parallel_degree: batches with an attention_mask other than right padding "
+                              "(padding inside a row, or document masking) cannot be split over ranks; use packed "
+                              "data without reset_attention_mask, or context_parallel_degree: 1")
+        ids, targets = batch["input_ids"], batch_targets(batch)
+        rows, length = ids.shape
+        _, padded = self.chunks(length)
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length).expand(rows, length)
+        extra = padded - length
+        if extra:  # a short window: padding at the end is never attended to by real tokens (causal)
+            ids = F.pad(ids, (0, extra), value=self.pad_token_id)
+            targets = F.pad(targets, (0, extra), value=IGNORE)
+            positions = F.pad(positions, (0, extra), value=0)
+        mine = self.local_indices(length)
+        return {"input_ids": ids[:, mine], "shift_labels": targets[:, mine], "position_ids": positions[:, mine],
+                "cp_length": length}
+
+    @contextlib.contextmanager
+    def active(self, length: int):
+        token = _active.set(self)
+        self._order = self.order(length)
+        try:
+            yield
+        finally:
+            _active.reset(token)
+
+
+def _is_right_padding(mask: torch.Tensor) -> bool:
+    """Each row: ones, then only zeros."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-interface function: local queries against the cp group's keys and values."""
+    layout = _active.get()
+    if layout is None:  # outside a context-parallel forward (e.g. generate): plain causal attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    import torch.distributed.nn.functional as dist_nn
+
+    keys = torch.cat(dist_nn.all_gather(key.contiguous(), group=layout.group), dim=2)
+    values = torch.cat(dist_nn.all_gather(value.contiguous(), group=layout.group), dim=2)
+    order = layout._order.to(query.device)
+    size = query.shape[2]
+    mine = order[layout.rank * size:(layout.rank + 1) * size]
+    allowed = order[None, :] <= mine[:, None]  # causal over window positions
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, dropout_p=dropout if
+                                         module.training else 0.0, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model: torch.nn.Module, degree: int) -> None:
+    """Route the model's attention through `attention` (registered once with transformers)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    logger.info("context parallelism: every sequence split over %d ranks (2 chunks each, load-balanced); "
+                "attention all-gathers keys and values over them", degree)
+
+
+def create(degree: int, rank: int, world_size: int, pad_token_id: int = 0) -> ContextParallel:
+    """The cp group of `rank`: consecutive ranks [d*cp, (d+1)*cp) form data replica d's group."""
+    if world_size % degree:
+        raise ConfigError(f"key 'context_parallel_degree': {degree} does not divide the {world_size} processes; "
+                          f"launch dp x {degree} processes")
+    group = None
+    for start in range(0, world_size, degree):  # every rank creates every group, in the same order
+        members = list(range(start, start + degree))
+        created = dist.new_group(members)
+        if rank in members:
+            group = created
+    return ContextParallel(degree, rank % degree, group, pad_token_id)
