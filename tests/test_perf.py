@@ -192,3 +192,30 @@ def test_hf_export_does_not_import_deepspeed():
         done = subprocess.run([sys.executable, "-c", program, f"{out}/hf"], capture_output=True, text=True, check=True)
         assert done.stdout.strip() == "False"
         assert {p.name for p in Path(out, "hf").iterdir()} >= {"config.json", "model.safetensors"}
+
+
+def test_dtype_auto_and_the_slow_dtype_warning_follow_the_measured_rates():
+    """Decided by their inputs, so the test holds on CPUs with and without bf16 units."""
+    from pretrainer.perf.dtype_choice import choose_dtype, cpu_speedup, slow_dtype_warning
+
+    dtype, why = choose_dtype("cpu", False, 0.05, [])
+    assert dtype == "fp32" and "20x slower than fp32" in why and "no bf16 matrix units" in why
+    dtype, why = choose_dtype("cpu", False, 7.1, ["amx_bf16", "avx512_bf16"])
+    assert dtype == "bf16" and "7.1x fp32" in why and "amx_bf16" in why
+    assert choose_dtype("cuda", True, None)[0] == "bf16" and choose_dtype("cuda", False, None)[0] == "fp32"
+    warning = slow_dtype_warning("bf16", 0.05, [])
+    assert "runs 20x slower than fp32 here" in warning and "dtype=fp32" in warning
+    assert slow_dtype_warning("bf16", 2.0, ["amx_bf16"]) is None
+    measured = cpu_speedup("bf16")
+    assert measured > 0 and cpu_speedup("bf16") == measured  # cached
+
+
+def test_dtype_auto_resolves_before_the_run_and_says_why(base_config):
+    from pretrainer import PreTrainer, PreTrainingArguments
+    from pretrainer.perf.dtype_choice import choose_dtype, cpu_matrix_flags, cpu_speedup
+
+    expected, why = choose_dtype("cpu", False, cpu_speedup("bf16"), cpu_matrix_flags())
+    trainer = PreTrainer(PreTrainingArguments(**{**base_config, "dtype": "auto", "num_training_steps": 1,
+                                                 "warmup_steps": 0}))
+    assert trainer.pretrain_args.dtype == expected and trainer.plan.dtype == expected
+    assert trainer.engine.dtype_reason == why

@@ -52,8 +52,9 @@ def apply_openmind_rules(args) -> None:
                         "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "
                         "prefixes (or use the `train_data` key, which needs no flag)")
     args.dtype = args.dtype.lower()
-    if args.dtype not in DTYPES:
-        raise key_error("dtype", f"Unknown dtype: {args.dtype!r}; use one of {', '.join(DTYPES)}")
+    if args.dtype not in (*DTYPES, "auto"):
+        raise key_error("dtype", f"Unknown dtype: {args.dtype!r}; use one of {', '.join(DTYPES)}, or auto (bf16 "
+                        "where the device runs it faster than fp32)")
     if args.model_path and args.openmind_model_path and args.model_path != args.openmind_model_path:
         raise key_error("model_path", f"model_path ({args.model_path}) and its alias openmind_model_path "
                         f"({args.openmind_model_path}) disagree; keep one of them")

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import ConfigError
 from . import context_parallel
-from .engine import Engine, resolve_device
+from .engine import Engine, Precision, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ class DistributedEngine(Engine):
             atexit.register(_destroy_process_group)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        if self.dtype_reason is not None and self.world_size > 1:  # dtype: auto, measured on each rank
+            chosen = self.broadcast_object(args.dtype)  # rank 0's choice, so no two ranks differ
+            if chosen != args.dtype:
+                args.dtype = chosen
+                self.precision = Precision(chosen, self.device)
         self.context = None
         if args.context_parallel_degree > 1:
             if not self.supports_context_parallel:

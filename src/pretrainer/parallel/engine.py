@@ -52,6 +52,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
 
 
+def check_dtype(args, device: torch.device) -> str | None:
+    """Resolve `dtype: auto` for `device` (returns why), and warn when an explicit low precision is slower
+    than fp32 on this CPU (measured, see perf/dtype_choice.py)."""
+    from ..perf.dtype_choice import choose_dtype, cpu_matrix_flags, cpu_speedup, slow_dtype_warning
+
+    on_cpu = device.type == "cpu"
+    if args.dtype == "auto":
+        accelerator_bf16 = (not on_cpu and device.type == "cuda" and torch.cuda.is_bf16_supported()) or \
+            device.type not in ("cpu", "cuda")
+        args.dtype, reason = choose_dtype(device.type, accelerator_bf16, cpu_speedup("bf16") if on_cpu else None,
+                                          cpu_matrix_flags() if on_cpu else [])
+        logger.info("dtype: auto -> %s: %s", args.dtype, reason)
+        return reason
+    if on_cpu and args.dtype != "fp32":
+        warning = slow_dtype_warning(args.dtype, cpu_speedup(args.dtype), cpu_matrix_flags())
+        if warning:
+            logger.warning("%s", warning)
+    return None
+
+
 class Precision:
     """fp32 master weights; bf16/fp16 compute by autocast; fp16 adds dynamic loss scaling."""
 
@@ -110,10 +130,8 @@ class Engine(ABC):
     def __init__(self, args):
         self.args = args
         self.device = resolve_device(args.device)
+        self.dtype_reason = check_dtype(args, self.device)
         self.precision = Precision(args.dtype, self.device)
-        if self.device.type == "cpu" and args.dtype != "fp32":
-            logger.warning("dtype=%s on CPU: most CPUs have no fast %s matrix units and run it many times slower "
-                           "than fp32; add `dtype=fp32` unless this CPU has them", args.dtype, args.dtype)
         self.rank = 0
         self.world_size = 1
         self.plan: RunPlan | None = None  # given by setup()
