@@ -219,3 +219,18 @@ def test_dtype_auto_resolves_before_the_run_and_says_why(base_config):
                                                  "warmup_steps": 0}))
     assert trainer.pretrain_args.dtype == expected and trainer.plan.dtype == expected
     assert trainer.engine.dtype_reason == why
+
+
+def test_frozen_parameters_count_four_flops_per_token_not_six(tiny_model):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer.models import select_trainable
+    from pretrainer.perf.flops import flops_per_token
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    full = flops_per_token(model, 32)
+    select_trainable(model, "embeddings")
+    frozen = flops_per_token(model, 32)
+    body = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    assert frozen.frozen_matmul_parameters == body
+    assert full.per_token - frozen.per_token == 2 * body and "(frozen)" in frozen.describe()

@@ -4,7 +4,9 @@ N counts the parameters of every matrix multiply a token goes through — all pa
 embedding table (a lookup), with the output projection counted even when it is tied to the embedding
 (the lm_head matmul is still done). 6 = forward (2) + backward (4) FLOPs per parameter per token. The
 attention term covers the score and value matmuls (L layers, H heads, Q head size, T sequence length),
-counted over the full square as the formula does, also for causal attention.
+counted over the full square as the formula does, also for causal attention. Frozen parameters
+(`trainable_parameters`) get no weight gradient: 4 FLOPs per parameter per token instead of 6 (the
+backward still computes the gradient of their inputs).
 """
 
 from __future__ import annotations
@@ -21,14 +23,22 @@ class FlopsCount:
     heads: int
     head_dim: int
     seq_length: int
+    frozen_matmul_parameters: int = 0  # of N, those without a weight gradient
 
     @property
     def per_token(self) -> float:
-        return 6.0 * self.matmul_parameters + 12.0 * self.layers * self.heads * self.head_dim * self.seq_length
+        trained = self.matmul_parameters - self.frozen_matmul_parameters
+        return (6.0 * trained + 4.0 * self.frozen_matmul_parameters
+                + 12.0 * self.layers * self.heads * self.head_dim * self.seq_length)
 
     def describe(self) -> str:
-        return (f"model FLOPs/token = 6N + 12*L*H*Q*T = 6*{self.matmul_parameters:,} + 12*{self.layers}*{self.heads}"
-                f"*{self.head_dim}*{self.seq_length} = {self.per_token / 1e6:,.1f} MFLOP")
+        attention = f"12*{self.layers}*{self.heads}*{self.head_dim}*{self.seq_length}"
+        if self.frozen_matmul_parameters:
+            trained = self.matmul_parameters - self.frozen_matmul_parameters
+            return (f"model FLOPs/token = 6N + 4F + 12*L*H*Q*T = 6*{trained:,} + 4*{self.frozen_matmul_parameters:,}"
+                    f" (frozen) + {attention} = {self.per_token / 1e6:,.1f} MFLOP")
+        return (f"model FLOPs/token = 6N + 12*L*H*Q*T = 6*{self.matmul_parameters:,} + {attention} = "
+                f"{self.per_token / 1e6:,.1f} MFLOP")
 
 
 def flops_per_token(model: torch.nn.Module, seq_length: int) -> FlopsCount:
@@ -41,4 +51,8 @@ def flops_per_token(model: torch.nn.Module, seq_length: int) -> FlopsCount:
     matmul = total - embedding.numel() + (embedding.numel() if tied else 0)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return FlopsCount(matmul, config.num_hidden_layers, heads, head_dim, seq_length)
+    unique = {id(p): p for p in model.parameters()}
+    frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
+    if tied and not embedding.requires_grad:
+        frozen += embedding.numel()  # the head's matmul, through the tied table
+    return FlopsCount(matmul, config.num_hidden_layers, heads, head_dim, seq_length, frozen)
