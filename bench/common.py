@@ -1,8 +1,11 @@
-"""Shared by the benchmarks: run a command and watch its whole process tree's memory."""
+"""Shared by the benchmarks: run a command and watch its whole process tree's memory; run `pretrainer` and
+read a run's metrics."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,6 +13,20 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def pretrainer(*args) -> str:
+    """`pretrainer ARGS` from the repository root; its stdout. Exits with the stderr tail on failure."""
+    done = subprocess.run([str(BIN / "pretrainer"), *map(str, args)], capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        sys.exit(f"pretrainer {' '.join(map(str, args[:3]))} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def metrics(save_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(save_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def measure(command: list, env: dict | None = None, cwd: Path = REPO) -> tuple[float, float, str]:

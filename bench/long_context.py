@@ -19,25 +19,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from common import REPO, metrics, pretrainer
+
 QUICKSTART = REPO / "examples" / "models" / "tiny-llama"
 CORPUS = REPO / "examples" / "data" / "python_docs.jsonl"
 HELD_OUT = 300
-
-
-def pretrainer(*args) -> None:
-    done = subprocess.run([str(BIN / "pretrainer"), *map(str, args)], capture_output=True, text=True, cwd=REPO)
-    if done.returncode:
-        sys.exit(f"pretrainer {' '.join(map(str, args[:3]))} failed:\n{done.stderr[-3000:]}")
-
-
-def metrics(save_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def model_copy(folder: Path, **changes) -> Path:

@@ -17,23 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from common import REPO, metrics, pretrainer
+
 DATA = REPO / "examples" / "data"
-
-
-def pretrainer(*args) -> None:
-    done = subprocess.run([str(BIN / "pretrainer"), *map(str, args)], capture_output=True, text=True, cwd=REPO)
-    if done.returncode:
-        sys.exit(f"pretrainer {' '.join(map(str, args[:3]))} failed:\n{done.stderr[-3000:]}")
-
-
-def metrics(save_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:

@@ -19,23 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from common import REPO, pretrainer
+
 DATA = REPO / "examples" / "data"
 ENGLISH = DATA / "python_docs.jsonl"
 HELD_OUT_ENGLISH = 300
-
-
-def pretrainer(*args) -> str:
-    done = subprocess.run([str(BIN / "pretrainer"), *map(str, args)], capture_output=True, text=True, cwd=REPO)
-    if done.returncode:
-        sys.exit(f"pretrainer {' '.join(map(str, args))} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
 
 
 def write_corpora(folder: Path) -> dict[str, Path]:
