@@ -24,7 +24,7 @@ docs: setup-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test: lint docs
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -2,8 +2,10 @@
 
     .venv/bin/pip install -e '.[bench]'        # datasets, for the HF flow
     .venv/bin/python bench/vs_hf_trainer.py [--size tiny|25m] [--threads 1] [--steps 30] [--repeats 2]
+        [--dtype fp32|bf16]
 
-Flows, each a fresh process, run in alternation (`--repeats` rounds), fp32, same initial weights, AdamW
+Flows, each a fresh process, run in alternation (`--repeats` rounds), in `--dtype` (fp32 default; bf16: the
+HF Trainer with `bf16=True`, pretrainer with `dtype: bf16`, fp32 master weights in both), same initial weights, AdamW
 (lr 3e-4, betas 0.9/0.95, weight decay 0.1, clip 1.0, cosine with 3 warmup steps), micro-batch 8, no
 accumulation, no evaluation:
 
@@ -19,8 +21,8 @@ accumulation, no evaluation:
   roughly 30-250 tokens).
 
 Printed per flow: steady-state useful (non-padding) tokens/s (steps 6 onward, median over rounds), MFU
-against this machine's measured fp32 GEMM peak at the same thread count, the whole run's wall time from
-launch to exit, and the process tree's peak RSS.
+against this machine's measured GEMM peak in the same dtype at the same thread count, the whole run's wall
+time from launch to exit, and the process tree's peak RSS; the header names the CPU and its bf16 matrix flags.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ HF_TRAINER = textwrap.dedent('''
                              learning_rate=optim["lr"], lr_scheduler_type="cosine", warmup_steps=optim["warmup"],
                              weight_decay=optim["weight_decay"], adam_beta2=optim["beta2"],
                              max_grad_norm=optim["clip"], logging_steps=1, save_strategy="no", report_to=[],
-                             use_cpu=True, seed=42, dataloader_num_workers=0, disable_tqdm=True)
+                             use_cpu=True, seed=42, dataloader_num_workers=0, disable_tqdm=True,
+                             bf16=optim.get("dtype") == "bf16")
     marks = []
 
     class Clock(TrainerCallback):
@@ -145,7 +148,7 @@ def write_model(folder: Path, size: str) -> int:
 def pretrainer_config(path: Path, model: Path, seq: int, steps: int, save_dir: Path, micro_batch: int,
                       **data) -> Path:
     config = {"num_training_steps": steps, "micro_batch_size": micro_batch, "dp": 1, "seq_length": seq,
-              "dtype": "fp32",
+              "dtype": data.pop("dtype", "fp32"),
               "model_path": str(model), "lr": OPTIM["lr"], "min_lr": 0.0, "warmup_steps": OPTIM["warmup"],
               "weight_decay": OPTIM["weight_decay"], "adam_beta2": OPTIM["beta2"], "clip_grad": OPTIM["clip"],
               "eval_interval": 0, "eval_split": 0, "save_interval": 0, "log_interval": 1, "resume": "none",
@@ -176,6 +179,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--flows", default="hf-trainer,pretrainer,pretrainer-compile,seed-padded-alpaca,"
                                            "pretrainer-packed-alpaca")
     ns = parser.parse_args()
@@ -193,7 +197,7 @@ def main() -> None:
         alpaca = tmp / "alpaca.json"
         write_alpaca(alpaca)
         hf_args = [tmp / "model", CORPUS, tmp / "hf-cache", tmp / "hf-out", seq, ns.micro_batch, ns.steps,
-                   tmp / "timings.json", json.dumps(OPTIM)]
+                   tmp / "timings.json", json.dumps({**OPTIM, "dtype": ns.dtype})]
         if "hf-trainer" in flows:
             measure([sys.executable, tmp / "hf.py", *hf_args], env=env)  # fills the datasets cache (untimed)
         prepared = {"megatron_dataset_flag": True, "data_path": str(tmp / "corpus_text_document"),
@@ -208,15 +212,16 @@ def main() -> None:
                 if flow in ("pretrainer", "pretrainer-compile", "pretrainer-glibc-malloc"):
                     config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
                                                ns.micro_batch, compile=flow.endswith("compile"),
-                                               host_malloc_reuse=not flow.endswith("glibc-malloc"), **prepared)
+                                               host_malloc_reuse=not flow.endswith("glibc-malloc"), dtype=ns.dtype,
+                                               **prepared)
                     command = [BIN / "pretrainer", "train", config]
                 elif flow == "seed-padded-alpaca":
                     config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch)
+                                               ns.micro_batch, dtype=ns.dtype)
                     command = [sys.executable, tmp / "padded.py", config, alpaca, seq]
                 else:
                     config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch, train_data=str(alpaca))
+                                               ns.micro_batch, train_data=str(alpaca), dtype=ns.dtype)
                     command = [BIN / "pretrainer", "train", config]
                 wall, rss, _ = measure(command, env=env)
                 results[flow].append((steady_from_metrics(run)[0], wall, rss))
@@ -243,10 +248,15 @@ def report(results: dict, flops: float, ns) -> None:
     from pretrainer.perf import device_peak
 
     torch.set_num_threads(ns.threads)
-    peak = device_peak(torch.device("cpu"), torch.float32)
+    from pretrainer.perf.dtype_choice import cpu_matrix_flags
+    from pretrainer.perf.peak import processor_name
+
+    peak = device_peak(torch.device("cpu"), torch.bfloat16 if ns.dtype == "bf16" else torch.float32)
     baseline = statistics.median(r[0] for r in results["hf-trainer"]) if results.get("hf-trainer") else None
     base_wall = statistics.median(r[1] for r in results["hf-trainer"]) if baseline else None
-    print(f"model {ns.size}, {ns.threads} thread(s), fp32, micro-batch {ns.micro_batch}, {ns.steps} steps, "
+    print(f"CPU: {processor_name(torch.device('cpu'))}; bf16/fp16 matrix flags: "
+          f"{' '.join(cpu_matrix_flags()) or 'none'}")
+    print(f"model {ns.size}, {ns.threads} thread(s), {ns.dtype}, micro-batch {ns.micro_batch}, {ns.steps} steps, "
           f"{ns.repeats} round(s); {flops / 1e6:,.1f} MFLOP/token; {peak.describe()}")
     print(f"{'flow':26} {'useful tok/s':>12} {'vs HF':>6} {'MFU':>6} {'run wall s':>10} {'vs HF':>6} "
           f"{'peak RSS MB':>11}")

@@ -234,3 +234,18 @@ def test_frozen_parameters_count_four_flops_per_token_not_six(tiny_model):
     body = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
     assert frozen.frozen_matmul_parameters == body
     assert full.per_token - frozen.per_token == 2 * body and "(frozen)" in frozen.describe()
+
+
+def test_dtype_auto_on_two_ranks_takes_rank_0s_choice(base_config, tmp_path):
+    import yaml
+
+    from launch import pretrainer, run_ok, torchrun
+    from pretrainer.perf.dtype_choice import choose_dtype, cpu_matrix_flags, cpu_speedup
+
+    config = tmp_path / "auto.yaml"
+    config.write_text(yaml.safe_dump({**base_config, "dp": 2, "dtype": "auto", "num_training_steps": 1,
+                                      "warmup_steps": 0, "eval_interval": 0, "export_hf": False}))
+    done = run_ok(torchrun(2, *pretrainer("train", config, "engine=ddp")))
+    expected = choose_dtype("cpu", False, cpu_speedup("bf16"), cpu_matrix_flags())[0]
+    start = next(row for row in read_metrics(base_config["save_dir"]) if row.get("event") == "start")
+    assert start["dtype"] == expected and f"dtype: auto -> {expected}" in done.stdout + done.stderr
