@@ -116,9 +116,12 @@ def test_extension_from_another_tokenizer_and_inspect_side_by_side(bases, corpor
     (["extend", "--tokenizer", "{base}", "--input", "{en}", "--add", "10", "--output", "{tmp}/x"],
      "already covers every script"),
     (["train", "--input", "{en}", "--vocab-size", "100", "--output", "{tmp}/x"], "--vocab-size 100"),
+    (["extend", "--tokenizer", "{base}", "--from", "{bytes}", "--add", "10", "--output", "{tmp}/x"],
+     "one is a SentencePiece model (tokenizer.model) and the other is not"),
 ])
 def test_bad_tokenizer_commands_end_in_one_line_with_exit_2(arguments, message, bases, corpora, tmp_path):
-    values = {"base": bases["sentencepiece"], "tmp": tmp_path, "zh": corpora["zh"], "en": corpora["en"]}
+    values = {"base": bases["sentencepiece"], "bytes": bases["byte-level"], "tmp": tmp_path, "zh": corpora["zh"],
+              "en": corpora["en"]}
     done = run(pretrainer("tokenizer", *[a.format(**values) for a in arguments]))
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

@@ -53,13 +53,18 @@ def extend_tokenizer(base: Path, output: Path, add: int, corpus: Corpus | None =
         raise DataError("give --input FILES to learn new tokens from, or --from TOKENIZER to take them from")
     base = _tokenizer_folder(base, "--tokenizer")
     source = _tokenizer_folder(source, "--from") if source is not None else None
+    sentencepiece_base = (base / "tokenizer.model").is_file()
+    if source is not None and sentencepiece_base != (source / "tokenizer.model").is_file():
+        raise DataError(f"--from {source}: its tokens cannot be merged into --tokenizer {base}: one is a "
+                        "SentencePiece model (tokenizer.model) and the other is not; take the new tokens from a "
+                        "tokenizer of the same kind (pretrainer tokenizer train with or without --byte-fallback)")
     if output.resolve() == base.resolve():
         raise DataError(f"--output {output} is the base tokenizer's folder; write the extension elsewhere")
     output.mkdir(parents=True, exist_ok=True)
     for name in CONFIG_FILES:  # special tokens, BOS/EOS settings and the chat template carry over
         if (base / name).is_file():
             shutil.copy(base / name, output / name)
-    if (base / "tokenizer.model").is_file():
+    if sentencepiece_base:
         return _extend_sentencepiece(base, output, add, corpus, source, scripts, workers)
     return _extend_hf_bpe(base, output, add, corpus, source, scripts)
 
@@ -160,8 +165,13 @@ def _sentencepiece_pieces(folder: Path, pb, path: str | None = None) -> list[str
 
 def _pieces_text(folder: Path):
     """The other tokenizer's vocabulary as text, to find the scripts it adds."""
-    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    yield " ".join(data["model"]["vocab"])
+    if (folder / "tokenizer.json").is_file():
+        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        yield " ".join(data["model"]["vocab"])
+    else:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        yield " ".join(_sentencepiece_pieces(folder, pb))
 
 
 # ----------------------------------------------------------------------------------- HF tokenizer.json BPE
