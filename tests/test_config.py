@@ -207,3 +207,15 @@ def test_a_device_this_machine_lacks_is_a_config_error():
     with pytest.raises(ConfigError, match="key 'device': 'cuda', but this machine has no accelerator"):
         resolve_device("cuda")
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_seed_style_keys_for_long_contexts_and_vocabularies_reach_the_native_ones():
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, plugin_args={
+        "cp_degree": 2, "other_megatron_args": {"make_vocab_size_divisible_by": 128}})
+    assert args.context_parallel_degree == 2 and args.pad_vocab_to_multiple_of == 128
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1,
+                                plugin_args={"other_megatron_args": {"context_parallel_size": 4}})
+    assert args.context_parallel_degree == 4
+    with pytest.raises(ConfigError, match="context_parallel_degree=2 conflicts with plugin_args.other_megatron_args"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, context_parallel_degree=2,
+                             plugin_args={"other_megatron_args": {"context_parallel_size": 4}})

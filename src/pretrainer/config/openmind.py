@@ -66,6 +66,8 @@ def merge_megatron_values(args) -> None:
     megatron = megatron_args(plugin)
     if "gradient_clipping" in plugin and "clip_grad" not in megatron:
         megatron["clip_grad"] = plugin["gradient_clipping"]
+    if "cp_degree" in plugin and "context_parallel_size" not in megatron:
+        megatron["context_parallel_size"] = plugin["cp_degree"]
     defaults = {f.name: f.default for f in dataclasses.fields(args)}
     for key, name in MEGATRON_KEY_TO_FIELD.items():
         if key not in megatron:

@@ -19,7 +19,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # plugin_args keys this engine reads (besides the hooks and other_megatron_args).
 ENGINE_KEYS = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
                "recompute_activations", "use_distributed_optimizer", "num_layers_per_virtual_pipeline_stage",
-               "pipeline_schedule", "pipeline_layers", "other_megatron_args")
+               "pipeline_schedule", "pipeline_layers", "other_megatron_args", "cp_degree")
 # plugin_args keys that the run's own keys already cover.
 COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length", "eval_iters": "eval_iters",
                 "eval_interval": "eval_interval", "megatron_dataset_flag": "megatron_dataset_flag",
@@ -55,7 +55,6 @@ IGNORED_REASONS = {
     "save": "checkpoints are written to save_dir/checkpoints",
     "attention_dropout": "dropout comes from the model's config.json (attention_dropout)",
     "hidden_dropout": "dropout comes from the model's config.json",
-    "make_vocab_size_divisible_by": "the vocabulary size comes from the model's config.json",
     "tokenizer_model": "the tokenizer is `tokenizer_path` (default: the model folder)",
     "tokenizer_type": "the tokenizer is `tokenizer_path` (default: the model folder), loaded with AutoTokenizer",
 }
