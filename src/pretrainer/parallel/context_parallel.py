@@ -106,10 +106,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    import torch.distributed.nn.functional as dist_nn
-
-    keys = torch.cat(dist_nn.all_gather(key.contiguous(), group=layout.group), dim=2)
-    values = torch.cat(dist_nn.all_gather(value.contiguous(), group=layout.group), dim=2)
+    keys, values = _gather_sequence(key, layout.group), _gather_sequence(value, layout.group)
     order = layout._order.to(query.device)
     size = query.shape[2]
     mine = order[layout.rank * size:(layout.rank + 1) * size]
@@ -120,6 +117,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, dropout_p=dropout if
                                          module.training else 0.0, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _gather_sequence(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`[batch, heads, seq, dim]` of every rank of `group`, concatenated along seq in rank order; the backward
+    sends each rank the sum of all ranks' gradients for its part."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+    by_sequence = tensor.permute(2, 0, 1, 3).contiguous()  # the collective gathers along dim 0
+    gathered = wait_tensor(all_gather_single_autograd(by_sequence, 0, group))
+    return gathered.permute(1, 2, 0, 3)
 
 
 def install(model: torch.nn.Module, degree: int) -> None:
