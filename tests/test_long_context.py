@@ -125,12 +125,15 @@ def test_context_parallel_on_two_ranks_trains_like_one_process_and_resumes_on_on
         {"name": "ddp-cp2", "config": {"engine": "ddp", "save_dir": str(tmp_path / "ddp")}},
         {"name": "fsdp-cp2", "config": {"engine": "fsdp", "save_dir": str(tmp_path / "fsdp")}},
         {"name": "fsdp-cp2-yarn", "config": {"engine": "fsdp", **yarn, "save_dir": str(tmp_path / "yarn")}},
+        {"name": "ddp-cp2-recompute", "config": {"engine": "ddp", "activation_checkpointing": "full",
+                                                 "save_dir": str(tmp_path / "recompute")}},
         {"name": "cp2-exit", "config": {"engine": "ddp", "exit_interval": 3, "save_dir": str(tmp_path / "moved")}},
     ]
     done = launch_cases({**base_config, "context_parallel_degree": 2, "export_hf": False}, cases, 2, tmp_path)
-    assert (done.stdout + done.stderr).count("every sequence split over 2 ranks") == 4
+    assert (done.stdout + done.stderr).count("every sequence split over 2 ranks") == 5
     PreTrainer(PreTrainingArguments(**{**base_config, "save_dir": str(tmp_path / "moved")})).train()
-    for name, reference in (("ddp", "plain"), ("fsdp", "plain"), ("yarn", "yarn"), ("moved", "plain")):
+    for name, reference in (("ddp", "plain"), ("fsdp", "plain"), ("yarn", "yarn"), ("recompute", "plain"),
+                            ("moved", "plain")):
         want, have = read_metrics(references[reference]), read_metrics(tmp_path / name)
         for key in ("loss", "eval_loss", "eval_acc"):
             expected = [row[key] for row in want if key in row]

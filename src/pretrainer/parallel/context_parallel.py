@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +33,9 @@ from ..config import ConfigError
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "pretrainer_context_parallel"
-_active: ContextVar["ContextParallel | None"] = ContextVar("the context-parallel layout of this forward",
-                                                           default=None)
+# The layout of the forward (and of its backward, where activation checkpointing recomputes attention) in
+# progress. A module variable, not a context variable: a GPU's autograd runs the backward in its own thread.
+_current: "ContextParallel | None" = None
 
 
 @dataclass
@@ -85,12 +85,14 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def active(self, length: int):
-        token = _active.set(self)
+        """Attention uses this layout for a window of `length` tokens inside the block (forward or backward)."""
+        global _current
+        previous, _current = _current, self
         self._order = self.order(length)
         try:
             yield
         finally:
-            _active.reset(token)
+            _current = previous
 
 
 def _is_right_padding(mask: torch.Tensor) -> bool:
@@ -100,7 +102,7 @@ def _is_right_padding(mask: torch.Tensor) -> bool:
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention-interface function: local queries against the cp group's keys and values."""
-    layout = _active.get()
+    layout = _current
     if layout is None:  # outside a context-parallel forward (e.g. generate): plain causal attention
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

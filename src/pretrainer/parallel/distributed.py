@@ -92,8 +92,15 @@ class DistributedEngine(Engine):
     def forward(self, model: torch.nn.Module, batch: dict):
         if not self.context:
             return super().forward(model, batch)
-        with self.context.active(batch["cp_length"]):
+        self._window = batch["cp_length"]
+        with self.context.active(self._window):
             return super().forward(model, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.context:
+            return super().backward(loss)
+        with self.context.active(self._window):  # activation checkpointing recomputes attention here
+            super().backward(loss)
 
     def save_state_async(self, folder, model, optimizer):
         # The background writer coordinates over its own gloo group, so its collectives never interleave
