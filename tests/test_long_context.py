@@ -159,3 +159,16 @@ def test_context_parallel_refuses_what_it_cannot_split(base_config, tmp_path):
     first = ContextParallel(2, 0, None).shard(right_padded)  # chunks 0 and 3 of 6 tokens padded to 8
     assert first["shift_labels"].tolist() == [[1, 2, -100, -100], [7, 8, -100, -100]]
     assert first["position_ids"].tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
+
+
+def test_an_explicit_chunk_size_on_an_engine_that_splits_the_head_is_a_clear_error(base_config, tmp_path):
+    import yaml
+
+    from launch import pretrainer, run
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(base_config))
+    done = run(pretrainer("train", config, "engine=megatron", "loss_chunk_size=16"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert ("loss_chunk_size: not available here (engine megatron does not keep the output head whole on one "
+            "rank); set loss_chunk_size: 0") in done.stderr

@@ -125,6 +125,9 @@ class Engine(ABC):
     # Checkpoints load only on the same number of processes.
     checkpoint_needs_same_world_size = False
     supports_async_save = True
+    # The model's output head may compute the loss itself, in chunks (`loss_chunk_size`): the head is whole on
+    # the rank that runs it, not split over ranks.
+    supports_chunked_loss = True
     model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
 
     def __init__(self, args):

@@ -65,6 +65,7 @@ class MegatronModel(torch.nn.Module):
 
 class MegatronEngine(DistributedEngine):
     name = "megatron"
+    supports_chunked_loss = False  # the output head is split over tensor-parallel ranks (vocab-parallel)
 
     def __init__(self, args):
         super().__init__(args)
