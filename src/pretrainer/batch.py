@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-_head_targets: ContextVar[torch.Tensor | None] = ContextVar("targets for a loss-computing output head",
-                                                            default=None)
+# The batch being forwarded, for an output head that computes the loss itself (its targets are derived
+# only when such a head asks: the common path pays nothing).
+_forwarded_batch: ContextVar[dict | None] = ContextVar("the batch in forward_logits", default=None)
 
 
 def batch_targets(batch: dict) -> torch.Tensor:
@@ -50,16 +51,17 @@ def count_inputs(batch: dict) -> int:
 def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The model's logits for a device batch, or its summed loss when its output head computes it."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    token = _head_targets.set(batch_targets(batch))
+    token = _forwarded_batch.set(batch)
     try:
         return model(**inputs, use_cache=False).logits
     finally:
-        _head_targets.reset(token)
+        _forwarded_batch.reset(token)
 
 
 def head_targets() -> torch.Tensor | None:
     """The targets of the batch being forwarded (None outside `forward_logits`, e.g. in `generate`)."""
-    return _head_targets.get()
+    batch = _forwarded_batch.get()
+    return batch_targets(batch) if batch is not None else None
 
 
 def is_head_loss(output: torch.Tensor) -> bool:
