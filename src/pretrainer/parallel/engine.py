@@ -59,8 +59,7 @@ def check_dtype(args, device: torch.device) -> str | None:
 
     on_cpu = device.type == "cpu"
     if args.dtype == "auto":
-        accelerator_bf16 = (not on_cpu and device.type == "cuda" and torch.cuda.is_bf16_supported()) or \
-            device.type not in ("cpu", "cuda")
+        accelerator_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else not on_cpu
         args.dtype, reason = choose_dtype(device.type, accelerator_bf16, cpu_speedup("bf16") if on_cpu else None,
                                           cpu_matrix_flags() if on_cpu else [])
         logger.info("dtype: auto -> %s: %s", args.dtype, reason)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import torch_dtype
-from .peak import _cache_path, _read_json, _write_json, processor_name
+from .peak import cached_measurement, processor_name
 
 PROBE_SIZE = 512
 MATRIX_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16")
@@ -38,12 +38,7 @@ def cpu_speedup(dtype_name: str) -> float:
     """Measured matmul rate of `dtype_name` over fp32 on this CPU (cached)."""
     threads = torch.get_num_threads()
     key = f"speedup|{processor_name(torch.device('cpu'))}|threads={threads}|{dtype_name}|torch={torch.__version__}"
-    path = _cache_path()
-    table = _read_json(path)
-    if key not in table:
-        table = {**_read_json(path), key: _rate(torch_dtype(dtype_name)) / _rate(torch.float32)}
-        _write_json(path, table)
-    return table[key]
+    return cached_measurement(key, lambda: _rate(torch_dtype(dtype_name)) / _rate(torch.float32))
 
 
 def _rate(dtype: torch.dtype) -> float:

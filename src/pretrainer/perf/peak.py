@@ -74,13 +74,20 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
     """The best rate of square matmuls (1024 and 2048) in `dtype`, measured once per machine/threads/dtype."""
     threads = torch.get_num_threads()
     key = f"{device.type}|{processor_name(device)}|threads={threads}|{dtype_name(dtype)}|torch={torch.__version__}"
-    cache = _cache_path()
-    table = _read_json(cache)
+    tflops = cached_measurement(key, lambda: _measure(device, dtype))
+    return DevicePeak(tflops, f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), cached in {cache_path()}")
+
+
+def cached_measurement(key: str, measure) -> float:
+    """A measurement of this machine, taken once under `key` and kept in `cache_path()` (measured again
+    where the cache cannot be written)."""
+    path = cache_path()
+    table = _read_json(path)
     if key not in table:
-        table = {**_read_json(cache), key: _measure(device, dtype)}
-        _write_json(cache, table)
-    source = f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), cached in {cache}"
-    return DevicePeak(table[key], source)
+        value = measure()
+        table = {**_read_json(path), key: value}  # read again: another process may have added its own
+        _write_json(path, table)
+    return table[key]
 
 
 def _measure(device: torch.device, dtype: torch.dtype) -> float:
@@ -116,7 +123,7 @@ def processor_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "pretrainer" / "gemm_peak.json"
 
