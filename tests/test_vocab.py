@@ -118,6 +118,8 @@ def test_extension_from_another_tokenizer_and_inspect_side_by_side(bases, corpor
     (["train", "--input", "{en}", "--vocab-size", "100", "--output", "{tmp}/x"], "--vocab-size 100"),
     (["extend", "--tokenizer", "{base}", "--from", "{bytes}", "--add", "10", "--output", "{tmp}/x"],
      "one is a SentencePiece model (tokenizer.model) and the other is not"),
+    (["train", "--input", "{en}", "--vocab-size", "500", "--output", "/proc/nope/tok"],
+     "--output: /proc/nope/tok cannot be created or written"),
 ])
 def test_bad_tokenizer_commands_end_in_one_line_with_exit_2(arguments, message, bases, corpora, tmp_path):
     values = {"base": bases["sentencepiece"], "bytes": bases["byte-level"], "tmp": tmp_path, "zh": corpora["zh"],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config import check_writable_folder
+
 
 def add_tokenizer_commands(commands) -> None:
     tokenizer = commands.add_parser("tokenizer", help="train, extend or compare tokenizers")
@@ -49,6 +51,8 @@ def tokenizer_command(ns) -> int:
     from .corpus import Corpus
 
     corpus = Corpus(ns.input, ns.text_key, ns.txt_mode) if ns.input else None
+    if ns.action in ("train", "extend"):  # before minutes of training, not after
+        check_writable_folder(ns.output, "--output")
     if ns.action == "train":
         from .train import train_tokenizer
 
