@@ -127,3 +127,16 @@ def test_bad_tokenizer_commands_end_in_one_line_with_exit_2(arguments, message, 
     done = run(pretrainer("tokenizer", *[a.format(**values) for a in arguments]))
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_sentencepiece_style_tokenizer_json_without_its_model_is_refused_with_the_fix(bases, corpora, tmp_path):
+    import shutil
+
+    json_only = tmp_path / "json-only"
+    json_only.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bases["sentencepiece"] / name, json_only / name)
+    done = run(pretrainer("tokenizer", "extend", "--tokenizer", json_only, "--input", corpora["zh"], "--add", "10",
+                          "--output", tmp_path / "x"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "is extended through its SentencePiece tokenizer.model; put that file in the folder" in done.stderr

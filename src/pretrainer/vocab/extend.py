@@ -183,8 +183,10 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
     if model.get("type") != "BPE":
         raise DataError(f"--tokenizer {base}: tokenizer.json holds a {model.get('type')} model; only BPE "
                         "tokenizers are extended")
+    if "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        raise DataError(f"--tokenizer {base}: a tokenizer.json BPE that is not byte-level is extended through its "
+                        "SentencePiece tokenizer.model; put that file in the folder (Llama-2 repositories ship it)")
     tokenizer = Tokenizer.from_str(json.dumps(data))
-    byte_level = "ByteLevel" in json.dumps(data.get("pre_tokenizer"))
     vocab: dict[str, int] = dict(model["vocab"])
     merges = _merges_of_data(data)
     next_id = 1 + max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))])
@@ -193,9 +195,6 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
     def covers(char: str) -> bool:
         return len(tokenizer.encode(char, add_special_tokens=False).ids) == 1
 
-    if not byte_level:
-        raise DataError(f"--tokenizer {base}: a tokenizer.json BPE that is not byte-level is extended through its "
-                        "SentencePiece tokenizer.model; put that file in the folder (Llama-2 repositories ship it)")
     extension.targets = _targets(scripts, _characters(corpus, source), covers)
     targets = set(extension.targets)
     learned = _merges_of(source) if source else _learn_merges(corpus, data, add)
