@@ -1,4 +1,4 @@
-"""`pretrainer` command line: `train`, `prepare`, `export` and `report`."""
+"""`pretrainer` command line: `train`, `plan`, `prepare`, `export`, `report` and `tokenizer`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys for nested ones)")
+
+    plan = commands.add_parser("plan", help="predict per-rank memory and step time of a config's layout, and list "
+                               "the layouts that fit")
+    plan.add_argument("config", help="YAML config file")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides")
+    plan.add_argument("--world-size", type=int,
+                      help="processes (default: what the config describes: dp x tp x pp x cp)")
+    plan.add_argument("--devices-per-node", type=int, help="processes per machine (default: 8 on GPUs, all on CPU)")
+    plan.add_argument("--device", help="the device to plan for: a GPU name (H100, A100-40GB, ...) or cpu "
+                      "(default: this machine's)")
+    plan.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: the device's)")
+    plan.add_argument("--host-memory", help="host RAM per machine for offloaded state and checkpoint loading "
+                      "(default: this machine's with its GPU, else 3x the GPUs' memory)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     export = commands.add_parser("export", help="write an HF folder from a checkpoint")
     export.add_argument("config", help="the run's YAML config")
@@ -73,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             return tokenizer_command(ns)
         if ns.command == "report":
             return report_command(ns)
+        if ns.command == "plan":
+            return plan_command(ns)
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
         if ns.command == "train":
             from .train import PreTrainer
@@ -106,6 +122,18 @@ def prepare_command(ns) -> int:
     for line in summary.lines():
         print(line)
     print(f"summary: {write_summary(summary, ns.output_prefix)}")
+    return 0
+
+
+def plan_command(ns) -> int:
+    import json
+
+    from .plan.command import plan_for_command
+    from .plan.report import as_json, text
+
+    args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
+    plan = plan_for_command(args, ns.world_size, ns.devices_per_node, ns.device, ns.device_memory, ns.host_memory)
+    print(json.dumps(as_json(plan), indent=1) if ns.json else text(plan))
     return 0
 
 

@@ -39,6 +39,7 @@ DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
+MEMORY_CHECKS = ("error", "warn", "off")
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
@@ -123,6 +124,8 @@ class PreTrainingArguments:
     activation_checkpointing: str = "none"
     compile: bool = False
     host_malloc_reuse: bool = True
+    preflight_memory_check: str | bool = "error"
+    device_memory: str | int | None = None
     max_skipped_updates: int = 10
     loss_spike_factor: float | None = None
     distributed_timeout_minutes: float = 30.0
@@ -325,6 +328,11 @@ class PreTrainingArguments:
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise key_error("activation_checkpointing", f"activation_checkpointing {self.activation_checkpointing!r} "
                              "is not one of none, full, selective")
+        if isinstance(self.preflight_memory_check, bool):  # YAML reads a bare `off` as false (and `on` as true)
+            self.preflight_memory_check = "error" if self.preflight_memory_check else "off"
+        if self.preflight_memory_check not in MEMORY_CHECKS:
+            raise key_error("preflight_memory_check", f"preflight_memory_check {self.preflight_memory_check!r} is not "
+                             f"one of {', '.join(MEMORY_CHECKS)}")
         if self.txt_mode not in TXT_MODES:
             raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
         if self.new_token_init not in NEW_TOKEN_INITS:

@@ -89,10 +89,19 @@ def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dic
     items += [
         ("useful tokens/s (last 3/4 of the run)", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f}"),
         ("MFU (last 3/4 of the run)", f"{100 * sum(r.get('mfu', 0) for r in steady) / len(steady):.1f}%"),
-        ("peak memory (largest rank)", f"{max(r.get('peak_mem_mb', 0) for r in train):,.0f} MB"),
+        ("peak memory (largest rank)", peak_memory_line(max(r.get("peak_mem_mb", 0) for r in train),
+                                                        start.get("predicted_peak_mem_mb"))),
         ("skipped updates", str(sum(1 for r in rows if r.get("skipped_update")))),
     ]
     return items
+
+
+def peak_memory_line(measured_mb: float, predicted_mb: float | None) -> str:
+    """The measured peak, and the pre-launch prediction with its error when the run made one."""
+    if not predicted_mb:
+        return f"{measured_mb:,.0f} MB"
+    error = (predicted_mb - measured_mb) / measured_mb if measured_mb else 0.0
+    return f"{measured_mb:,.0f} MB measured, {predicted_mb:,.0f} MB predicted before launch ({error:+.0%})"
 
 
 def render_html(save_dir: Path, rows, train, evals, charts: list[str]) -> str:

@@ -35,6 +35,7 @@ from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from ..perf.host_memory import reuse_freed_host_memory
 from ..perf.peak import processor_name
+from ..plan import check_memory_before_build
 from . import checkpoint as ckpt
 from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
 from .evaluate import Validator
@@ -81,6 +82,8 @@ class PreTrainer:
             model = self.hooks.build_model()
         spec = self._preflight(model, train_dataloader)
         self.plan = self._resolve_plan(spec, model)
+        # Before the data and the model take any memory; a model passed in is already allocated.
+        self.predicted_memory = check_memory_before_build(args, spec, engine) if model is None else None
         placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
                                   engine.all_gather_object, int(os.environ.get("LOCAL_RANK", "0")))
         data = assemble_data(args, self.plan, self.tokenizer, placement,
@@ -326,7 +329,8 @@ class PreTrainer:
                        "device": str(engine.device), "dtype": args.dtype,
                        "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
                        "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
-                       "peak": meter.peak.describe()})
+                       "peak": meter.peak.describe(),
+                       **(self.predicted_memory.row() if self.predicted_memory is not None else {})})
         return metrics, meter
 
     def _count_tokens(self, meter: IntervalMeter) -> None:

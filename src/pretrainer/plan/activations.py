@@ -1,0 +1,191 @@
+"""Activation memory of one decoder layer and of the rest of the model, measured on fake tensors.
+
+The model's own forward runs under `FakeTensorMode` (shapes and dtypes, no storage, no arithmetic) with
+one and with two decoder layers, at one sequence of the run's local length; every tensor autograd saves
+for backward is counted once (by storage). Parameters are not activations; neither are the compute-dtype
+copies of weights that autocast keeps (the estimate counts those with the parameters). The difference
+between the two models is one layer; the rest is the embedding, the final norm and the rotary tables.
+`selective` recomputation keeps the outputs of the matmuls and attention (parallel/activation_checkpoint.py):
+those are summed separately. Everything scales with the micro-batch, so probes run at one sequence.
+
+Tensor parallelism is probed on the shard itself: the config with heads, kv heads and ffn width divided by
+tp gives the split part; what stays whole on every rank (norms, residual) is the rest, divided by tp again
+under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..parallel.activation_checkpoint import _SAVED_OPS
+from .model_shape import one_layer_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes for one sequence of the probed length."""
+    per_layer: int         # saved for backward by one decoder layer
+    selective_layer: int   # what `selective` keeps of one layer (matmul and attention outputs, the input)
+    layer_input: int       # one layer's input (what `full` keeps)
+    rest: int              # embedding output, final norm, rotary tables
+
+
+class _MatmulOutputs(TorchDispatchMode):
+    """Sums the output bytes of the ops `selective` recomputation keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVED_OPS:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.bytes += first.numel() * first.element_size()
+        return out
+
+
+@contextlib.contextmanager
+def _as_on_real_tensors():
+    """transformers takes fake tensors for a compiler's trace: it then cannot read the positions to rule out packed
+    sequences, nor the offset that lets it skip the mask, and builds an explicit causal mask (repeating GQA keys)
+    where a real training forward runs the mask-free causal kernel. During a probe it is told what it would find
+    on real tensors: positions without packed sequences, and a readable offset (tests/test_plan.py compares the
+    probe with real tensors, so a transformers release that changes this is caught)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    saved = {name: getattr(masking_utils, name, None) for name in ("is_tracing", "find_packed_sequence_indices")}
+    if None in saved.values():
+        yield
+        return
+    tracing = saved["is_tracing"]
+    masking_utils.is_tracing = lambda tensor=None: tracing() if tensor is None or tensor.dim() == 0 else tracing(tensor)
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking_utils, name, value)
+
+
+def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype) -> tuple[int, int, int]:
+    """(saved bytes, kept-by-selective bytes, hidden-state bytes) of the decoder of `config` for one sequence."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from transformers import AutoModelForCausalLM
+
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+        parameters = list(model.parameters())
+        owned = {StorageWeakRef(p.untyped_storage()) for p in parameters}
+        weight_shapes = {tuple(p.shape) for p in parameters if p.dim() >= 2}
+        saved: dict = {}
+
+        def pack(tensor):
+            ref = StorageWeakRef(tensor.untyped_storage())
+            is_weight_copy = autocast_dtype is not None and tensor.dim() >= 2 and tuple(tensor.shape) in weight_shapes
+            if ref not in owned and not is_weight_copy:
+                saved[ref] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        ids = torch.zeros((1, seq_length), dtype=torch.long)
+        cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        kept = _MatmulOutputs()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, kept, _as_on_real_tensors():
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        return sum(saved.values()), kept.bytes, hidden.numel() * hidden.element_size()
+
+
+def tensor_parallel_config(config, tp: int):
+    """The config of one tensor-parallel shard: heads, kv heads and ffn width divided by `tp`."""
+    shard = one_layer_config(config, config.num_hidden_layers)
+    heads = config.num_attention_heads
+    shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shard.num_attention_heads = heads // tp
+    shard.num_key_value_heads = max(1, (getattr(config, "num_key_value_heads", None) or heads) // tp)
+    shard.intermediate_size = config.intermediate_size // tp
+    return shard
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_name: str) -> ActivationProfile:
+    from transformers import AutoConfig
+
+    from ..config import torch_dtype
+
+    config = _with_plain_rope(AutoConfig.for_model(**json.loads(config_json)))
+    autocast_dtype = torch_dtype(autocast_name) if autocast_name else None
+    try:
+        one = _saved_bytes(one_layer_config(config, 1), seq_length, autocast_dtype, torch_dtype(param_name))
+        two = _saved_bytes(one_layer_config(config, 2), seq_length, autocast_dtype, torch_dtype(param_name))
+    except Exception as exc:  # a forward that reads tensor values (fake tensors have none), or another failure
+        logger.info("activations of %s estimated by formula: its forward does not run on fake tensors (%s)",
+                    config.model_type, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        return _formula(config, seq_length, autocast_name or param_name, param_name)
+    per_layer = two[0] - one[0]
+    return ActivationProfile(per_layer=per_layer, selective_layer=(two[1] - one[1]) + one[2], layer_input=one[2],
+                             rest=max(one[0] - per_layer, 0))
+
+
+def _with_plain_rope(config):
+    """The config with its RoPE scaling removed: scaling changes the rotary values, not the shapes, and dynamic
+    (NTK) scaling reads the positions, which fake tensors do not have."""
+    if hasattr(config, "rope_parameters"):  # transformers 5 (rope_scaling is another name for it)
+        parameters = config.rope_parameters
+        if isinstance(parameters, dict) and parameters.get("rope_type", "default") != "default":
+            config.rope_parameters = {"rope_type": "default", "rope_theta": parameters.get("rope_theta", 10000.0)}
+    elif getattr(config, "rope_scaling", None):
+        config.rope_scaling = None
+    return config
+
+
+def _formula(config, seq_length: int, compute: str, param: str) -> ActivationProfile:
+    """Saved bytes of a Llama-like layer per sequence when the probe cannot run: the residual stream and norms
+    (10 x hidden), the gated MLP (4 x ffn) and keys/values (2 x kv width), in the compute dtype."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
+                                                                            or hidden // heads)
+    ffn = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = 10 * hidden + 4 * ffn + 2 * kv_width
+    size = 4 if compute == "fp32" else 2
+    layer_input = seq_length * hidden * (4 if param == "fp32" else 2)
+    per_layer = seq_length * per_token * size
+    return ActivationProfile(per_layer=per_layer, selective_layer=per_layer // 2, layer_input=layer_input,
+                             rest=2 * layer_input)
+
+
+def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
+          sequence_parallel: bool = False) -> ActivationProfile:
+    """Activation bytes of one sequence of `seq_length` tokens on one rank.
+
+    `autocast`: fp32 parameters computed in `dtype` under autocast (the residual stream stays fp32);
+    otherwise the parameters themselves are in `dtype` (DeepSpeed, FSDP mixed precision).
+    """
+    low = dtype != "fp32"
+    autocast_name = dtype if (autocast and low) else None
+    param_name = "fp32" if (autocast or not low) else dtype
+    whole = _probe(config.to_json_string(), seq_length, autocast_name, param_name)
+    if tp == 1:
+        return whole
+    shard = _probe(tensor_parallel_config(config, tp).to_json_string(), seq_length, autocast_name, param_name)
+    # whole = R + S and shard = R + S/tp: R stays on every rank, S is split.
+    split = (whole.per_layer - shard.per_layer) * tp // (tp - 1)
+    replicated = whole.per_layer - split
+    per_layer = shard.per_layer - (replicated - replicated // tp if sequence_parallel else 0)
+    layer_input = whole.layer_input // tp if sequence_parallel else whole.layer_input
+    selective = shard.selective_layer - whole.layer_input + layer_input
+    return ActivationProfile(per_layer=per_layer, selective_layer=selective, layer_input=layer_input,
+                             rest=whole.rest)

@@ -1,0 +1,173 @@
+"""The device a plan is made for: its memory, its peak FLOP/s, the bandwidths between ranks, and what the
+runtime itself takes before the model allocates anything.
+
+Named devices come from a table (memory from the vendors' sheets, peaks from perf/peak.py's rated table); the
+machine the command runs on is read directly: its GPU's memory, or on CPU the available RAM, shared by the
+processes of one machine. Bandwidths are assumptions, stated in every plan.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError, torch_dtype
+from ..perf.peak import cached_measurement, measured_peak, processor_name, rated_peak
+
+GIB = 2**30
+# name pattern -> memory in GiB (first match wins: specific names first)
+DEVICE_MEMORY_GIB = (
+    (r"H200", 141), (r"H100.*NVL", 94), (r"H100|H800", 80), (r"GH200", 96), (r"B200", 180), (r"H20\b", 96),
+    (r"A100.*40", 40), (r"A100|A800", 80), (r"L40S|L40\b", 48), (r"A10G|A10\b|L4\b", 24), (r"4090|3090", 24),
+    (r"V100.*16", 16), (r"V100", 32), (r"MI300X", 192), (r"MI250X", 128),
+)
+ACCELERATOR_RUNTIME_BYTES = int(1.0 * GIB)  # CUDA context, kernels, communicator buffers (assumed)
+HOST_PER_DEVICE = 3  # host RAM per GPU, as a multiple of its memory (DGX H100: 2 TB for 8 x 80 GB; assumed)
+ACCELERATOR_USABLE = 0.93  # the rest: allocator fragmentation (assumed)
+INTRA_NODE_BYTES_PER_S = 150e9   # NVLink-class bus bandwidth per GPU (assumed)
+INTER_NODE_BYTES_PER_S = 25e9    # 200 Gb/s-class network per GPU (assumed)
+CPU_BYTES_PER_S = 2e9            # gloo between processes of one machine (assumed)
+FALLBACK_RUNTIME_BYTES = 400 * 2**20  # what such a process takes on Linux x86, when it cannot be measured
+ASSUMED_MFU = {"accelerator": 0.40, "cpu": 0.60}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    kind: str                  # cpu | accelerator
+    memory_bytes: int          # what one rank may use
+    memory_source: str
+    peak_tflops: float         # per device, in the run's compute dtype
+    peak_source: str
+    runtime_bytes: int         # the process before the model: interpreter, torch, context
+    runtime_source: str
+    host_memory_bytes: int = 0  # host RAM one rank may use for offloaded state and loading (accelerators)
+    host_memory_source: str = ""
+
+    @property
+    def mfu(self) -> float:
+        return ASSUMED_MFU[self.kind]
+
+    def bandwidth(self, group_within_node: bool) -> float:
+        if self.kind == "cpu":
+            return CPU_BYTES_PER_S
+        return INTRA_NODE_BYTES_PER_S if group_within_node else INTER_NODE_BYTES_PER_S
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.memory_bytes / GIB:,.1f} GiB per rank ({self.memory_source}); peak "
+                f"{self.peak_tflops:,.3g} TFLOP/s ({self.peak_source})")
+
+
+def parse_size(text: str, key: str = "--device-memory") -> int:
+    """`80GB`, `24GiB`, `512MB`, `1.5T` or a number of bytes (units are powers of 1024)."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
+    if not match:
+        raise ConfigError(f"{key} {text!r}: give a size such as 80GB, 24GiB or 512MB")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** "bkmgt".index(unit or "b"))
+
+
+def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
+                engine: str = "ddp", memory_key: str = "--device-memory", host_memory: str | None = None) -> DeviceSpec:
+    """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size that
+    replaces the device's (per device; on CPU per machine)."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if name.lower() == "cpu":
+        return _cpu_spec(dtype, ranks_per_node, memory, engine, memory_key)
+    peak = rated_peak(name, torch_dtype(dtype))
+    if peak is None:
+        raise ConfigError(f"--device {name!r}: not a device this planner knows ({_known()}); give --device-memory "
+                          "and the config's peak_tflops, or plan for one of those")
+    if memory is not None:
+        total, source = parse_size(memory, memory_key), memory_key
+    elif torch.cuda.is_available() and name == torch.cuda.get_device_name(0):
+        total, source = torch.cuda.get_device_properties(0).total_memory, "this machine's GPU"
+    else:
+        gib = next((g for pattern, g in DEVICE_MEMORY_GIB if re.search(pattern, name, re.I)), None)
+        if gib is None:
+            raise ConfigError(f"--device {name!r}: its memory is not in the table; give --device-memory")
+        total, source = gib * GIB, f"{name}'s rated memory"
+    if host_memory is not None:
+        host, host_source = parse_size(host_memory, "--host-memory") // ranks_per_node, "--host-memory"
+    elif torch.cuda.is_available() and name == torch.cuda.get_device_name(0):
+        host, host_source = available_ram() // ranks_per_node, "this machine's available RAM"
+    else:
+        host, host_source = HOST_PER_DEVICE * total, f"assumed {HOST_PER_DEVICE}x the device memory"
+    if ranks_per_node > 1:
+        host_source += f", shared by {ranks_per_node} processes"
+    return DeviceSpec(name, "accelerator", int(total * ACCELERATOR_USABLE),
+                      f"{source}, {ACCELERATOR_USABLE:.0%} usable", peak, f"rated dense {dtype}",
+                      ACCELERATOR_RUNTIME_BYTES, "assumed: context and communicator buffers", host, host_source)
+
+
+def _known() -> str:
+    return "H200, H100, A100, A100-40GB, L40S, A10, L4, V100, MI300X, ..."
+
+
+def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, engine: str, memory_key: str) -> DeviceSpec:
+    if memory is not None:
+        total, source = parse_size(memory, memory_key), memory_key
+    else:
+        total, source = available_ram(), "this machine's available RAM"
+    per_rank = total // max(ranks_per_node, 1)
+    share = f", shared by {ranks_per_node} processes" if ranks_per_node > 1 else ""
+    peak = measured_peak(torch.device("cpu"), torch_dtype(dtype))
+    runtime = runtime_baseline(engine)
+    return DeviceSpec(f"cpu ({processor_name(torch.device('cpu'))})", "cpu", per_rank, source + share, peak.tflops,
+                      peak.source, runtime, "measured once: a tiny model's run on one process")
+
+
+def available_ram() -> int:
+    """RAM a new process can have: the kernel's MemAvailable, or less under a container's cgroup limit."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            available = min(available, int(limit) - usage)
+        break
+    return available
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_", "ROLE_", "ACCELERATE_", "CUDA_VISIBLE_DEVICES")
+
+
+def runtime_baseline(engine: str) -> int:
+    """Peak RSS of a training process with a tiny model (`pretrainer.train.baseline_run`: interpreter, torch,
+    transformers, the data pipeline, the engine, one process), measured once per machine and torch version and
+    cached with the GEMM peak."""
+    kind = "deepspeed" if engine == "deepspeed" else "single"
+
+    def measure() -> float:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
+        env.update(OMP_NUM_THREADS="1", LOCAL_RANK="0")  # a process of its own (DeepSpeed asks for LOCAL_RANK)
+        try:
+            out = subprocess.run([sys.executable, "-m", "pretrainer.train.baseline_run", kind], capture_output=True,
+                                 text=True, timeout=600, env=env)
+            return float(out.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+            return FALLBACK_RUNTIME_BYTES
+
+    key = f"runtime of a tiny run|{kind}|torch={torch.__version__}|python={sys.version[:4]}"
+    return int(cached_measurement(key, measure))

@@ -1,0 +1,91 @@
+"""The numbers of a model the estimate needs, read from its HF config without building it.
+
+A one-layer copy of the model is built on the meta device (no memory, any size): its embedding, output head,
+first decoder layer and the rest give exact parameter counts for every architecture transformers builds;
+the full model has `num_hidden_layers` such layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.activation_checkpoint import decoder_layers
+from ..perf import FlopsCount
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layer_parameters: int       # one decoder layer
+    embedding_parameters: int   # the input table
+    head_parameters: int        # the output head (0 when tied to the input table)
+    other_parameters: int       # final norm and anything else outside the layers
+
+    @property
+    def tied(self) -> bool:
+        return self.head_parameters == 0
+
+    @property
+    def parameters(self) -> int:
+        return (self.layers * self.layer_parameters + self.embedding_parameters + self.head_parameters
+                + self.other_parameters)
+
+    @property
+    def matmul_parameters(self) -> int:
+        """Parameters a token multiplies with: all but the input lookup, the head counted even when tied."""
+        return self.parameters - self.embedding_parameters + self.vocab * self.hidden
+
+    def flops(self, seq_length: int, frozen: int = 0) -> FlopsCount:
+        return FlopsCount(self.matmul_parameters, self.layers, self.heads, self.head_dim, seq_length, frozen)
+
+    def describe(self) -> str:
+        return (f"{self.model_type}, {self.parameters / 1e9:.3g}B parameters ({self.layers} layers, hidden "
+                f"{self.hidden}, {self.heads} heads / {self.kv_heads} kv, ffn {self.intermediate}, vocab {self.vocab}"
+                f"{', tied embeddings' if self.tied else ''})")
+
+
+def one_layer_config(config, layers: int = 1):
+    """A copy of `config` with `layers` decoder layers (what the probes build)."""
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_only_layers", "sliding_window_pattern"):
+        value = getattr(small, key, None)
+        if isinstance(value, list):
+            setattr(small, key, value[:layers])
+    small.use_cache = False
+    return small
+
+
+def model_shape(config, vocab_size: int | None = None) -> ModelShape:
+    """`vocab_size`: the rows the run trains (a grown vocabulary), when it differs from the config's."""
+    from transformers import AutoModelForCausalLM
+
+    small = one_layer_config(config)
+    if vocab_size:
+        small.vocab_size = vocab_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(small, dtype=torch.float32)
+    unique = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in unique.values())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    head = 0 if output is None or output.weight is embedding else output.weight.numel()
+    layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        model_type=str(config.model_type), layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        vocab=small.vocab_size, layer_parameters=layer, embedding_parameters=embedding.numel(),
+        head_parameters=head, other_parameters=total - layer - embedding.numel() - head)

@@ -1,0 +1,72 @@
+"""`train`'s memory check before it builds the model: the plan of its own layout on its own device.
+
+A predicted peak above the device's memory stops the run (`preflight_memory_check: error`, exit code 2) with
+the prediction, the memory and the three best layouts that fit; `warn` logs the same and goes on; `off`
+skips it. The prediction is kept so that the run records it next to the measured peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from dataclasses import dataclass
+
+from ..config import ConfigError
+from .device import device_spec
+from .planner import make_plan
+from .report import size
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryPlanError(ConfigError):
+    """The predicted peak does not fit (a usage error: exit code 2)."""
+
+
+@dataclass(frozen=True)
+class PredictedMemory:
+    peak_bytes: int
+    device_memory_bytes: int
+
+    def row(self) -> dict:
+        return {"predicted_peak_mem_mb": self.peak_bytes / 2**20, "device_memory_mb": self.device_memory_bytes / 2**20}
+
+
+def check_memory_before_build(args, spec, engine) -> PredictedMemory | None:
+    mode = args.preflight_memory_check
+    if mode == "off" or spec is None:
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", engine.world_size))
+    memory = None if args.device_memory is None else str(args.device_memory)
+    device = device_spec(args.dtype, per_node, None if engine.device.type != "cpu" else "cpu", memory, engine.name,
+                         memory_key="key 'device_memory'")
+    plan = make_plan(args, spec, engine.world_size, per_node, device, with_alternatives=False)
+    own = plan.estimate
+    logger.info("memory plan: predicted peak %s per rank of %s (%s)", size(own.peak), size(device.memory_bytes),
+                device.memory_source)
+    if not own.fits:
+        plan = make_plan(args, spec, engine.world_size, per_node, device)
+        message = _refusal(plan)
+        if mode == "error":
+            raise MemoryPlanError(message + "; or set preflight_memory_check: warn to try anyway")
+        logger.warning("%s", message)
+    return PredictedMemory(own.peak, device.memory_bytes)
+
+
+def _refusal(plan) -> str:
+    own = plan.estimate
+    sizes = own.per_rank_bytes()
+    parts = ", ".join(f"{name} {size(sizes[name])}" for name in
+                      ("parameters", "gradients", "optimizer", "activations", "logits", "runtime"))
+    head = (f"predicted peak memory {size(own.peak)} per rank ({parts}) exceeds the {size(own.device.memory_bytes)} "
+            f"available ({own.device.memory_source}) for {own.layout.describe()}")
+    fitting = plan.fitting(3)
+    if fitting:
+        options = "; ".join(f"{shlex.join(e.layout.overrides())} ({size(e.peak)})" for e in fitting)
+        return f"{head}. Layouts of the same {own.layout.world_size} process(es) that fit: {options}"
+    smallest = min(plan.alternatives, key=lambda e: e.peak, default=own)
+    return (f"{head}. No layout of {own.layout.world_size} process(es) fits (the smallest, "
+            f"{shlex.join(smallest.layout.overrides())}, needs {size(smallest.peak)}): launch more processes "
+            "(each holding a shard), plan with `pretrainer plan CONFIG --world-size N --device NAME`, or train fewer "
+            "parameters (trainable_parameters) or a shorter seq_length")

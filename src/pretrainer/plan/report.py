@@ -1,0 +1,88 @@
+"""A plan as text (the table `pretrainer plan` prints) and as JSON (`--json`)."""
+
+from __future__ import annotations
+
+import shlex
+
+from .device import CPU_BYTES_PER_S, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S
+from .estimate import Estimate
+from .planner import Plan
+
+GIB = 2**30
+COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "logits", "communication", "runtime")
+DEFAULT_NOTES = {"gradients": "fp32", "optimizer": "AdamW moments (fp32)",
+                 "logits": "fp32 logits or log-softmax and two gradients of that size (one chunk when chunked)",
+                 "communication": "-"}
+
+
+def size(value: int) -> str:
+    """Bytes as MiB below 1 GiB, else GiB."""
+    return f"{value / GIB:,.1f} GiB" if value >= GIB else f"{value / 2**20:,.0f} MiB"
+
+
+def listed(plan: Plan, count: int) -> list[Estimate]:
+    """The alternatives worth showing: those that fit, fastest first; if none fit, the smallest."""
+    fitting = plan.fitting(count)
+    return fitting or sorted(plan.alternatives, key=lambda e: e.peak)[:count]
+
+
+def assumptions(estimate: Estimate) -> str:
+    device = estimate.device
+    if device.kind == "cpu":
+        bandwidth = f"{CPU_BYTES_PER_S / 1e9:g} GB/s between processes"
+    else:
+        bandwidth = (f"{INTRA_NODE_BYTES_PER_S / 1e9:g} GB/s within a node, {INTER_NODE_BYTES_PER_S / 1e9:g} GB/s "
+                     "between nodes")
+    return (f"an assumed {device.mfu:.0%} MFU of {device.peak_tflops:,.3g} TFLOP/s per device; communication at "
+            f"{bandwidth}, not overlapped with compute")
+
+
+def text(plan: Plan, count: int = 8) -> str:
+    own = plan.estimate
+    lines = [f"model: {plan.shape.describe()}", f"layout: {own.layout.describe()}",
+             f"device: {own.device.describe()}", "", f"{'per rank':<16}{'GiB':>9}  what"]
+    sizes = own.per_rank_bytes()
+    for name in COMPONENTS:
+        value = sizes[name]
+        note = own.notes.get(name) or (own.device.runtime_source if name == "runtime" else DEFAULT_NOTES.get(name, ""))
+        lines.append(f"  {name:<14}{value / GIB:>9.2f}  {note}")
+    if own.loading:
+        lines.append(f"  {'loading':<14}{own.loading / GIB:>9.2f}  the checkpoint read whole in fp32 on every rank "
+                     "before the engine lays it out")
+    if own.host_offload:
+        lines.append(f"  {'host offload':<14}{own.host_offload / GIB:>9.2f}  in host memory, not the device's")
+    if own.host_peak:
+        lines.append(f"  {'host peak':<14}{own.host_peak / GIB:>9.2f}  of {size(own.device.host_memory_bytes)} host "
+                     f"memory per rank ({own.device.host_memory_source})")
+    verdict = "fits" if own.fits else "does NOT fit"
+    lines.append(f"  {'peak':<14}{own.peak / GIB:>9.2f}  {verdict} in {own.device.memory_bytes / GIB:,.1f} GiB "
+                 "(runtime + the larger of backward's start and the optimizer step)")
+    lines += ["", f"step: ~{own.step_seconds:,.3g} s (compute {own.compute_seconds:,.3g} s, communication "
+              f"{own.communication_seconds:,.3g} s), from {assumptions(own)}", ""]
+    shown = listed(plan, count)
+    if plan.fitting(1):
+        lines.append("layouts that fit, fastest first (add the overrides to the command line):")
+    else:
+        lines.append("no layout of this world fits; the smallest (more processes, a larger device or a smaller "
+                     "micro-batch/sequence are needed):")
+    for other in shown:
+        overrides = shlex.join(other.layout.overrides())
+        lines.append(f"  {other.step_seconds:>8,.3g} s {other.peak / GIB:>8.2f} GiB  {overrides}")
+    return "\n".join(lines)
+
+
+def as_json(plan: Plan, count: int = 50) -> dict:
+    own = plan.estimate
+    return {
+        "model": plan.shape.describe(),
+        "layout": own.layout.overrides(),
+        "per_rank_bytes": own.per_rank_bytes(),
+        "device": own.device.name,
+        "device_memory_bytes": own.device.memory_bytes,
+        "host_memory_bytes": own.device.host_memory_bytes,
+        "fits": own.fits,
+        "step_seconds": own.step_seconds,
+        "assumptions": assumptions(own),
+        "layouts": [{"overrides": e.layout.overrides(), "peak_bytes": e.peak, "fits": e.fits,
+                     "step_seconds": e.step_seconds} for e in listed(plan, count)],
+    }

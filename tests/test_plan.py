@@ -1,0 +1,202 @@
+"""`pretrainer plan` and train's memory check before building the model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import QUICKSTART_MODEL, read_metrics
+from launch import BIN, REPO, describe, pretrainer, run, run_ok
+
+PLAN_7B = REPO / "examples" / "plan" / "llama-2-7b.yaml"
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def plan_json(*args) -> dict:
+    return json.loads(run_ok(pretrainer("plan", *args, "--json")).stdout)
+
+
+def test_the_probe_counts_what_a_real_forward_saves_for_backward():
+    """The fake-tensor probe and the same forward on real tensors save the same bytes."""
+    from transformers import AutoConfig
+
+    from pretrainer.plan import activations
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL / "config.json")
+    real = {}
+
+    def saved_on_real_tensors(config, seq_length, autocast_dtype, param_dtype):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+        owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in owned:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model.base_model(input_ids=torch.zeros((1, seq_length), dtype=torch.long),
+                                      use_cache=False).last_hidden_state
+        real[config.num_hidden_layers] = sum(saved.values())
+        return sum(saved.values()), 0, hidden.numel() * hidden.element_size()
+
+    probed = activations.probe(config, 128, "fp32", autocast=False)
+    original = activations._saved_bytes
+    activations._probe.cache_clear()
+    activations._saved_bytes = saved_on_real_tensors
+    try:
+        measured = activations.probe(config, 128, "fp32", autocast=False)
+    finally:
+        activations._saved_bytes = original
+        activations._probe.cache_clear()
+    assert probed.per_layer == measured.per_layer == real[2] - real[1] > 0
+    assert probed.rest == measured.rest
+
+
+@pytest.mark.parametrize("stage,offload_optimizer,offload_parameters",
+                         [(2, False, False), (2, True, False), (3, False, False), (3, True, False), (3, True, True)])
+def test_zero_model_states_agree_with_deepspeeds_own_estimators(stage, offload_optimizer, offload_parameters):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from transformers import AutoConfig
+
+    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.plan.device import device_spec
+
+    config = AutoConfig.from_pretrained(REPO / "examples" / "models" / "llama-2-7b" / "config.json")
+    shape = model_shape(config)
+    layout = Layout("deepspeed", 16, 8, 1, 4, 512, "bf16", zero_stage=stage, offload_optimizer=offload_optimizer,
+                    offload_parameters=offload_parameters)
+    ours = estimate(layout, shape, config, device_spec("bf16", 8, "H100"))
+    if stage == 2:
+        theirs = estimate_zero2_model_states_mem_needs(shape.parameters, 8, 2, offload_optimizer)[1]  # (cpu, gpu)
+    else:
+        theirs = estimate_zero3_model_states_mem_needs(shape.parameters, shape.layer_parameters, 8, 2,
+                                                       offload_optimizer, offload_parameters)[1]
+    assert abs(ours.parameters + ours.gradients + ours.optimizer - theirs) <= 0.10 * theirs
+
+
+def test_plan_as_json_and_its_layouts_replan_to_what_they_claim():
+    plan = plan_json(PLAN_7B, "--device", "H100")
+    sizes = plan["per_rank_bytes"]
+    assert {"parameters", "gradients", "optimizer", "activations", "runtime", "peak"} <= sizes.keys()
+    assert plan["device_memory_bytes"] == int(80 * 2**30 * 0.93)
+    assert plan["fits"] == (sizes["peak"] <= plan["device_memory_bytes"])
+    assert plan["step_seconds"] > 0 and "MFU" in plan["assumptions"]
+    layouts = plan["layouts"]
+    assert layouts and all(layout["fits"] for layout in layouts)
+    times = [layout["step_seconds"] for layout in layouts]
+    assert times == sorted(times, key=lambda t: float(f"{t:.3g}"))
+    assert {o.split("=")[1] for layout in layouts for o in layout["overrides"] if o.startswith("engine=")} >= \
+        {"megatron", "fsdp"}
+    # a listed layout, pasted onto the config, is planned as listed
+    for listed in (layouts[0], next(x for x in layouts if "engine=megatron" in x["overrides"])):
+        again = plan_json(PLAN_7B, *listed["overrides"], "--device", "H100")
+        assert again["per_rank_bytes"]["peak"] == listed["peak_bytes"]
+        assert again["step_seconds"] == pytest.approx(listed["step_seconds"])
+    # 70B on 8 x 24 GB: nothing fits, and the text says so with the smallest layouts
+    done = run_ok(pretrainer("plan", PLAN_7B, "model_path=examples/models/llama-2-70b/config.json", "--device", "A10"))
+    assert "does NOT fit" in done.stdout and "no layout of this world fits" in done.stdout
+
+
+def _refusal_check(rss_limit_mb: float, command: list) -> tuple:
+    """Run `command`; its exit code, stderr and the peak RSS of its process tree in MB."""
+    wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
+               " sys.stderr.write(done.stderr); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024);"
+               " sys.exit(done.returncode)")
+    done = run([sys.executable, "-c", wrapper, *command], timeout=300)
+    return done, float(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_7b_fp32_run_is_refused_before_allocating(tmp_path):
+    from pretrainer.plan.device import available_ram
+
+    budget = [] if available_ram() < 100 * 2**30 else ["device_memory=24GB"]  # machines with more RAM: as here
+    done, peak_mb = _refusal_check(2000, pretrainer("train", PLAN_7B, "engine=single", "dp=1", "dtype=fp32",
+                                                    f"save_dir={tmp_path / 'run'}", *budget))
+    assert done.returncode == 2, describe(done)
+    assert "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("pretrainer: error: predicted peak memory ") and "exceeds the" in error
+    assert "No layout of 1 process(es) fits" in error and "engine=single" in error
+    assert peak_mb < 2000  # the 27 GB of fp32 weights were never allocated
+
+
+def test_the_memory_check_stops_warns_or_stays_silent_as_configured(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", {**base_config, "num_training_steps": 2, "eval_interval": None,
+                                                 "save_interval": None, "export_hf": False, "write_report": True})
+    own = plan_json(config)["per_rank_bytes"]["peak"]
+    budget = f"device_memory={int(own * 0.97)}"
+    done = run(pretrainer("train", config, budget))
+    assert done.returncode == 2, describe(done)
+    error = done.stderr.strip().splitlines()[-1]
+    assert "predicted peak memory" in error and "(key 'device_memory')" in error
+    assert "that fit: engine=single dp=1 micro_batch_size=" in error or "No layout" in error
+    assert "preflight_memory_check: warn" in error and "Traceback" not in done.stderr
+
+    done = run_ok(pretrainer("train", config, budget, "preflight_memory_check=warn"))
+    assert "predicted peak memory" in done.stdout + done.stderr
+    start = next(r for r in read_metrics(base_config["save_dir"]) if r.get("event") == "start")
+    assert start["predicted_peak_mem_mb"] == pytest.approx(own / 2**20)  # how close: bench/plan_accuracy.py
+    report = (Path(base_config["save_dir"]) / "report" / "report.html").read_text()
+    assert "MB predicted before launch" in report
+
+    run_ok(pretrainer("train", config, budget, "preflight_memory_check=off", f"save_dir={tmp_path / 'off'}"))
+    start = next(r for r in read_metrics(tmp_path / "off") if r.get("event") == "start")
+    assert "predicted_peak_mem_mb" not in start
+
+
+@pytest.mark.parametrize("override,message", [
+    ("seq_length=100000", "key 'seq_length': 100000 exceeds the model's max_position_embeddings"),
+    ("seq_lenght=8", "unknown key 'seq_lenght'; did you mean 'seq_length'?"),
+    ("preflight_memory_check=maybe", "preflight_memory_check 'maybe' is not one of error, warn, off"),
+])
+def test_plan_gives_the_same_errors_as_train(base_config, tmp_path, override, message):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    plan, train = run(pretrainer("plan", config, override)), run(pretrainer("train", config, override))
+    assert plan.returncode == train.returncode == 2
+    assert message in plan.stderr and plan.stderr.strip().splitlines()[-1] == train.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in plan.stderr
+
+
+def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    done = run(pretrainer("plan", config, "--device", "TPU-9000"))
+    assert done.returncode == 2 and "--device 'TPU-9000': not a device this planner knows" in done.stderr
+    done = run(pretrainer("plan", config, "--device", "cpu", "--device-memory", "lots"))
+    assert done.returncode == 2 and "--device-memory 'lots': give a size such as 80GB" in done.stderr
+    small = plan_json(config, "--device", "cpu", "--device-memory", "300MB")
+    assert small["device_memory_bytes"] == 300 * 2**20 and not small["fits"]
+    assert BIN.exists()
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_formula(monkeypatch, caplog):
+    from transformers import AutoConfig
+
+    from pretrainer.plan import activations
+
+    def data_dependent(*args, **kwargs):
+        raise RuntimeError("aten._local_scalar_dense.default")
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL / "config.json")
+    activations._probe.cache_clear()
+    monkeypatch.setattr(activations, "_saved_bytes", data_dependent)
+    with caplog.at_level("INFO", logger="pretrainer.plan.activations"):
+        profile = activations.probe(config, 256, "fp32", autocast=True)
+    activations._probe.cache_clear()
+    assert "estimated by formula" in caplog.text and "_local_scalar_dense" in caplog.text
+    assert profile.per_layer == 256 * (10 * 256 + 4 * 688 + 2 * 128) * 4 and profile.layer_input == 256 * 256 * 4
