@@ -14,10 +14,11 @@ Memory per rank, in the engines' own terms:
 - logits: the output head's fp32 logits, log-softmax and their gradients (or one chunk of them);
 - communication: DDP's gradient buckets (a second copy of the gradients), DeepSpeed's reduce buckets;
 - runtime: the process before the model (device.py).
-The peak is the runtime plus the larger of the two moments of a step: the start of backward (activations and
-logits alive; gradients too when micro-batches accumulate) and the optimizer step (all gradients). A model
-loaded from weights is first read whole in fp32 on every rank (`build_model`), which can be the peak itself
-for engines that shard it afterwards.
+The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of
+backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
+and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
+overhead (CPU_HEAP_OVERHEAD, measured). A model loaded from weights is first read whole in fp32 on every rank
+(`build_model`), which can be the peak itself for engines that shard it afterwards.
 
 Step time: model FLOPs per step over the world's peak at an assumed MFU (recompute adds its forward,
 a pipeline its bubble), plus the communication volume over an assumed bandwidth, not overlapped: both
@@ -35,6 +36,10 @@ from .model_shape import ModelShape
 
 LOSS_BYTES_PER_LOGIT = 12    # fp32 logits (or log-softmax), and two gradients of that size at the start of backward
 OFFLOAD_BYTES_PER_S = 25e9   # host <-> device copies (assumed, PCIe 5-class)
+# On CPU a process's RSS exceeds the bytes of its live tensors: glibc's heap keeps freed blocks that later
+# requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
+# with and without recompute: 1.14-1.25), checked on the other sizes.
+CPU_HEAP_OVERHEAD = 1.2
 SELECTIVE_RECOMPUTE_COST = 0.03  # share of the step's compute (assumed)
 HOST_ADAM_BYTES_PER_S = 10e9  # a host Adam step streams its states at about this rate (assumed)
 
@@ -65,11 +70,11 @@ class Estimate:
         # in between one layer at a time works on its own activations (recomputed ones too) and their gradients
         backward_start = self.activations + self.logits + self.working + grads_in_forward
         backward_end = self.gradients + self.working
-        train = self.runtime + persistent + max(backward_start, backward_end)
+        tensors = persistent + max(backward_start, backward_end)
         if self.device.kind == "cpu":  # offloaded state and the load are in the same memory
-            train += self.host_offload
-            return max(train, self.runtime + self.loading)
-        return train
+            tensors = CPU_HEAP_OVERHEAD * (tensors + self.host_offload)
+            return self.runtime + int(max(tensors, self.loading))
+        return self.runtime + tensors
 
     @property
     def host_peak(self) -> int:
