@@ -22,7 +22,7 @@ from ..config import ConfigError
 MODES = ("none", "full", "selective")
 
 # Ops whose outputs `selective` keeps: the expensive ones.
-_SAVED_OPS = {
+SELECTIVE_SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
@@ -34,7 +34,7 @@ _SAVED_OPS = {
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

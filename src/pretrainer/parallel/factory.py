@@ -20,8 +20,10 @@ def launcher_engine() -> str | None:
     return None
 
 
-def select_engine(args) -> str:
-    world_size = launch_world_size()
+def select_engine(args, world_size: int | None = None) -> str:
+    """The engine for `args` on `world_size` processes (default: the launch's; the planner passes its own)."""
+    planned = world_size is not None
+    world_size = world_size if planned else launch_world_size()
     requested = launcher_engine()
     name = args.engine
     if name == "auto":
@@ -33,8 +35,10 @@ def select_engine(args) -> str:
     if args.deepspeed is not None and name != "deepspeed":
         raise ConfigError(f"key 'deepspeed' is set but the engine is {name!r}; remove one of them")
     if name == "single" and world_size > 1:
-        raise ConfigError(f"engine: single runs one process, but the launch started {world_size} processes "
-                          f"(WORLD_SIZE={world_size}); use engine: ddp or fsdp, or launch one process")
+        started = f"{world_size} processes are planned" if planned else \
+            f"the launch started {world_size} processes (WORLD_SIZE={world_size})"
+        raise ConfigError(f"engine: single runs one process, but {started}; use engine: ddp or fsdp, or "
+                          f"{'--world-size 1' if planned else 'launch one process'}")
     return name
 
 

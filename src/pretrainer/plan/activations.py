@@ -16,6 +16,7 @@ under sequence parallelism.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..parallel.activation_checkpoint import _SAVED_OPS
+from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS
 from .model_shape import one_layer_config
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class _MatmulOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _SAVED_OPS:
+        if func in SELECTIVE_SAVED_OPS:
             first = out[0] if isinstance(out, (tuple, list)) else out
             self.bytes += first.numel() * first.element_size()
         return out
@@ -110,7 +111,7 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype) -> tuple[
 
 def tensor_parallel_config(config, tp: int):
     """The config of one tensor-parallel shard: heads, kv heads and ffn width divided by `tp`."""
-    shard = one_layer_config(config, config.num_hidden_layers)
+    shard = copy.deepcopy(config)
     heads = config.num_attention_heads
     shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shard.num_attention_heads = heads // tp

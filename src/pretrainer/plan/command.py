@@ -9,9 +9,9 @@ import torch
 from ..config import ConfigError
 from ..models import preflight
 from ..parallel.engine import check_dtype
+from ..parallel.factory import select_engine
 from ..parallel.megatron_settings import read_settings
 from .device import device_spec
-from .layout import planned_engine
 from .planner import Plan, make_plan
 
 GPU_DEVICES_PER_NODE = 8
@@ -29,9 +29,10 @@ def described_world(args) -> int:
 def plan_for_command(args, world_size: int | None, devices_per_node: int | None, device_name: str | None,
                      device_memory: str | None, host_memory: str | None = None) -> Plan:
     logging.getLogger("pretrainer").setLevel(logging.WARNING)  # the plan is the output
+    for flag, value in (("--world-size", world_size), ("--devices-per-node", devices_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     world = world_size or described_world(args)
-    if world < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {world}")
     on_cpu = (device_name or ("cuda" if torch.cuda.is_available() else "cpu")).lower() == "cpu"
     per_node = devices_per_node or (world if on_cpu else min(world, GPU_DEVICES_PER_NODE))
     if args.dtype == "auto":  # as the engine resolves it: bf16 on GPUs, measured on CPUs
@@ -39,7 +40,7 @@ def plan_for_command(args, world_size: int | None, devices_per_node: int | None,
             check_dtype(args, torch.device("cpu"))
         else:
             args.dtype = "bf16"
-    engine = planned_engine(args, world)
+    engine = select_engine(args, world)
     settings = read_settings(args) if engine == "megatron" else None
     model_parallel = settings.model_parallel_size if settings else args.context_parallel_degree  # as the engines
     spec = preflight(args, model_parallel=model_parallel)

@@ -118,7 +118,7 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
     if engine == "deepspeed":
         params, grads, optimizer, comm, offload = _deepspeed_states(layout, shape, n, t, c, device, notes)
     elif engine == "fsdp":
-        params, grads, optimizer, offload = _fsdp_states(layout, shape, n, t, c if low else 4, device, notes)
+        params, grads, optimizer, offload = _fsdp_states(layout, shape, n, t, c, device, notes)
     else:
         params = 4 * n + (c * n_mm if low else 0)
         notes["parameters"] = "fp32 weights" + (f" + {layout.dtype} copies autocast keeps for backward" if low else "")

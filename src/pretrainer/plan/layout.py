@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import ConfigError
-from ..parallel.deepspeed_config import AUTO, config_from_accelerate_env, load_deepspeed_config
-from ..parallel.factory import launcher_engine
+from ..parallel.deepspeed_config import AUTO, config_from_accelerate_env, fill_hidden_size, load_deepspeed_config
+from ..parallel.factory import select_engine
 from ..parallel.megatron_settings import read_settings
 
 DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -100,40 +100,35 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
 
-def planned_engine(args, world_size: int) -> str:
-    """The engine `train` would run with `world_size` processes (as parallel.factory chooses it)."""
-    name = args.engine
-    if name == "auto":
-        name = launcher_engine() or ("deepspeed" if args.deepspeed is not None else
-                                     "ddp" if world_size > 1 else "single")
-    if name == "single" and world_size > 1:
-        raise ConfigError(f"engine: single runs one process; planned for {world_size} (use engine ddp or fsdp, or "
-                          "--world-size 1)")
-    return name
-
-
 def layout_from_args(args, world_size: int, devices_per_node: int, seq_length: int, num_layers: int, hidden: int,
                      loss_chunk: int = 0) -> Layout:
     """The layout of `args` run on `world_size` processes (`devices_per_node` to a machine)."""
-    engine = planned_engine(args, world_size)
+    engine = select_engine(args, world_size)
+    model_parallel = args.context_parallel_degree
     common = dict(engine=engine, world_size=world_size, devices_per_node=min(devices_per_node, world_size),
                   micro_batch=args.micro_batch_size, accumulation=args.gradient_accumulation_steps,
                   seq_length=seq_length, dtype=args.dtype, recompute=args.activation_checkpointing,
                   cp=args.context_parallel_degree, loss_chunk=loss_chunk)
-    if engine == "megatron":
-        settings = read_settings(args, num_layers)
+    settings = read_settings(args, num_layers) if engine == "megatron" else None
+    if settings is not None:
+        model_parallel *= settings.model_parallel_size
+    if world_size % model_parallel:
+        raise ConfigError(f"--world-size {world_size}: not a multiple of the {model_parallel} processes that hold one "
+                          "model replica (tp x pp x context_parallel_degree)")
+    if settings is not None:
         return Layout(**{**common, "recompute": settings.recompute_granularity or "none"}, tp=settings.tp,
                       pp=settings.pp, sequence_parallel=settings.sequence_parallel, schedule=settings.schedule)
     if engine == "deepspeed":
         source = args.deepspeed if args.deepspeed is not None else config_from_accelerate_env()
-        zero = load_deepspeed_config(source).get("zero_optimization") or {}
+        ds_config = load_deepspeed_config(source)
+        fill_hidden_size(ds_config, hidden, {})  # "auto" bucket sizes, as the engine fills them
+        zero = ds_config.get("zero_optimization") or {}
         offloaded = {kind: (zero.get(f"offload_{kind}") or {}).get("device", "none") not in ("none", None)
                      for kind in ("optimizer", "param")}
-        auto = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)}
 
         def elements(key: str) -> int:
             value = zero.get(key, DEEPSPEED_DEFAULTS[key])
-            return int(auto.get(key, DEEPSPEED_DEFAULTS[key]) if value == AUTO else value)
+            return DEEPSPEED_DEFAULTS[key] if value == AUTO else int(value)
 
         return Layout(**common, zero_stage=int(zero.get("stage", 0)), offload_optimizer=offloaded["optimizer"],
                       offload_parameters=offloaded["param"], reduce_bucket=elements("reduce_bucket_size"),

@@ -4,7 +4,7 @@ model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 from ..config import resolve_seq_length
 from ..models import resolve_chunk_size
@@ -15,22 +15,25 @@ from .model_shape import ModelShape, model_shape
 from .search import alternatives
 
 
-@dataclass
 class Plan:
-    shape: ModelShape
-    estimate: Estimate
-    alternatives: list[Estimate]
+    """The estimate of a config's own layout; the alternatives are searched when first asked for."""
+
+    def __init__(self, shape: ModelShape, own: Estimate, search):
+        self.shape, self.estimate, self._search = shape, own, search
 
     @property
     def layout(self) -> Layout:
         return self.estimate.layout
 
+    @functools.cached_property
+    def alternatives(self) -> list[Estimate]:
+        return self._search()
+
     def fitting(self, count: int) -> list[Estimate]:
         return [e for e in self.alternatives if e.fits][:count]
 
 
-def make_plan(args, spec, world_size: int, devices_per_node: int, device: DeviceSpec,
-              with_alternatives: bool = True) -> Plan:
+def make_plan(args, spec, world_size: int, devices_per_node: int, device: DeviceSpec) -> Plan:
     """`spec`: `models.preflight`'s result for `args`."""
     config = spec.config
     vocab = spec.growth.new_size if spec.growth is not None else None
@@ -46,6 +49,5 @@ def make_plan(args, spec, world_size: int, devices_per_node: int, device: Device
 
     layout = layout.replace(loss_chunk=loss_chunk(layout.engine, layout.micro_batch))
     own = estimate(layout, shape, config, device, args.trainable_parameters, spec.has_weights)
-    others = alternatives(layout, shape, config, device, loss_chunk, args.trainable_parameters,
-                          spec.has_weights) if with_alternatives else []
-    return Plan(shape, own, others)
+    return Plan(shape, own, lambda: alternatives(layout, shape, config, device, loss_chunk, args.trainable_parameters,
+                                                 spec.has_weights))

@@ -41,12 +41,11 @@ def check_memory_before_build(args, spec, engine) -> PredictedMemory | None:
     memory = None if args.device_memory is None else str(args.device_memory)
     device = device_spec(args.dtype, per_node, None if engine.device.type != "cpu" else "cpu", memory, engine.name,
                          memory_key="key 'device_memory'")
-    plan = make_plan(args, spec, engine.world_size, per_node, device, with_alternatives=False)
+    plan = make_plan(args, spec, engine.world_size, per_node, device)
     own = plan.estimate
     logger.info("memory plan: predicted peak %s per rank of %s (%s)", size(own.peak), size(device.memory_bytes),
                 device.memory_source)
-    if not own.fits:
-        plan = make_plan(args, spec, engine.world_size, per_node, device)
+    if not own.fits:  # only then are the alternatives searched
         message = _refusal(plan)
         if mode == "error":
             raise MemoryPlanError(message + "; or set preflight_memory_check: warn to try anyway")
