@@ -184,6 +184,31 @@ def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
     assert BIN.exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["--devices-per-node", "0"], "--devices-per-node must be >= 1, got 0"),
+    (["--world-size", "3", "engine=megatron", "plugin_args.tp_degree=2"],
+     "--world-size 3: not a multiple of the 2 processes that hold one model replica"),
+    (["--world-size", "2", "engine=single"], "engine: single runs one process, but 2 processes are planned"),
+    (["--device-memory", "1.2.3GB"], "--device-memory '1.2.3GB': give a size such as 80GB"),
+    (["device_memory=lots"], "key 'device_memory': device_memory 'lots': give a size such as 80GB"),
+    (["--world-size", "1", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_plan_arguments_are_one_line_errors(base_config, tmp_path, args, message):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    done = run(pretrainer("plan", config, *args))
+    assert done.returncode == 2 and message in done.stderr, describe(done)
+    assert "Traceback" not in done.stderr
+
+
+def test_overrides_may_follow_the_options(base_config, tmp_path):
+    config = write_config(tmp_path / "c.yaml", base_config)
+    plan = plan_json(config, "--world-size", "2", "engine=fsdp", "micro_batch_size=1")
+    assert plan["layout"][:3] == ["engine=fsdp", "dp=2", "micro_batch_size=1"]
+    done = run(pretrainer("train", config, "device_memory=lots"))  # train reads the key at load too
+    assert done.returncode == 2 and "c.yaml: key 'device_memory': device_memory 'lots'" in done.stderr
+
+
 def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_formula(monkeypatch, caplog):
     from transformers import AutoConfig
 

@@ -79,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     megatron.add_argument("--keep-sequential-samples", action="store_true", help="accepted; order is always kept")
     megatron.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     add_tokenizer_commands(commands)
-    ns = parser.parse_args(argv)
+    # `key=value` overrides may also follow a command's options (`plan CONFIG --world-size 8 dp=8`), which
+    # argparse leaves over once the positional list has been taken.
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(ns, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.overrides = [*ns.overrides, *extra]
     try:
         if ns.command == "prepare":
             return prepare_command(ns)

@@ -26,6 +26,7 @@ from .loading import (
     coerce_scientific,
     describe_types,
     field_names,
+    parse_size,
     plain,
     suggestion,
     top_level_key_lines,
@@ -333,6 +334,11 @@ class PreTrainingArguments:
         if self.preflight_memory_check not in MEMORY_CHECKS:
             raise key_error("preflight_memory_check", f"preflight_memory_check {self.preflight_memory_check!r} is not "
                              f"one of {', '.join(MEMORY_CHECKS)}")
+        if self.device_memory is not None:  # e.g. 20GB; read here so a typo fails at load, not at the check
+            try:
+                parse_size(self.device_memory, "device_memory")
+            except ConfigError as exc:
+                raise key_error("device_memory", str(exc)) from None
         if self.txt_mode not in TXT_MODES:
             raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
         if self.new_token_init not in NEW_TOKEN_INITS:

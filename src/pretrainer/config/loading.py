@@ -86,3 +86,12 @@ def top_level_key_lines(text: str) -> dict[str, int]:
     if not isinstance(node, yaml.MappingNode):
         return {}
     return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def parse_size(text: str, key: str = "--device-memory") -> int:
+    """`80GB`, `24GiB`, `512MB`, `1.5T` or a number of bytes (units are powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
+    size = int(float(match.group(1)) * 1024 ** "bkmgt".index(match.group(2) or "b")) if match else 0
+    if size <= 0:
+        raise ConfigError(f"{key} {text!r}: give a size such as 80GB, 24GiB or 512MB")
+    return size

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, torch_dtype
+from ..config import ConfigError, parse_size, torch_dtype
 from ..perf.peak import cached_measurement, measured_peak, processor_name, rated_peak
 
 GIB = 2**30
@@ -61,15 +61,6 @@ class DeviceSpec:
     def describe(self) -> str:
         return (f"{self.name}: {self.memory_bytes / GIB:,.1f} GiB per rank ({self.memory_source}); peak "
                 f"{self.peak_tflops:,.3g} TFLOP/s ({self.peak_source})")
-
-
-def parse_size(text: str, key: str = "--device-memory") -> int:
-    """`80GB`, `24GiB`, `512MB`, `1.5T` or a number of bytes (units are powers of 1024)."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
-    if not match:
-        raise ConfigError(f"{key} {text!r}: give a size such as 80GB, 24GiB or 512MB")
-    number, unit, _ = match.groups()
-    return int(float(number) * 1024 ** "bkmgt".index(unit or "b"))
 
 
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
