@@ -184,9 +184,13 @@ def test_hf_export_does_not_import_deepspeed():
     program = (
         "import sys\n"
         "from transformers import AutoConfig, LlamaForCausalLM\n"
+        "from pretrainer import PreTrainingArguments\n"
+        "from pretrainer.parallel.engine import SingleEngine\n"
         "from pretrainer.train.export import export_hf\n"
         f"model = LlamaForCausalLM(AutoConfig.from_pretrained({str(QUICKSTART_MODEL)!r}))\n"
-        "export_hf(model, model.state_dict(), None, sys.argv[1], 'fp32')\n"
+        "engine = SingleEngine(PreTrainingArguments.from_dict({'num_training_steps': 1, 'micro_batch_size': 1, "
+        "'dp': 1, 'dtype': 'fp32'}))\n"
+        "export_hf(engine, model, None, sys.argv[1], 'fp32', '5GB')\n"
         "print('deepspeed' in sys.modules)\n")
     with tempfile.TemporaryDirectory() as out:
         done = subprocess.run([sys.executable, "-c", program, f"{out}/hf"], capture_output=True, text=True, check=True)

@@ -84,6 +84,19 @@ def test_the_vocabulary_grows_padded_and_new_rows_start_from_their_pieces(grown)
     assert torch.equal(rows, again.get_input_embeddings().weight.detach()[4096:4096 + ADDED])  # seeded
 
 
+@pytest.mark.parametrize("method", ["subtoken_mean", "mean", "normal"])
+def test_an_engine_reading_slices_grows_the_same_rows_as_a_whole_load(grown, method):
+    from pretrainer.models import materialize
+
+    whole, _ = built(grown["config"], new_token_init=method)
+    args = PreTrainingArguments(**{**grown["config"], "dp": 1, "new_token_init": method})
+    sliced = build_model(args, preflight(args), read_slices=True)
+    materialize(sliced, torch.device("cpu"), seed=1)
+    theirs, ours = whole.state_dict(), sliced.state_dict()
+    assert ours.keys() == theirs.keys() and ours["lm_head.weight"].shape[0] == 4288
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), method
+
+
 def test_a_tokenizer_that_is_not_an_extension_is_refused_unless_allowed(grown, tmp_path):
     from pretrainer.vocab.corpus import Corpus
     from pretrainer.vocab.train import train_tokenizer

@@ -177,11 +177,9 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     engine = create_engine(args)
     spec = preflight(args, model_parallel=engine.model_parallel_size)
     plan = resolve_run_plan(args, spec.config, spec.config_source, engine.world_size, engine.model_parallel_size)
-    model = engine.place(build_model(args, spec), plan)
+    model = engine.place(build_model(args, spec, read_slices=engine.reads_weight_slices), plan)
     ckpt.load_model_weights(path, engine=engine, model=model)
-    state = engine.full_state_dict(model)
-    if engine.is_main:
-        export_hf(engine.unwrap(model), state, spec.tokenizer, out, args.export_dtype or args.dtype)
+    export_hf(engine, model, spec.tokenizer, out, args.export_dtype or args.dtype, args.export_max_shard_size)
     engine.close()
     return out
 

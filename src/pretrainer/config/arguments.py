@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -68,6 +69,7 @@ class PreTrainingArguments:
 
     # --- model and data ---
     model_path: str | None = None
+    sliced_weight_loading: bool = True
     tokenizer_path: str | None = None
     train_data: str | list | None = None
     eval_data: str | list | None = None
@@ -119,6 +121,7 @@ class PreTrainingArguments:
     checkpoint_checksums: bool = True
     export_hf: bool = True
     export_dtype: str | None = None
+    export_max_shard_size: str | int = "5GB"
     write_report: bool = True
     engine: str = "auto"
     device: str = "auto"
@@ -339,6 +342,9 @@ class PreTrainingArguments:
                 parse_size(self.device_memory, "device_memory")
             except ConfigError as exc:
                 raise key_error("device_memory", str(exc)) from None
+        if not _is_shard_size(self.export_max_shard_size):
+            raise key_error("export_max_shard_size", f"export_max_shard_size {self.export_max_shard_size!r}: give a "
+                             "number of bytes or a size in KB, MB, GB or TB (powers of 1000, as save_pretrained)")
         if self.txt_mode not in TXT_MODES:
             raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
         if self.new_token_init not in NEW_TOKEN_INITS:
@@ -415,3 +421,12 @@ class PreTrainingArguments:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise key_error(name, f"{name} must be > 0 (or null for the default), got {value}")
+
+
+def _is_shard_size(value) -> bool:
+    """A size `save_pretrained`'s `max_shard_size` takes: bytes, or `5GB`, `500MB` (its units)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value > 0
+    return re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", str(value), flags=re.IGNORECASE) is not None

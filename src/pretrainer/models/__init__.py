@@ -1,9 +1,11 @@
 """Models: building HF causal LMs from a folder or a config, and the checks that precede it."""
 
-from .build import ModelSpec, build_model, count_parameters, load_tokenizer, preflight
+from .build import ModelSpec, build_model, count_parameters, load_tokenizer, preflight, reads_checkpoint_in_slices
 from .chunked_loss import install_chunked_loss, resolve_chunk_size
+from .hf_weights import LoadStats, checkpoint_name, pending_checkpoint, tied_output_names
 from .init import has_meta_tensors, materialize
 from .trainable import select_trainable
 
-__all__ = ["ModelSpec", "build_model", "count_parameters", "has_meta_tensors", "install_chunked_loss", "load_tokenizer",
-           "materialize", "preflight", "resolve_chunk_size", "select_trainable"]
+__all__ = ["LoadStats", "ModelSpec", "build_model", "checkpoint_name", "count_parameters", "has_meta_tensors",
+           "install_chunked_loss", "load_tokenizer", "materialize", "pending_checkpoint", "preflight",
+           "reads_checkpoint_in_slices", "resolve_chunk_size", "select_trainable", "tied_output_names"]

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from .hf_weights import CheckpointTensors, attach_checkpoint
 from .rope import apply_rope_settings
-from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth
+from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth, row_grower
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,14 @@ def load_tokenizer(tokenizer_path: str | None, model_path: Path):
     return tokenizer
 
 
-def build_model(args, spec: ModelSpec) -> torch.nn.Module:
+def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Module:
     """The model in fp32 master weights: loaded on CPU from weights, or on the meta device from a config.
 
     An engine places it: it shards and/or moves it, and materialises a meta model with
-    `pretrainer.models.init.materialize` (mixed precision is the engine's too).
+    `pretrainer.models.init.materialize` (mixed precision is the engine's too). With `read_slices` (an engine
+    that shards or splits the model) a safetensors checkpoint is not loaded here: the model is built on the
+    meta device with the files' reader attached, and each rank reads only its own slices when it is
+    materialised.
     """
     from transformers import AutoModelForCausalLM
 
@@ -101,6 +105,29 @@ def build_model(args, spec: ModelSpec) -> torch.nn.Module:
     config.use_cache = False
     if args.init_method_std is not None and hasattr(config, "initializer_range"):
         config.initializer_range = args.init_method_std
+    if read_slices and reads_checkpoint_in_slices(args, spec):
+        if spec.growth is not None:
+            config.vocab_size = spec.growth.new_size
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        checkpoint = CheckpointTensors.open(spec.source, model)
+        if checkpoint is not None:
+            if spec.growth is not None:
+                grower = row_grower(config, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std,
+                                    args.seed)
+                checkpoint.grow_vocabulary(grower, model)
+                logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s, grown as the "
+                            "slices are read", spec.growth.old_size, spec.growth.new_size, spec.growth.tokens,
+                            grower.describe())
+            logger.info("weights: each rank reads its own slices of %s (%d safetensors file(s))", spec.source,
+                        len(set(checkpoint.files.values())))
+            _keep_generation_config(model, Path(spec.source))
+            # What from_pretrained records when no renaming or conversion matched the files: save_pretrained
+            # then writes the tensors in the same order as for a loaded model, so the export is the same bytes.
+            model._weight_conversions = []
+            attach_checkpoint(model, checkpoint)
+            model.config.use_cache = False
+            return model
     if spec.has_weights:
         logger.info("loading weights from %s", spec.source)
         try:
@@ -123,6 +150,32 @@ def build_model(args, spec: ModelSpec) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     return model
+
+
+def reads_checkpoint_in_slices(args, spec: ModelSpec) -> bool:
+    """Whether an engine that can read its own slices of the checkpoint will (safetensors files whose names are
+    the model's, `sliced_weight_loading` on)."""
+    return bool(spec.has_weights and args.sliced_weight_loading and Path(spec.source).is_dir()
+                and any(Path(spec.source).glob("*.safetensors"))
+                and not _converts_weights_on_load(spec.config))
+
+
+def _converts_weights_on_load(config) -> bool:
+    """transformers renames or fuses this architecture's tensors as it loads them (the experts of MoE models in
+    transformers 5): the files' names are not the model's, so only `from_pretrained` can read them."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers release without conversions
+        return False
+    return bool(get_checkpoint_conversion_mapping(getattr(config, "model_type", "")))
+
+
+def _keep_generation_config(model, folder: Path) -> None:
+    """A folder's generation_config.json, as `from_pretrained` would have read it (export writes it back)."""
+    if (folder / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

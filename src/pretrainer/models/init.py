@@ -6,6 +6,10 @@ Parameters that an engine has already sharded (DTensors) get their local shard
 of that full tensor. The result does not depend on the engine, the world size
 or the order modules are visited, and no rank holds more than one module's full
 weights at a time.
+
+A model built for a checkpoint (`hf_weights.attach_checkpoint`) is filled from its files instead: each
+parameter found there is read (only this rank's slice), and only what the files lack (RoPE's computed
+buffers) goes through the init rule.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import zlib
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .hf_weights import take_checkpoint
+
 
 def has_meta_tensors(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
@@ -22,14 +28,29 @@ def has_meta_tensors(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate storage for every meta tensor on `device`, then initialise module by module."""
+    """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module."""
+    checkpoint = take_checkpoint(model)
+    if checkpoint is not None:
+        checkpoint.check(model)
     model.to_empty(device=device)
+    filled: set[int] = set()  # a tied parameter is one object under two modules: read once
     for name, module in model.named_modules():
         tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
-        if tensors:
+        if not tensors:
+            continue
+        prefix = f"{name}." if name else ""
+        stored = {key: checkpoint.locate(prefix + key) for key in module._parameters} if checkpoint else {}
+        stored = {key: found for key, found in stored.items() if found is not None}
+        if len(stored) < len(tensors):
             _init_module(model, module, name, tensors, seed)
+        for key, found in stored.items():
+            if id(_get(module, key)) not in filled:
+                checkpoint.fill(_get(module, key), found)
+                filled.add(id(_get(module, key)))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    if checkpoint is not None:
+        checkpoint.finish()
 
 
 def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed: int) -> None:

@@ -98,34 +98,67 @@ def check_extension(base, tokenizer, tokenizer_path, model_folder, allow: bool) 
                       "allow_tokenizer_mismatch: true to train anyway")
 
 
+class RowGrower:
+    """The grown matrix of an input embedding or output head: its old rows, the new rows by `new_token_init`,
+    the padding rows. Matrices are grown in the model's order (input embedding, then an untied head) from one
+    generator seeded with `seed`, so a run that loads whole and one that reads slices draw the same rows."""
+
+    def __init__(self, growth: VocabGrowth, tokenizer, method: str, std: float, seed: int):
+        self.growth, self.method, self.std, self.seed = growth, method, std, seed
+        self.pieces = _base_pieces(tokenizer, growth) if method == "subtoken_mean" else None
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def draws(self) -> bool:
+        """Whether growing uses the generator (so a head's rows depend on the input embedding's draws)."""
+        return self.method != "subtoken_mean"
+
+    def restart(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    @torch.no_grad()
+    def grow(self, old: torch.Tensor) -> torch.Tensor:
+        """[new_size, hidden] from the [old_size, hidden] `old`."""
+        growth = self.growth
+        grown = torch.empty((growth.new_size, old.shape[1]), dtype=old.dtype, device=old.device)
+        grown[:growth.old_size] = old
+        mean = old.mean(dim=0)
+        new_rows = grown[growth.old_size:growth.tokens]
+        if self.method == "normal":
+            new_rows.copy_(torch.randn(new_rows.shape, generator=self.generator, dtype=torch.float32) * self.std)
+        elif self.method == "mean":
+            new_rows.copy_(_perturbed_means(old, len(new_rows), self.generator))
+        else:
+            for row, ids in zip(new_rows, self.pieces):
+                row.copy_(old[ids].mean(dim=0) if ids else mean)
+        grown[growth.tokens:] = mean  # padding rows: never a target, never read
+        return grown
+
+    def describe(self) -> str:
+        return (self.method if self.pieces is None else
+                f"subtoken_mean ({sum(1 for p in self.pieces if not p)} without pieces)")
+
+
+def row_grower(model_config, growth: VocabGrowth, tokenizer, method: str, std: float | None, seed: int) -> RowGrower:
+    return RowGrower(growth, tokenizer, method,
+                     std if std is not None else getattr(model_config, "initializer_range", 0.02), seed)
+
+
 def grow_embeddings(model: torch.nn.Module, growth: VocabGrowth, tokenizer, method: str, std: float | None,
                     seed: int) -> None:
     """Resize the input embedding and output head of a loaded model to `growth.new_size` and initialise the
     new rows by `method` (see the module docstring)."""
-    generator = torch.Generator().manual_seed(seed)
-    std = std if std is not None else getattr(model.config, "initializer_range", 0.02)
-    model.resize_token_embeddings(growth.new_size, mean_resizing=False)
+    grower = row_grower(model.config, growth, tokenizer, method, std, seed)
+    model.resize_token_embeddings(growth.new_size, mean_resizing=False)  # keeps the old rows, first
     matrices = [model.get_input_embeddings().weight]
     head = model.get_output_embeddings()
     if head is not None and head.weight is not matrices[0]:
         matrices.append(head.weight)
-    pieces = _base_pieces(tokenizer, growth) if method == "subtoken_mean" else None
     with torch.no_grad():
         for weight in matrices:
-            old = weight[:growth.old_size]
-            mean = old.mean(dim=0)
-            new_rows = weight[growth.old_size:growth.tokens]
-            if method == "normal":
-                new_rows.copy_(torch.randn(new_rows.shape, generator=generator, dtype=torch.float32) * std)
-            elif method == "mean":
-                new_rows.copy_(_perturbed_means(old, len(new_rows), generator))
-            else:
-                for row, ids in zip(new_rows, pieces):
-                    row.copy_(old[ids].mean(dim=0) if ids else mean)
-            weight[growth.tokens:] = mean  # padding rows: never a target, never read
+            weight.copy_(grower.grow(weight[:growth.old_size]))
     logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s", growth.old_size,
-                growth.new_size, growth.tokens,
-                method if pieces is None else f"subtoken_mean ({sum(1 for p in pieces if not p)} without pieces)")
+                growth.new_size, growth.tokens, grower.describe())
 
 
 def _base_pieces(tokenizer, growth: VocabGrowth) -> list[list[int]]:

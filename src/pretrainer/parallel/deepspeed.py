@@ -119,6 +119,8 @@ class DeepSpeedEngine(DistributedEngine):
         if path is None:
             raise ConfigError(f"{folder}: no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) could be loaded")
 
+    exports_tensor_by_tensor = False  # ZeRO-3's partitions are consolidated by DeepSpeed on rank 0
+
     def full_state_dict(self, model) -> dict:
         if self.zero_stage == 3:  # gather the partitions (the seed's export wrote size-0 tensors here)
             state = self.model_engine._zero3_consolidated_16bit_state_dict()

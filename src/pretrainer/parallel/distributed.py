@@ -7,12 +7,15 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
+from ..models import checkpoint_name
 from . import context_parallel
 from .engine import Engine, Precision, resolve_device
 
@@ -109,6 +112,33 @@ class DistributedEngine(Engine):
             self._checkpoint_group = dist.new_group(backend="gloo")
         return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder),
                               process_group=self._checkpoint_group)
+
+    def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """One tensor at a time (see Engine.export_tensors): the ranks holding a tensor gather it whole (a
+        DTensor's shards over its own mesh), and the first of them sends it to the main rank unless that is
+        the main rank itself. Ranks that do not hold a tensor (other pipeline stages) hold it on the meta
+        device; every rank sees the same names in the same order."""
+        state = {checkpoint_name(k): v for k, v in self.unwrap(model).state_dict().items()}
+        holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
+        sender = {}
+        for rank, names in enumerate(holders):
+            for name in names:
+                sender.setdefault(name, rank)
+        for name, tensor in state.items():
+            whole = None
+            if not tensor.is_meta:
+                whole = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            if sender[name] == 0:
+                yield name, whole.cpu() if self.is_main else None
+            elif self.rank == sender[name]:
+                dist.send(whole.contiguous(), dst=0)
+                yield name, None
+            elif self.is_main:
+                received = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+                dist.recv(received, src=sender[name])
+                yield name, received.cpu()
+            else:
+                yield name, None
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.clone()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..batch import batch_targets, forward_logits
 from ..config import ConfigError, RunPlan, torch_dtype
-from ..models import has_meta_tensors, materialize
+from ..models import checkpoint_name, has_meta_tensors, materialize
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class Engine(ABC):
     # Parameters are re-created as shards when the model is wrapped: an optimizer built over the
     # unwrapped model's parameters cannot be used.
     shards_parameters = False
+    # Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
+    # (models/hf_weights.py) instead of loading it whole in every process.
+    reads_weight_slices = False
     # Every update handed to `step` is applied (the engine's own optimizer step cannot be skipped).
     applies_every_update = False
     # How model/optimizer state is written: "dcp" (torch.distributed.checkpoint, reshardable onto any
@@ -124,6 +128,8 @@ class Engine(ABC):
     # Checkpoints load only on the same number of processes.
     checkpoint_needs_same_world_size = False
     supports_async_save = True
+    # The HF export streams the weights tensor by tensor (`export_tensors`) instead of one full state dict.
+    exports_tensor_by_tensor = True
     # The model's output head may compute the loss itself, in chunks (`loss_chunk_size`): the head is whole on
     # the rank that runs it, not split over ranks.
     supports_chunked_loss = True
@@ -316,6 +322,13 @@ class Engine(ABC):
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         """The whole model's weights on CPU, for HF export (complete on the main rank only)."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The model's weights under their HF names, in its state-dict order, one whole tensor at a time: on
+        the main rank on the CPU, None on the others. Every rank iterates to the end (each takes part in
+        gathering each tensor), and no rank holds more than one whole tensor at a time."""
+        for name, tensor in self.unwrap(model).state_dict().items():
+            yield checkpoint_name(name), tensor.detach().cpu()
 
     def materialize_if_meta(self, model: torch.nn.Module) -> None:
         if has_meta_tensors(model):

@@ -42,26 +42,29 @@ def select_engine(args, world_size: int | None = None) -> str:
     return name
 
 
-def create_engine(args) -> Engine:
-    name = select_engine(args)
+def engine_class(name: str) -> type[Engine]:
+    """The class of engine `name` (imported only when asked for: the planner reads its capabilities)."""
     if name == "single":
-        engine = SingleEngine(args)
-    elif name == "ddp":
+        return SingleEngine
+    if name == "ddp":
         from .ddp import DDPEngine
 
-        engine = DDPEngine(args)
-    elif name == "megatron":
+        return DDPEngine
+    if name == "megatron":
         from .megatron import MegatronEngine
 
-        engine = MegatronEngine(args)
-    elif name == "deepspeed":
+        return MegatronEngine
+    if name == "deepspeed":
         from .deepspeed import DeepSpeedEngine
 
-        engine = DeepSpeedEngine(args)
-    else:
-        from .fsdp import FSDPEngine
+        return DeepSpeedEngine
+    from .fsdp import FSDPEngine
 
-        engine = FSDPEngine(args)
+    return FSDPEngine
+
+
+def create_engine(args) -> Engine:
+    engine = engine_class(select_engine(args))(args)
     if args.context_parallel_degree > 1 and getattr(engine, "context", None) is None:
         raise ConfigError(f"key 'context_parallel_degree': {args.context_parallel_degree} needs several processes "
                           "and engine ddp or fsdp")

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 class FSDPEngine(DistributedEngine):
     name = "fsdp"
     shards_parameters = True
+    reads_weight_slices = True
     supports_context_parallel = True
 
     def __init__(self, args):
@@ -67,6 +68,11 @@ class FSDPEngine(DistributedEngine):
             materialize(model, torch.device("cpu"), self.args.seed)
             return
         super().materialize_if_meta(model)
+
+    @property
+    def exports_tensor_by_tensor(self) -> bool:
+        # Shards offloaded to host memory cannot be gathered over an accelerator's process group one by one.
+        return not (self.cpu_offload and self.device.type != "cpu")
 
     def autocast(self):
         return contextlib.nullcontext()  # FSDP's mixed-precision policy casts parameters itself

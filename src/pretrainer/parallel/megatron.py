@@ -20,13 +20,13 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from ..batch import IGNORE, batch_targets
 from ..config import ConfigError
 from ..models import materialize
+from ..models.hf_weights import carry_checkpoint
 from ..models.registry import parse_model_config
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
@@ -58,6 +58,7 @@ class MegatronModel(torch.nn.Module):
         self.model = decoder
         object.__setattr__(self, "stages", stages)  # not children: their modules are already registered above
         object.__setattr__(self, "hf_model", hf_model)
+        carry_checkpoint(hf_model, self)
 
     def _init_weights(self, module: torch.nn.Module) -> None:  # materialize() initialises through the HF rules
         self.hf_model._init_weights(module)
@@ -66,6 +67,7 @@ class MegatronModel(torch.nn.Module):
 class MegatronEngine(DistributedEngine):
     name = "megatron"
     supports_chunked_loss = False  # the output head is split over tensor-parallel ranks (vocab-parallel)
+    reads_weight_slices = True
 
     def __init__(self, args):
         super().__init__(args)
@@ -336,21 +338,6 @@ class MegatronEngine(DistributedEngine):
         value = value * self.loss_weight
         dist.all_reduce(value)
         return value
-
-    # ------------------------------------------------------------ checkpoints
-    def full_state_dict(self, model: torch.nn.Module) -> dict:
-        """Every stage's full weights, gathered on rank 0 (pipeline ranks hold different layers)."""
-        if self.settings.pp == 1:
-            return super().full_state_dict(model)
-        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        local = {k: v.detach().cpu() for k, v in local.items()} if self.dp_rank == 0 and self.tp_rank == 0 else {}
-        gathered = [None] * self.world_size if self.is_main else None
-        dist.gather_object(local, gathered, dst=0)
-        merged = {}
-        if self.is_main:
-            for part in gathered:
-                merged.update(part)
-        return merged
 
     def describe(self) -> str:
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp} x tp={self.settings.tp}) " \

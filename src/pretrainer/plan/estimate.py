@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..parallel.factory import engine_class
 from .activations import probe
 from .device import DeviceSpec
 from .layout import Layout
@@ -55,7 +56,7 @@ class Estimate:
     logits: int
     communication: int
     runtime: int
-    loading: int                 # host bytes while the checkpoint is read (whole model in fp32), 0 for a config
+    loading: int                 # host bytes while the checkpoint is read (see _loading), 0 for a config
     host_offload: int            # bytes kept in host memory by offloading (on an accelerator)
     compute_seconds: float
     communication_seconds: float
@@ -103,8 +104,10 @@ def compute_bytes(dtype: str) -> int:
 
 
 def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable: str | list = "all",
-             has_weights: bool = False) -> Estimate:
-    """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`."""
+             checkpoint: str = "none") -> Estimate:
+    """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`;
+    `checkpoint`: how the run reads its weights: "none" (random init), "whole" (every rank loads the whole
+    model) or "slices" (an engine that lays the model out first reads only its own slices)."""
     counts = _rank_parameters(layout, shape)
     low = layout.dtype != "fp32"
     c = compute_bytes(layout.dtype)
@@ -129,10 +132,22 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
             notes["communication"] = "gradient buckets of the data-parallel all-reduce"
     activations, working = _activations(layout, shape, config, notes)
     logits = _logits(layout, shape)
-    loading = 4 * shape.parameters if has_weights else 0
+    loading = _loading(layout, shape, checkpoint, notes)
     return Estimate(layout, params, grads, optimizer, activations, working, logits, comm, device.runtime_bytes, loading,
                     offload, _compute_seconds(layout, shape, device, trained_share),
                     _communication_seconds(layout, shape, device, t, c), device, notes)
+
+
+def _loading(layout: Layout, shape: ModelShape, checkpoint: str, notes: dict) -> int:
+    """Host bytes while the weights are read: the whole model in fp32, or (reading slices) one tensor at a time
+    beside the rank's own parameters, which the other terms already hold."""
+    if checkpoint == "none":
+        return 0
+    if checkpoint == "slices" and engine_class(layout.engine).reads_weight_slices:
+        notes["loading"] = "each rank reads its own slices of the checkpoint, one tensor at a time"
+        return 4 * max(shape.embedding_parameters, shape.head_parameters, 1)
+    notes["loading"] = "the checkpoint read whole in fp32 on every rank before the engine lays it out"
+    return 4 * shape.parameters
 
 
 def _trained_share(shape: ModelShape, trainable) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from ..config import resolve_seq_length
-from ..models import resolve_chunk_size
+from ..models import reads_checkpoint_in_slices, resolve_chunk_size
 from .device import DeviceSpec
 from .estimate import Estimate, estimate
 from .layout import Layout, layout_from_args
@@ -48,6 +48,7 @@ def make_plan(args, spec, world_size: int, devices_per_node: int, device: Device
         return resolve_chunk_size(args.loss_chunk_size, micro_batch, seq_length, shape.vocab)
 
     layout = layout.replace(loss_chunk=loss_chunk(layout.engine, layout.micro_batch))
-    own = estimate(layout, shape, config, device, args.trainable_parameters, spec.has_weights)
+    checkpoint = ("slices" if reads_checkpoint_in_slices(args, spec) else "whole") if spec.has_weights else "none"
+    own = estimate(layout, shape, config, device, args.trainable_parameters, checkpoint)
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, loss_chunk, args.trainable_parameters,
-                                                 spec.has_weights))
+                                                 checkpoint))

@@ -47,8 +47,7 @@ def text(plan: Plan, count: int = 8) -> str:
         note = own.notes.get(name) or (own.device.runtime_source if name == "runtime" else DEFAULT_NOTES.get(name, ""))
         lines.append(f"  {name:<14}{value / GIB:>9.2f}  {note}")
     if own.loading:
-        lines.append(f"  {'loading':<14}{own.loading / GIB:>9.2f}  the checkpoint read whole in fp32 on every rank "
-                     "before the engine lays it out")
+        lines.append(f"  {'loading':<14}{own.loading / GIB:>9.2f}  {own.notes['loading']}")
     if own.host_offload:
         lines.append(f"  {'host offload':<14}{own.host_offload / GIB:>9.2f}  in host memory, not the device's")
     if own.host_peak:

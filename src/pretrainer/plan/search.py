@@ -69,13 +69,13 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
 
 
 def alternatives(layout: Layout, shape, config, device, loss_chunk, trainable="all",
-                 has_weights=False) -> list[Estimate]:
+                 checkpoint="none") -> list[Estimate]:
     """Every candidate's estimate: those that fit, fastest first, then the rest, smallest first."""
     estimates = []
     for candidate in candidate_layouts(layout, shape, loss_chunk):
         if candidate == layout:
             continue
-        estimates.append(estimate(candidate, shape, config, device, trainable, has_weights))
+        estimates.append(estimate(candidate, shape, config, device, trainable, checkpoint))
     return sorted(estimates, key=rank)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import torch_dtype as dtype_to_torch
+from ..models import checkpoint_name, tied_output_names
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +40,37 @@ def deepspeed_left_unimported():
         accelerate_other.is_deepspeed_available = original
 
 
-def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str | Path, dtype: str) -> Path:
-    """Write `save_pretrained` output from a full CPU state dict; the folder appears only when complete."""
+def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dtype: str,
+              max_shard_size: str | int) -> Path | None:
+    """Write an HF folder from the engine's model (all ranks call; the main rank writes; its path, None on the
+    others). The weights stream tensor by tensor into the safetensors files `save_pretrained` would write (the
+    same split by `max_shard_size`, names, metadata and index), so no rank holds the whole model. Where the
+    engine cannot stream (DeepSpeed) or transformers converts the tensors on saving (fused MoE experts), the
+    whole state is gathered on the main rank and `save_pretrained` writes it."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     torch_dtype = dtype_to_torch(dtype)
-    state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    previous_dtype = model.config.dtype
-    model.config.dtype = torch_dtype
-    model.config.use_cache = True  # the exported model is for inference
-    try:
-        with deepspeed_left_unimported():
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    finally:
-        model.config.dtype = previous_dtype
-        model.config.use_cache = False
+    hf_model = engine.unwrap(model)
+    layout = _saved_layout(hf_model, torch_dtype, max_shard_size) if engine.exports_tensor_by_tensor else None
+    if engine.is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    if layout is not None:
+        tensors = engine.export_tensors(model)
+        if engine.is_main:
+            _save_pretrained(hf_model, tmp, torch_dtype, {}, max_shard_size)  # the config files
+            for leftover in tmp.glob("*.safetensors"):
+                leftover.unlink()
+            _write_streamed(tensors, layout, hf_model, tmp, torch_dtype)
+        else:
+            for _ in tensors:  # take part in gathering every tensor
+                pass
+    else:
+        state = engine.full_state_dict(model)
+        if engine.is_main:
+            state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
+            _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
+    if not engine.is_main:
+        return None
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
         _copy_sentencepiece_model(tokenizer, tmp)
@@ -63,6 +79,71 @@ def export_hf(model: torch.nn.Module, state_dict: dict, tokenizer, out_dir: str 
     os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch.dtype, state: dict,
+                     max_shard_size) -> None:
+    previous_dtype = hf_model.config.dtype
+    hf_model.config.use_cache = True  # the exported model is for inference
+    try:
+        with deepspeed_left_unimported():
+            hf_model.save_pretrained(folder, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
+        # save_pretrained records the dtype of the parameters it was handed the model with (fp32 masters), not
+        # that of the files; `dtype: auto` readers would load a bf16 export in fp32.
+        hf_model.config.dtype = torch_dtype
+        hf_model.config.save_pretrained(folder)
+    finally:
+        hf_model.config.dtype = previous_dtype
+        hf_model.config.use_cache = False
+
+
+def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard_size):
+    """Which file each tensor goes to, as `save_pretrained` decides it: the tied output head left out, the
+    names in the order transformers saves them (its own reverse conversion, run on meta tensors), split by
+    huggingface_hub's function. None when saving would convert tensors (names that the model does not have)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    tied = set(tied_output_names(hf_model))
+    sizes = {}
+    for name, tensor in hf_model.state_dict().items():
+        name = checkpoint_name(name)
+        if name not in tied:
+            dtype = torch_dtype if tensor.is_floating_point() else tensor.dtype
+            sizes[name] = torch.empty(tensor.shape, dtype=dtype, device="meta")
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older transformers: saved in state-dict order, unconverted
+        ordered = sizes
+    else:
+        ordered = revert_weight_conversion(hf_model, dict(sizes))
+    if set(ordered) != set(sizes):
+        return None
+    return split_torch_state_dict_into_shards(ordered, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=max_shard_size)
+
+
+def _write_streamed(tensors, layout, hf_model, folder: Path, torch_dtype: torch.dtype) -> None:
+    """Consume (name, whole tensor) pairs into `layout`'s files, writing each file as its last tensor arrives
+    (save_pretrained's files hold consecutive tensors, so about one file is held at a time)."""
+    from safetensors.torch import save_file
+
+    waiting = {file: set(names) for file, names in layout.filename_to_tensors.items()}
+    pending: dict[str, dict] = {file: {} for file in waiting}
+    for name, tensor in tensors:
+        file = layout.tensor_to_filename.get(name)
+        if file is None:  # a tied output head
+            continue
+        pending[file][name] = (tensor.to(torch_dtype) if tensor.is_floating_point() else tensor).contiguous()
+        waiting[file].discard(name)
+        if not waiting[file]:
+            save_file(pending.pop(file), str(folder / file), metadata={"format": "pt"})
+    missing = sorted(name for names in waiting.values() for name in names)
+    if missing:
+        raise RuntimeError(f"export: the engine gave no tensor for {', '.join(missing[:5])}")
+    if layout.is_sharded:
+        index = {"metadata": {"total_parameters": hf_model.num_parameters(), **layout.metadata},
+                 "weight_map": layout.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_sentencepiece_model(tokenizer, folder: Path) -> None:

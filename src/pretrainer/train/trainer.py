@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -23,10 +24,12 @@ from ..batch import count_inputs, count_targets, to_device
 from ..config import ConfigError, PreTrainingArguments, RunPlan, check_writable_folder, resolve_run_plan
 from ..data import DataPlacement, assemble_data
 from ..models import (
+    LoadStats,
     build_model,
     count_parameters,
     install_chunked_loss,
     load_tokenizer,
+    pending_checkpoint,
     preflight,
     resolve_chunk_size,
     select_trainable,
@@ -148,7 +151,7 @@ class PreTrainer:
     def _setup_model(self, model, spec, optimizer, lr_scheduler) -> None:
         args, engine = self.pretrain_args, self.engine
         if model is None:
-            model = build_model(args, spec)
+            model = build_model(args, spec, read_slices=engine.reads_weight_slices)
         else:
             model.config.use_cache = False
         if optimizer is not None and engine.shards_parameters:
@@ -156,6 +159,7 @@ class PreTrainer:
                               "before sharding cannot be used; leave optimizer= unset (configure it with lr, "
                               "adam_*, weight_decay)")
         self.num_parameters = count_parameters(model)
+        checkpoint = pending_checkpoint(model)  # read by the engine as it lays the model out
         self.trainable_parameters = select_trainable(model, args.trainable_parameters)
         self._chunk_loss(model)
         self.flops = flops_per_token(model, self.plan.seq_length)  # counted before an engine shards the model
@@ -163,6 +167,25 @@ class PreTrainer:
             model, self.plan, optimizer, lr_scheduler,
             build_optimizer=lambda m: build_optimizer(m, args, engine.device),
             build_scheduler=lambda o: build_scheduler(o, args))
+        self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
+
+    def _report_model_memory(self, stats: LoadStats | None) -> dict:
+        """Log each rank's peak RSS once the model is laid out (weights loaded, before the optimizer's state
+        exists) and what reading the checkpoint's slices took; returns the start row's fields."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ranks = self.engine.all_gather_object((peak, stats.bytes_read if stats else 0, stats.seconds if stats else 0))
+        if stats is not None:
+            logger.info("weights read in slices: %s", "; ".join(
+                f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {rss / 2**20:,.0f} MB"
+                for rank, (rss, read, seconds) in enumerate(ranks)))
+            if stats.unused:
+                logger.warning("%d tensor(s) in the checkpoint belong to no parameter and were not read: %s",
+                               len(stats.unused), ", ".join(stats.unused[:5]) + (" ..." if len(stats.unused) > 5
+                                                                                 else ""))
+        row = {"model_ready_peak_rss_mb": max(r[0] for r in ranks) / 2**20}
+        if stats is not None:
+            row["weights_read_bytes"] = [r[1] for r in ranks]
+        return row
 
     def _chunk_loss(self, model) -> None:
         """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
@@ -330,7 +353,8 @@ class PreTrainer:
                        "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
                        "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
                        "peak": meter.peak.describe(),
-                       **(self.predicted_memory.row() if self.predicted_memory is not None else {})})
+                       **(self.predicted_memory.row() if self.predicted_memory is not None else {}),
+                       **self.model_memory})
         return metrics, meter
 
     def _count_tokens(self, meter: IntervalMeter) -> None:
@@ -429,12 +453,11 @@ class PreTrainer:
             logger.info("no run report: %s", exc)
 
     def export(self, out_dir: str | Path) -> Path | None:
-        """Write an HF folder (weights gathered by the engine, tokenizer included) on the main rank."""
-        state = self.engine.full_state_dict(self.model)
-        out = None
-        if self.engine.is_main:
-            dtype = self.pretrain_args.export_dtype or self.pretrain_args.dtype
-            out = export_hf(self.engine.unwrap(self.model), state, self.tokenizer, out_dir, dtype)
+        """Write an HF folder (weights streamed from the engine's shards, tokenizer included); the main rank's
+        path, None on the others."""
+        args = self.pretrain_args
+        out = export_hf(self.engine, self.model, self.tokenizer, out_dir, args.export_dtype or args.dtype,
+                        args.export_max_shard_size)
         self.engine.barrier()
         return out
 

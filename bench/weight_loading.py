@@ -1,0 +1,104 @@
+"""Host memory of loading an HF checkpoint on 2 ranks: each rank reading its own slices vs every rank loading
+the whole model.
+
+A ~150M-parameter Llama with random weights is saved in bf16 as several safetensors shards (with the index
+json). For each layout, `pretrainer train` runs twice from it, `sliced_weight_loading: true` and `false`; the
+table shows the largest rank's peak RSS once the model is laid out (`model_ready_peak_rss_mb`: weights
+loaded, before the optimizer's state exists), next to one full fp32 copy of the model and the runtime
+baseline (the peak RSS of a tiny run, which every process pays). It also checks that both runs give the same
+per-step losses and export the same files, byte for byte.
+
+    .venv/bin/python bench/weight_loading.py [--layouts fsdp tp2 pp2] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import BIN, REPO, metrics
+
+LAYOUTS = {
+    "fsdp": ["engine=fsdp", "dp=2"],
+    "tp2": ["engine=megatron", "dp=1", "plugin_args.tp_degree=2"],
+    "pp2": ["engine=megatron", "dp=1", "plugin_args.pp_degree=2", "gradient_accumulation_steps=2"],
+}
+SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
+             num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024,
+             tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def write_checkpoint(folder: Path) -> int:
+    """The model saved in bf16 as 200 MB shards beside the quickstart tokenizer; its parameter count."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "examples/models/tiny-llama" / name, folder / name)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="200MB")
+    return sum(p.numel() for p in model.parameters())
+
+
+def run(folder: Path, overrides: list[str], sliced: bool, steps: int, save_dir: Path) -> list[dict]:
+    command = [BIN / "torchrun", "--standalone", "--nproc_per_node", "2", BIN / "pretrainer", "train",
+               "examples/quickstart.yaml", f"model_path={folder}", f"save_dir={save_dir}",
+               f"num_training_steps={steps}", "warmup_steps=0", "eval_interval=null", "save_interval=null",
+               "write_report=false", "log_interval=1", "dtype=fp32", "micro_batch_size=1", "seq_length=128",
+               f"sliced_weight_loading={str(sliced).lower()}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=REPO, env=env)
+    if done.returncode:
+        sys.exit(f"{' '.join(overrides)} sliced={sliced} failed:\n{done.stderr[-3000:]}")
+    return metrics(save_dir)
+
+
+def same_export(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=2)
+    ns = parser.parse_args()
+    sys.path.insert(0, str(REPO / "src"))
+    from pretrainer.plan.device import runtime_baseline
+
+    baseline = runtime_baseline("single") / 2**20
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        parameters = write_checkpoint(root / "model")
+        files = sorted(p.name for p in (root / "model").glob("*.safetensors"))
+        fp32 = parameters * 4 / 2**20
+        print(f"model: {parameters / 1e6:.0f}M parameters, bf16 in {len(files)} safetensors files; one fp32 copy "
+              f"{fp32:,.0f} MB; runtime baseline {baseline:,.0f} MB; target: sliced <= 0.6 x fp32 + baseline = "
+              f"{0.6 * fp32 + baseline:,.0f} MB")
+        print(f"{'layout':<8}{'whole MB':>10}{'sliced MB':>11}{'sliced - baseline':>19}{'/ fp32':>8}"
+              f"{'losses':>9}{'export':>9}")
+        for name in ns.layouts:
+            rows = {}
+            for sliced in (False, True):
+                rows[sliced] = run(root / "model", LAYOUTS[name], sliced, ns.steps, root / f"{name}-{sliced}")
+            peak = {k: next(r for r in v if r.get("event") == "start")["model_ready_peak_rss_mb"]
+                    for k, v in rows.items()}
+            losses = {k: [r["loss"] for r in v if "loss" in r and "event" not in r] for k, v in rows.items()}
+            export = same_export(root / f"{name}-False" / "hf", root / f"{name}-True" / "hf")
+            print(f"{name:<8}{peak[False]:>10,.0f}{peak[True]:>11,.0f}{peak[True] - baseline:>19,.0f}"
+                  f"{(peak[True] - baseline) / fp32:>8.2f}{'same' if losses[True] == losses[False] else 'DIFFER':>9}"
+                  f"{'same' if export else 'DIFFER':>9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

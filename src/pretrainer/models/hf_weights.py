@@ -1,0 +1,240 @@
+"""Fill a model built on the meta device straight from an HF checkpoint's safetensors files, slice by slice.
+
+An engine that shards or splits the model (FSDP, the megatron engine's tp/pp) lays it out on the meta
+device first; each rank then reads only the part of each tensor it owns: the rows (or columns) of its
+DTensor shard, located with the same offsets DTensor uses, read with safetensors' sliced reads and cast
+to the master dtype one tensor at a time. No rank ever holds the whole model, in any dtype.
+
+Names: a parameter's name in the laid-out model is mapped to its name in the files by `checkpoint_name`
+(wrapper segments dropped), the one mapping export uses too. An output embedding tied to the input
+embedding reads the input embedding's tensor when the files hold only that one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+_ATTRIBUTE = "_pretrainer_checkpoint_tensors"  # on the model until the engine materialises it
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name in HF files: the module path without wrappers that engines insert."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+@dataclass
+class LoadStats:
+    tensors: int = 0
+    bytes_read: int = 0   # bytes of this rank's slices, in the files' dtype
+    seconds: float = 0.0
+    unused: list = field(default_factory=list)  # tensors in the files that no parameter took
+
+
+class CheckpointTensors:
+    """The tensors of one HF folder's safetensors files: where each lives, its shape, and sliced reads."""
+
+    def __init__(self, folder: Path, files: dict[str, Path], shapes: dict[str, tuple], prefix: str,
+                 aliases: dict[str, str]):
+        self.folder = folder
+        self.files = files          # tensor name -> file
+        self.shapes = shapes        # tensor name -> shape in the file
+        self.prefix = prefix        # the model's base_model_prefix ("model"): a base-model checkpoint omits it
+        self.aliases = aliases      # tied output embedding -> input embedding name
+        self.stats = LoadStats()
+        self._taken: set[str] = set()
+        self.grower = None          # vocab_growth.RowGrower when the model's vocabulary is larger than the files'
+        self.grown: list[str] = []  # the names (in the files) of the matrices it grows, in the model's order
+
+    def grow_vocabulary(self, grower, model: torch.nn.Module) -> None:
+        """The input embedding and an untied output head have `grower.growth.new_size` rows; the files hold
+        the old ones. Each is read whole, grown as `grow_embeddings` grows a loaded model, then sliced."""
+        self.grower = grower
+        self.grown = [name for name in dict.fromkeys(_embedding_names(model)) if name and name in self.files]
+
+    @classmethod
+    def open(cls, folder: str | Path, model: torch.nn.Module) -> CheckpointTensors | None:
+        """The folder's safetensors tensors, or None where its weights are not (only) safetensors."""
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        index = folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"{index}: not a safetensors index ({exc}); it needs a \"weight_map\" of "
+                                  "tensor name -> file") from None
+            names_by_file: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                names_by_file.setdefault(file, []).append(name)
+            paths = [folder / file for file in names_by_file]
+        else:
+            paths = sorted(folder.glob("*.safetensors"))
+        if not paths:
+            return None
+        files, shapes = {}, {}
+        for path in paths:
+            if not path.is_file():
+                raise ConfigError(f"{index}: lists {path.name}, which is not in {folder}; download it again "
+                                  "or fix the index")
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():
+                        files[name] = path
+                        shapes[name] = tuple(handle.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors raises its own error types for damaged files
+                raise ConfigError(f"{path}: cannot be read as safetensors ({str(exc)[:200]}); the file may be "
+                                  "cut short: download it again") from None
+        return cls(folder, files, shapes, getattr(model, "base_model_prefix", "") or "", _tied_aliases(model))
+
+    # ------------------------------------------------------------ names
+    def locate(self, name: str) -> str | None:
+        """The name in the files of the model's parameter `name`, or None when the files lack it."""
+        name = checkpoint_name(name)
+        candidates = [name, self.aliases.get(name)]
+        if self.prefix and name.startswith(self.prefix + "."):  # saved from the base model (no head)
+            candidates.append(name[len(self.prefix) + 1:])
+        return next((c for c in candidates if c and c in self.files), None)
+
+    def check(self, model: torch.nn.Module, skip: set[str] = frozenset()) -> None:
+        """Every parameter is in the files with the shape the config gives, before anything is read."""
+        problems = []
+        for name, parameter in model.named_parameters():
+            plain = checkpoint_name(name)
+            if plain in skip:
+                continue
+            found = self.locate(name)
+            if found is None:
+                problems.append(f"tensor '{plain}' is missing from the checkpoint")
+            elif tuple(self.shapes[found]) != self._stored_shape(found, tuple(parameter.shape)):
+                problems.append(f"tensor '{found}' in {self.files[found].name} has shape "
+                                f"{list(self.shapes[found])}; the config gives "
+                                f"{list(self._stored_shape(found, tuple(parameter.shape)))}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ConfigError(f"model_path {self.folder}: the weights do not match the model's config.json: "
+                              + "; ".join(problems[:5]) + more + ". Check that config.json belongs to these "
+                              "weight files (same model size and vocabulary)")
+
+    def _stored_shape(self, name: str, shape: tuple) -> tuple:
+        """The shape the files should hold for a parameter of `shape` (a grown matrix: the old rows)."""
+        return (self.grower.growth.old_size, *shape[1:]) if name in self.grown else shape
+
+    # ------------------------------------------------------------ reads
+    @torch.no_grad()
+    def fill(self, target: torch.Tensor, name: str) -> None:
+        """Copy this rank's part of tensor `name` (a name in the files) into `target`, cast to its dtype."""
+        from safetensors import safe_open
+
+        start = time.perf_counter()
+        local = target.to_local() if isinstance(target, DTensor) else target
+        # One file open per tensor: its pages are unmapped again at once, so they never add up in RSS.
+        if name in self.grown:
+            data = self._grown_matrix(name)
+            if isinstance(target, DTensor):
+                data = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        else:
+            with safe_open(str(self.files[name]), framework="pt") as handle:
+                stored = handle.get_slice(name)
+                index = _local_index(target) if isinstance(target, DTensor) else None
+                if index is None and isinstance(target, DTensor):  # a layout without plain offsets: split here
+                    data = distribute_tensor(stored[:], target.device_mesh, target.placements,
+                                             src_data_rank=None).to_local()
+                else:
+                    data = stored[index] if index is not None else stored[:]
+        if local.numel():
+            local.copy_(data)
+        self.stats.tensors += 1
+        self.stats.bytes_read += data.numel() * data.element_size()
+        self.stats.seconds += time.perf_counter() - start
+        self._taken.add(name)
+
+    def _grown_matrix(self, name: str) -> torch.Tensor:
+        """The grown fp32 matrix `name`. Growing draws random rows from one generator, input embedding first: a
+        head is grown after growing the input embedding again, as a whole load would, so the draws agree."""
+        from safetensors import safe_open
+
+        if self.grower.draws:
+            self.grower.restart()
+            names = self.grown[:self.grown.index(name) + 1]
+        else:
+            names = [name]
+        for each in names:
+            with safe_open(str(self.files[each]), framework="pt") as handle:
+                grown = self.grower.grow(handle.get_tensor(each).float())
+        return grown
+
+    def finish(self) -> LoadStats:
+        self.stats.unused = sorted(set(self.files) - self._taken)
+        return self.stats
+
+
+def _local_index(target: DTensor) -> tuple | None:
+    """The slices of the global tensor this rank's shard holds, or None for a layout other than plain
+    Shard/Replicate placements (strided shards of FSDP over tp), which is then split after a full read."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(shape) != tuple(target.to_local().shape):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """The weight names of the input embedding and the output head (None where the model has none)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    modules = {id(module): checkpoint_name(name) for name, module in model.named_modules()}
+    found = []
+    for getter in (get_in, get_out):
+        module = getter() if getter is not None else None
+        name = modules.get(id(module)) if module is not None else None
+        found.append(f"{name}.weight" if name is not None else None)
+    return found[0], found[1]
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{output embedding weight: input embedding weight} when the model ties them."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    source, tied = _embedding_names(model)
+    return {tied: source} if source and tied else {}
+
+
+def tied_output_names(model: torch.nn.Module) -> list[str]:
+    """Parameters that are another one under a second name (a tied output head): HF files leave them out."""
+    return list(_tied_aliases(model))
+
+
+def attach_checkpoint(model: torch.nn.Module, tensors: CheckpointTensors) -> None:
+    """Leave the files' reader on a meta model for the engine's materialisation to fill it from."""
+    object.__setattr__(model, _ATTRIBUTE, tensors)
+
+
+def carry_checkpoint(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """A model rebuilt from another (the megatron engine's stage view) takes over its pending reader."""
+    tensors = take_checkpoint(source)
+    if tensors is not None:
+        attach_checkpoint(target, tensors)
+
+
+def take_checkpoint(model: torch.nn.Module) -> CheckpointTensors | None:
+    return model.__dict__.pop(_ATTRIBUTE, None)
+
+
+def pending_checkpoint(model: torch.nn.Module) -> CheckpointTensors | None:
+    return model.__dict__.get(_ATTRIBUTE)
