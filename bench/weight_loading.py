@@ -1,5 +1,5 @@
-"""Host memory of loading an HF checkpoint on 2 ranks: each rank reading its own slices vs every rank loading
-the whole model.
+"""Host memory of loading an HF checkpoint on 2 ranks: each rank reading its own slices (DeepSpeed ZeRO-3:
+partitioning module by module) vs every rank loading the whole model.
 
 A ~150M-parameter Llama with random weights is saved in bf16 as several safetensors shards (with the index
 json). For each layout, `pretrainer train` runs twice from it, `sliced_weight_loading: true` and `false`; the
@@ -8,7 +8,7 @@ loaded, before the optimizer's state exists), next to one full fp32 copy of the 
 baseline (the peak RSS of a tiny run, which every process pays). It also checks that both runs give the same
 per-step losses and export the same files, byte for byte.
 
-    .venv/bin/python bench/weight_loading.py [--layouts fsdp tp2 pp2] [--steps 2]
+    .venv/bin/python bench/weight_loading.py [--layouts fsdp tp2 pp2 zero3] [--steps 2]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ LAYOUTS = {
     "fsdp": ["engine=fsdp", "dp=2"],
     "tp2": ["engine=megatron", "dp=1", "plugin_args.tp_degree=2"],
     "pp2": ["engine=megatron", "dp=1", "plugin_args.pp_degree=2", "gradient_accumulation_steps=2"],
+    "zero3": ["deepspeed={root}/zero3.json", "dp=2"],
 }
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
              num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024,
@@ -80,6 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         parameters = write_checkpoint(root / "model")
+        (root / "zero3.json").write_text('{"zero_optimization": {"stage": 3}}')
         files = sorted(p.name for p in (root / "model").glob("*.safetensors"))
         fp32 = parameters * 4 / 2**20
         print(f"model: {parameters / 1e6:.0f}M parameters, bf16 in {len(files)} safetensors files; one fp32 copy "
@@ -90,7 +92,8 @@ def main() -> None:
         for name in ns.layouts:
             rows = {}
             for sliced in (False, True):
-                rows[sliced] = run(root / "model", LAYOUTS[name], sliced, ns.steps, root / f"{name}-{sliced}")
+                overrides = [o.format(root=root) for o in LAYOUTS[name]]
+                rows[sliced] = run(root / "model", overrides, sliced, ns.steps, root / f"{name}-{sliced}")
             peak = {k: next(r for r in v if r.get("event") == "start")["model_ready_peak_rss_mb"]
                     for k, v in rows.items()}
             losses = {k: [r["loss"] for r in v if "loss" in r and "event" not in r] for k, v in rows.items()}

@@ -15,6 +15,7 @@ buffers) goes through the init rule.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,19 +28,31 @@ def has_meta_tensors(model: torch.nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module."""
+def materialize(model: torch.nn.Module, device: torch.device, seed: int,
+                partition: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+    """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module.
+
+    `partition` (DeepSpeed ZeRO-3) takes each module's parameters as soon as they are filled and shards them, so
+    only one module is ever whole: storage is then allocated module by module instead of for the whole model.
+    """
     checkpoint = take_checkpoint(model)
     if checkpoint is not None:
         checkpoint.check(model)
-    model.to_empty(device=device)
+    if partition is None:
+        model.to_empty(device=device)
     filled: set[int] = set()  # a tied parameter is one object under two modules: read once
+    allocated: dict[int, torch.nn.Parameter] = {}  # module by module: meta parameter -> its allocated one
     for name, module in model.named_modules():
         tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
         if not tensors:
             continue
+        if partition is not None:
+            tensors = _allocate_module(module, device, allocated)
+            if not tensors:
+                continue
         prefix = f"{name}." if name else ""
-        stored = {key: checkpoint.locate(prefix + key) for key in module._parameters} if checkpoint else {}
+        stored = {key: checkpoint.locate(prefix + key) for key in module._parameters if key in tensors} \
+            if checkpoint else {}
         stored = {key: found for key, found in stored.items() if found is not None}
         if len(stored) < len(tensors):
             _init_module(model, module, name, tensors, seed)
@@ -47,10 +60,30 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None
             if id(_get(module, key)) not in filled:
                 checkpoint.fill(_get(module, key), found)
                 filled.add(id(_get(module, key)))
+        if partition is not None:
+            partition([t for key, t in tensors.items() if key in module._parameters])
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if checkpoint is not None:
         checkpoint.finish()
+
+
+def _allocate_module(module: torch.nn.Module, device: torch.device, allocated: dict) -> dict:
+    """Storage for one module's own meta tensors; a parameter already allocated under another module (a tied
+    head) is that same parameter again. Returns the tensors still to fill."""
+    tensors = {}
+    for key, parameter in list(module._parameters.items()):
+        if parameter is None:
+            continue
+        if id(parameter) in allocated:
+            module._parameters[key] = allocated[id(parameter)]
+            continue
+        new = torch.nn.Parameter(torch.empty_like(parameter, device=device), requires_grad=parameter.requires_grad)
+        allocated[id(parameter)] = module._parameters[key] = tensors[key] = new
+    for key, buffer in list(module._buffers.items()):
+        if buffer is not None:
+            module._buffers[key] = tensors[key] = torch.empty_like(buffer, device=device)
+    return tensors
 
 
 def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed: int) -> None:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from ..config import ConfigError
+from ..models import has_meta_tensors, materialize
 from .deepspeed_config import (
     config_from_accelerate_env,
     fill_deepspeed_config,
@@ -36,6 +37,8 @@ class DeepSpeedEngine(DistributedEngine):
     checkpoint_format = "deepspeed"  # its own ZeRO shards, written by save_checkpoint
     checkpoint_needs_same_world_size = True
     supports_async_save = False
+
+    reads_weight_slices = True  # ZeRO-3 partitions module by module (stages 1-2 still build the whole model)
 
     def __init__(self, args):
         try:
@@ -66,12 +69,16 @@ class DeepSpeedEngine(DistributedEngine):
         self.plan = plan
 
         self.prepare_layers(model)
-        self.materialize_if_meta(model)
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         if hidden:
             fill_hidden_size(self.ds_config, hidden, self.filled)
         if self.filled and self.is_main:
             logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.filled.items()))
+        if self.zero_stage == 3 and has_meta_tensors(model):
+            # Built module by module and partitioned at once (as under zero.Init): no rank holds the whole model.
+            materialize(model, self.device, self.args.seed, partition=self._partition)
+        else:
+            self.materialize_if_meta(model)
         # (A user optimizer never reaches here: it would hold unsharded parameters; PreTrainer refuses it.)
         if "optimizer" not in self.ds_config:
             optimizer = build_optimizer(model)  # our AdamW groups (no decay on norms/biases/embeddings)
@@ -89,6 +96,28 @@ class DeepSpeedEngine(DistributedEngine):
             model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad])
         self.model_engine = engine
         return engine, ds_optimizer, ds_scheduler
+
+    def _partition(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Shard whole parameters over the ranks as ZeRO-3 parameters (DeepSpeed takes rank 0's values)."""
+        import deepspeed
+
+        deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
+        holder = torch.nn.Module()  # zero.Init converts an existing module's parameters, in place
+        dtype = self._weights_dtype()
+        for index, parameter in enumerate(parameters):
+            if hasattr(parameter, "ds_id"):  # already a ZeRO-3 parameter
+                continue
+            if dtype is not None:  # DeepSpeed keeps ZeRO-3 weights in the compute dtype (fp32 masters aside)
+                parameter.data = parameter.data.to(dtype)
+            holder.register_parameter(f"p{index}", parameter)
+        deepspeed.zero.Init(module=holder, config_dict_or_path=self.ds_config)
+
+    def _weights_dtype(self) -> torch.dtype | None:
+        if (self.ds_config.get("bf16") or {}).get("enabled"):
+            return torch.bfloat16
+        if (self.ds_config.get("fp16") or {}).get("enabled"):
+            return torch.float16
+        return None
 
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed holds the weights in the compute dtype itself

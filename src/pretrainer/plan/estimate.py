@@ -143,7 +143,8 @@ def _loading(layout: Layout, shape: ModelShape, checkpoint: str, notes: dict) ->
     beside the rank's own parameters, which the other terms already hold."""
     if checkpoint == "none":
         return 0
-    if checkpoint == "slices" and engine_class(layout.engine).reads_weight_slices:
+    whole_first = layout.engine == "deepspeed" and layout.zero_stage < 3  # ZeRO-1/2 build every weight whole
+    if checkpoint == "slices" and engine_class(layout.engine).reads_weight_slices and not whole_first:
         notes["loading"] = "each rank reads its own slices of the checkpoint, one tensor at a time"
         return 4 * max(shape.embedding_parameters, shape.head_parameters, 1)
     notes["loading"] = "the checkpoint read whole in fp32 on every rank before the engine lays it out"

@@ -69,6 +69,7 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
         if engine.is_main:
             state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
             _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
+            _count_saved_parameters(tmp, state)
     if not engine.is_main:
         return None
     if tokenizer is not None:
@@ -95,6 +96,17 @@ def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch
     finally:
         hf_model.config.dtype = previous_dtype
         hf_model.config.use_cache = False
+
+
+def _count_saved_parameters(folder: Path, state: dict) -> None:
+    """The index's `total_parameters` from the tensors written: save_pretrained counts the model's parameters
+    as it holds them, which under ZeRO-3 are empty placeholders of the partitions."""
+    index_file = folder / "model.safetensors.index.json"
+    if not index_file.is_file():
+        return
+    index = json.loads(index_file.read_text())
+    index["metadata"]["total_parameters"] = sum(state[name].numel() for name in index["weight_map"])
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard_size):

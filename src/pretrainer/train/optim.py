@@ -15,7 +15,8 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (no_decay if param.ndim < 2 or id(param) in embedding_params else decay).append(param)
+        dims = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 parameter's own shape, not its empty stub
+        (no_decay if dims < 2 or id(param) in embedding_params else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
