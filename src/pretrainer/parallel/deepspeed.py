@@ -15,7 +15,7 @@ import logging
 import torch
 
 from ..config import ConfigError
-from ..models import has_meta_tensors, materialize
+from ..models import checkpoint_name, has_meta_tensors, materialize
 from .deepspeed_config import (
     config_from_accelerate_env,
     fill_deepspeed_config,
@@ -148,7 +148,24 @@ class DeepSpeedEngine(DistributedEngine):
         if path is None:
             raise ConfigError(f"{folder}: no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) could be loaded")
 
-    exports_tensor_by_tensor = False  # ZeRO-3's partitions are consolidated by DeepSpeed on rank 0
+    def export_tensors(self, model):
+        """ZeRO-3: each partitioned parameter is gathered on its own (GatheredParameters) and copied on the
+        main rank; stages 1-2 hold whole 16-bit weights on every rank (the main rank's are taken)."""
+        if self.zero_stage != 3:
+            yield from super().export_tensors(model)
+            return
+        import deepspeed
+
+        module = self.model_engine.module
+        parameters = dict(module.named_parameters(remove_duplicate=False))
+        for name, tensor in module.state_dict().items():
+            parameter = parameters.get(name)
+            if parameter is None or not hasattr(parameter, "ds_id"):
+                whole = tensor.detach().cpu()
+            else:
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    whole = parameter.data.detach().cpu().clone() if self.is_main else None
+            yield checkpoint_name(name), whole if self.is_main else None
 
     def full_state_dict(self, model) -> dict:
         if self.zero_stage == 3:  # gather the partitions (the seed's export wrote size-0 tensors here)

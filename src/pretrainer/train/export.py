@@ -45,8 +45,8 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     """Write an HF folder from the engine's model (all ranks call; the main rank writes; its path, None on the
     others). The weights stream tensor by tensor into the safetensors files `save_pretrained` would write (the
     same split by `max_shard_size`, names, metadata and index), so no rank holds the whole model. Where the
-    engine cannot stream (DeepSpeed) or transformers converts the tensors on saving (fused MoE experts), the
-    whole state is gathered on the main rank and `save_pretrained` writes it."""
+    engine cannot stream (FSDP with CPU offload on GPUs) or transformers converts the tensors on saving (fused
+    MoE experts), the whole state is gathered on the main rank and `save_pretrained` writes it."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     torch_dtype = dtype_to_torch(dtype)
@@ -69,7 +69,6 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
         if engine.is_main:
             state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
             _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
-            _count_saved_parameters(tmp, state)
     if not engine.is_main:
         return None
     if tokenizer is not None:
@@ -98,15 +97,10 @@ def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch
         hf_model.config.use_cache = False
 
 
-def _count_saved_parameters(folder: Path, state: dict) -> None:
-    """The index's `total_parameters` from the tensors written: save_pretrained counts the model's parameters
-    as it holds them, which under ZeRO-3 are empty placeholders of the partitions."""
-    index_file = folder / "model.safetensors.index.json"
-    if not index_file.is_file():
-        return
-    index = json.loads(index_file.read_text())
-    index["metadata"]["total_parameters"] = sum(state[name].numel() for name in index["weight_map"])
-    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+def _parameter_count(hf_model: torch.nn.Module) -> int:
+    """The model's parameters, as `num_parameters` counts them (each once), ZeRO-3's partitioned ones included
+    (whose placeholders are empty)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in hf_model.parameters())
 
 
 def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard_size):
@@ -116,12 +110,14 @@ def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard
     from huggingface_hub import split_torch_state_dict_into_shards
 
     tied = set(tied_output_names(hf_model))
+    parameters = dict(hf_model.named_parameters(remove_duplicate=False))
     sizes = {}
     for name, tensor in hf_model.state_dict().items():
+        shape = getattr(parameters.get(name), "ds_shape", tensor.shape)  # a ZeRO-3 parameter's own shape
         name = checkpoint_name(name)
         if name not in tied:
             dtype = torch_dtype if tensor.is_floating_point() else tensor.dtype
-            sizes[name] = torch.empty(tensor.shape, dtype=dtype, device="meta")
+            sizes[name] = torch.empty(shape, dtype=dtype, device="meta")
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # older transformers: saved in state-dict order, unconverted
@@ -153,7 +149,7 @@ def _write_streamed(tensors, layout, hf_model, folder: Path, torch_dtype: torch.
     if missing:
         raise RuntimeError(f"export: the engine gave no tensor for {', '.join(missing[:5])}")
     if layout.is_sharded:
-        index = {"metadata": {"total_parameters": hf_model.num_parameters(), **layout.metadata},
+        index = {"metadata": {"total_parameters": _parameter_count(hf_model), **layout.metadata},
                  "weight_map": layout.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
