@@ -76,6 +76,7 @@ def test_two_ranks_read_only_their_slices_with_the_losses_and_export_of_a_whole_
         assert losses[0] == losses[1] and len(losses[0]) == 3, name
         start = next(r for r in sliced if r.get("event") == "start")
         read = start["weights_read_bytes"]
+        assert 0 < start["weights_loaded_peak_rss_mb"] <= start["model_ready_peak_rss_mb"]
         total = stored_bytes(checkpoints / folder)
         # each rank reads about half: everything is split except norms (replicated under tp) and, under pp,
         # the layers are split but not evenly in bytes (the head and the embedding sit on different stages)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class LoadStats:
     tensors: int = 0
     bytes_read: int = 0   # bytes of this rank's slices, in the files' dtype
     seconds: float = 0.0
+    peak_rss_bytes: int = 0  # the process's peak RSS once every tensor is read (before the engine goes on)
     unused: list = field(default_factory=list)  # tensors in the files that no parameter took
 
 
@@ -178,6 +180,7 @@ class CheckpointTensors:
         return grown
 
     def finish(self) -> LoadStats:
+        self.stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.stats.unused = sorted(set(self.files) - self._taken)
         return self.stats
 

@@ -170,14 +170,15 @@ class PreTrainer:
         self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
 
     def _report_model_memory(self, stats: LoadStats | None) -> dict:
-        """Log each rank's peak RSS once the model is laid out (weights loaded, before the optimizer's state
-        exists) and what reading the checkpoint's slices took; returns the start row's fields."""
+        """Each rank's peak RSS once the engine is set up (before the first step) and, when the checkpoint was
+        read in slices, what that took (logged per rank); returns the start row's fields."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        ranks = self.engine.all_gather_object((peak, stats.bytes_read if stats else 0, stats.seconds if stats else 0))
+        ranks = self.engine.all_gather_object((peak, stats.bytes_read, stats.seconds, stats.peak_rss_bytes) if stats
+                                              else (peak, 0, 0.0, 0))
         if stats is not None:
             logger.info("weights read in slices: %s", "; ".join(
-                f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {rss / 2**20:,.0f} MB"
-                for rank, (rss, read, seconds) in enumerate(ranks)))
+                f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {loaded / 2**20:,.0f} MB"
+                for rank, (_, read, seconds, loaded) in enumerate(ranks)))
             if stats.unused:
                 logger.warning("%d tensor(s) in the checkpoint belong to no parameter and were not read: %s",
                                len(stats.unused), ", ".join(stats.unused[:5]) + (" ..." if len(stats.unused) > 5
@@ -185,6 +186,7 @@ class PreTrainer:
         row = {"model_ready_peak_rss_mb": max(r[0] for r in ranks) / 2**20}
         if stats is not None:
             row["weights_read_bytes"] = [r[1] for r in ranks]
+            row["weights_loaded_peak_rss_mb"] = max(r[3] for r in ranks) / 2**20
         return row
 
     def _chunk_loss(self, model) -> None:
