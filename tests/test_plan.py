@@ -225,3 +225,26 @@ def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_formula(mon
     activations._probe.cache_clear()
     assert "estimated by formula" in caplog.text and "_local_scalar_dense" in caplog.text
     assert profile.per_layer == 256 * (10 * 256 + 4 * 688 + 2 * 128) * 4 and profile.layer_input == 256 * 256 * 4
+
+
+def test_loading_counts_one_tensor_where_the_engine_reads_slices_and_the_whole_model_elsewhere(base_config,
+                                                                                               tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(base_config["model_path"])
+    weights = tmp_path / "weights"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model.save_pretrained(weights)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / name).write_bytes((folder / name).read_bytes())
+    parameters = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())  # the (untied) embedding or head
+    config = write_config(tmp_path / "run.yaml", {**base_config, "model_path": str(weights)})
+
+    def loading(*overrides) -> int:
+        return plan_json(config, *overrides, "--world-size", "2")["per_rank_bytes"]["loading"]
+
+    assert loading("engine=fsdp", "dp=2") == 4 * largest
+    assert loading("engine=megatron", "dp=1", "plugin_args.tp_degree=2") == 4 * largest
+    assert loading("engine=ddp", "dp=2") == 4 * parameters
+    assert loading("engine=fsdp", "dp=2", "sliced_weight_loading=false") == 4 * parameters
