@@ -119,8 +119,8 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
                 logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s, grown as the "
                             "slices are read", spec.growth.old_size, spec.growth.new_size, spec.growth.tokens,
                             grower.describe())
-            logger.info("weights: each rank reads its own slices of %s (%d safetensors file(s))", spec.source,
-                        len(set(checkpoint.files.values())))
+            logger.info("weights: %s (%d safetensors file(s)) is read as the engine lays the model out, each rank "
+                        "reading only what it holds", spec.source, len(set(checkpoint.files.values())))
             _keep_generation_config(model, Path(spec.source))
             # What from_pretrained records when no renaming or conversion matched the files: save_pretrained
             # then writes the tensors in the same order as for a loaded model, so the export is the same bytes.

@@ -3,7 +3,9 @@
 An engine that shards or splits the model (FSDP, the megatron engine's tp/pp) lays it out on the meta
 device first; each rank then reads only the part of each tensor it owns: the rows (or columns) of its
 DTensor shard, located with the same offsets DTensor uses, read with safetensors' sliced reads and cast
-to the master dtype one tensor at a time. No rank ever holds the whole model, in any dtype.
+to the master dtype one tensor at a time. No rank ever holds the whole model, in any dtype. (DeepSpeed ZeRO-3
+reads whole tensors, module by module, and partitions each module at once: see `init.materialize`.) A
+vocabulary grown for an extended tokenizer grows the embedding and head as they are read (`grow_vocabulary`).
 
 Names: a parameter's name in the laid-out model is mapped to its name in the files by `checkpoint_name`
 (wrapper segments dropped), the one mapping export uses too. An output embedding tied to the input

@@ -176,7 +176,7 @@ class PreTrainer:
         ranks = self.engine.all_gather_object((peak, stats.bytes_read, stats.seconds, stats.peak_rss_bytes) if stats
                                               else (peak, 0, 0.0, 0))
         if stats is not None:
-            logger.info("weights read in slices: %s", "; ".join(
+            logger.info("weights read: %s", "; ".join(
                 f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {loaded / 2**20:,.0f} MB"
                 for rank, (_, read, seconds, loaded) in enumerate(ranks)))
             if stats.unused:
