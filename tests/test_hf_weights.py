@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from helpers import read_metrics, write_tiny_model
+from launch import BIN, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainingArguments
 from pretrainer.models import build_model, materialize, pending_checkpoint, preflight
@@ -94,6 +96,15 @@ def test_two_ranks_read_only_their_slices_with_the_losses_and_export_of_a_whole_
         assert len(list(exported[0].glob("*.safetensors"))) >= 2, name  # streamed into several files
         resaved = resave(exported[0], tmp_path / f"{name}-resaved")
         assert all(filecmp.cmp(exported[0] / n, resaved / n, shallow=False) for n in weight_files(resaved)), name
+
+    # `pretrainer export` of the pipeline run's checkpoint, on 2 ranks, streams the same files as the run's end
+    case = next(c for c in cases if c["name"] == "pp2-sliced")
+    config = tmp_path / "pp2.yaml"
+    config.write_text(yaml.safe_dump({**base, **case["config"]}))
+    run_ok(torchrun(2, BIN / "pretrainer", "export", config, "--output", tmp_path / "pp2-exported"))
+    names = sorted(p.name for p in (tmp_path / "pp2-sliced" / "hf").iterdir())
+    assert all(filecmp.cmp(tmp_path / "pp2-sliced" / "hf" / n, tmp_path / "pp2-exported" / n, shallow=False)
+               for n in names)
 
 
 def weight_files(folder: Path) -> list[str]:

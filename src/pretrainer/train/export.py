@@ -57,7 +57,8 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     if layout is not None:
         tensors = engine.export_tensors(model)
         if engine.is_main:
-            _save_pretrained(hf_model, tmp, torch_dtype, {}, max_shard_size)  # the config files
+            with _no_progress_bar():  # it "writes" one empty weights file
+                _save_pretrained(hf_model, tmp, torch_dtype, {}, max_shard_size)  # the config files
             for leftover in tmp.glob("*.safetensors"):
                 leftover.unlink()
             _write_streamed(tensors, layout, hf_model, tmp, torch_dtype)
@@ -79,6 +80,19 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+@contextmanager
+def _no_progress_bar():
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch.dtype, state: dict,
