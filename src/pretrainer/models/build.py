@@ -106,29 +106,8 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
     if args.init_method_std is not None and hasattr(config, "initializer_range"):
         config.initializer_range = args.init_method_std
     if read_slices and reads_checkpoint_in_slices(args, spec):
-        if spec.growth is not None:
-            config.vocab_size = spec.growth.new_size
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        checkpoint = CheckpointTensors.open(spec.source, model)
-        if checkpoint is not None:
-            if spec.growth is not None:
-                grower = row_grower(config, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std,
-                                    args.seed)
-                checkpoint.grow_vocabulary(grower, model)
-                logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s, grown as the "
-                            "slices are read", spec.growth.old_size, spec.growth.new_size, spec.growth.tokens,
-                            grower.describe())
-            logger.info("weights: %s (%d safetensors file(s)) is read as the engine lays the model out, each rank "
-                        "reading only what it holds", spec.source, len(set(checkpoint.files.values())))
-            _keep_generation_config(model, Path(spec.source))
-            # What from_pretrained records when no renaming or conversion matched the files: save_pretrained
-            # then writes the tensors in the same order as for a loaded model, so the export is the same bytes.
-            model._weight_conversions = []
-            attach_checkpoint(model, checkpoint)
-            model.config.use_cache = False
-            return model
-    if spec.has_weights:
+        model = _model_reading_slices(args, spec)
+    elif spec.has_weights:
         logger.info("loading weights from %s", spec.source)
         try:
             model = AutoModelForCausalLM.from_pretrained(spec.source, config=config, dtype=torch.float32)
@@ -149,6 +128,32 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
+    return model
+
+
+def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:
+    """The model on the meta device with the checkpoint's reader attached (filled when an engine materialises
+    it); a grown vocabulary is built at its new size and grown from the files as they are read."""
+    from transformers import AutoModelForCausalLM
+
+    config = spec.config
+    if spec.growth is not None:
+        config.vocab_size = spec.growth.new_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    checkpoint = CheckpointTensors.open(spec.source, model)
+    if spec.growth is not None:
+        grower = row_grower(config, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std, args.seed)
+        checkpoint.grow_vocabulary(grower, model)
+        logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s, grown as the slices "
+                    "are read", spec.growth.old_size, spec.growth.new_size, spec.growth.tokens, grower.describe())
+    logger.info("weights: %s (%d safetensors file(s)) is read as the engine lays the model out, each rank reading "
+                "only what it holds", spec.source, len(set(checkpoint.files.values())))
+    _keep_generation_config(model, Path(spec.source))
+    # What from_pretrained records when no renaming or conversion matched the files: save_pretrained then writes
+    # the tensors in the same order as for a loaded model, so the export is the same bytes.
+    model._weight_conversions = []
+    attach_checkpoint(model, checkpoint)
     return model
 
 

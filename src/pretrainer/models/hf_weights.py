@@ -40,7 +40,6 @@ def checkpoint_name(name: str) -> str:
 
 @dataclass
 class LoadStats:
-    tensors: int = 0
     bytes_read: int = 0   # bytes of this rank's slices, in the files' dtype
     seconds: float = 0.0
     peak_rss_bytes: int = 0  # the process's peak RSS once every tensor is read (before the engine goes on)
@@ -69,8 +68,8 @@ class CheckpointTensors:
         self.grown = [name for name in dict.fromkeys(_embedding_names(model)) if name and name in self.files]
 
     @classmethod
-    def open(cls, folder: str | Path, model: torch.nn.Module) -> CheckpointTensors | None:
-        """The folder's safetensors tensors, or None where its weights are not (only) safetensors."""
+    def open(cls, folder: str | Path, model: torch.nn.Module) -> CheckpointTensors:
+        """The folder's safetensors tensors (`reads_checkpoint_in_slices` has seen that it has some)."""
         from safetensors import safe_open
 
         folder = Path(folder)
@@ -88,7 +87,7 @@ class CheckpointTensors:
         else:
             paths = sorted(folder.glob("*.safetensors"))
         if not paths:
-            return None
+            raise ConfigError(f"model_path {folder}: no safetensors files to read; set sliced_weight_loading: false")
         files, shapes = {}, {}
         for path in paths:
             if not path.is_file():
@@ -113,16 +112,13 @@ class CheckpointTensors:
             candidates.append(name[len(self.prefix) + 1:])
         return next((c for c in candidates if c and c in self.files), None)
 
-    def check(self, model: torch.nn.Module, skip: set[str] = frozenset()) -> None:
+    def check(self, model: torch.nn.Module) -> None:
         """Every parameter is in the files with the shape the config gives, before anything is read."""
         problems = []
         for name, parameter in model.named_parameters():
-            plain = checkpoint_name(name)
-            if plain in skip:
-                continue
             found = self.locate(name)
             if found is None:
-                problems.append(f"tensor '{plain}' is missing from the checkpoint")
+                problems.append(f"tensor '{checkpoint_name(name)}' is missing from the checkpoint")
             elif tuple(self.shapes[found]) != self._stored_shape(found, tuple(parameter.shape)):
                 problems.append(f"tensor '{found}' in {self.files[found].name} has shape "
                                 f"{list(self.shapes[found])}; the config gives "
@@ -161,7 +157,6 @@ class CheckpointTensors:
                     data = stored[index] if index is not None else stored[:]
         if local.numel():
             local.copy_(data)
-        self.stats.tensors += 1
         self.stats.bytes_read += data.numel() * data.element_size()
         self.stats.seconds += time.perf_counter() - start
         self._taken.add(name)

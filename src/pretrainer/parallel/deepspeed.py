@@ -76,6 +76,7 @@ class DeepSpeedEngine(DistributedEngine):
             logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.filled.items()))
         if self.zero_stage == 3 and has_meta_tensors(model):
             # Built module by module and partitioned at once (as under zero.Init): no rank holds the whole model.
+            deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
             materialize(model, self.device, self.args.seed, partition=self._partition)
         else:
             self.materialize_if_meta(model)
@@ -101,23 +102,14 @@ class DeepSpeedEngine(DistributedEngine):
         """Shard whole parameters over the ranks as ZeRO-3 parameters (DeepSpeed takes rank 0's values)."""
         import deepspeed
 
-        deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
         holder = torch.nn.Module()  # zero.Init converts an existing module's parameters, in place
-        dtype = self._weights_dtype()
         for index, parameter in enumerate(parameters):
             if hasattr(parameter, "ds_id"):  # already a ZeRO-3 parameter
                 continue
-            if dtype is not None:  # DeepSpeed keeps ZeRO-3 weights in the compute dtype (fp32 masters aside)
-                parameter.data = parameter.data.to(dtype)
+            if self.precision.dtype != "fp32":  # DeepSpeed keeps ZeRO-3 weights in the compute dtype
+                parameter.data = parameter.data.to(self.precision.compute_dtype)
             holder.register_parameter(f"p{index}", parameter)
         deepspeed.zero.Init(module=holder, config_dict_or_path=self.ds_config)
-
-    def _weights_dtype(self) -> torch.dtype | None:
-        if (self.ds_config.get("bf16") or {}).get("enabled"):
-            return torch.bfloat16
-        if (self.ds_config.get("fp16") or {}).get("enabled"):
-            return torch.float16
-        return None
 
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed holds the weights in the compute dtype itself

@@ -175,19 +175,17 @@ class PreTrainer:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ranks = self.engine.all_gather_object((peak, stats.bytes_read, stats.seconds, stats.peak_rss_bytes) if stats
                                               else (peak, 0, 0.0, 0))
-        if stats is not None:
-            logger.info("weights read: %s", "; ".join(
-                f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {loaded / 2**20:,.0f} MB"
-                for rank, (_, read, seconds, loaded) in enumerate(ranks)))
-            if stats.unused:
-                logger.warning("%d tensor(s) in the checkpoint belong to no parameter and were not read: %s",
-                               len(stats.unused), ", ".join(stats.unused[:5]) + (" ..." if len(stats.unused) > 5
-                                                                                 else ""))
         row = {"model_ready_peak_rss_mb": max(r[0] for r in ranks) / 2**20}
-        if stats is not None:
-            row["weights_read_bytes"] = [r[1] for r in ranks]
-            row["weights_loaded_peak_rss_mb"] = max(r[3] for r in ranks) / 2**20
-        return row
+        if stats is None:
+            return row
+        logger.info("weights read: %s", "; ".join(
+            f"rank {rank} {read / 2**20:,.0f} MB in {seconds:.1f} s, peak RSS {loaded / 2**20:,.0f} MB"
+            for rank, (_, read, seconds, loaded) in enumerate(ranks)))
+        if stats.unused:
+            logger.warning("%d tensor(s) in the checkpoint belong to no parameter and were not read: %s",
+                           len(stats.unused), ", ".join(stats.unused[:5]) + (" ..." if len(stats.unused) > 5 else ""))
+        return {**row, "weights_read_bytes": [r[1] for r in ranks],
+                "weights_loaded_peak_rss_mb": max(r[3] for r in ranks) / 2**20}
 
     def _chunk_loss(self, model) -> None:
         """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
