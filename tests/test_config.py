@@ -105,6 +105,16 @@ def test_wrong_type_names_key_and_line(tmp_path):
         PreTrainingArguments.from_yaml(path)
 
 
+def test_export_max_shard_size_takes_save_pretrained_sizes(tmp_path):
+    for good in ("5GB", "500 MB", "0.5gb", 1_000_000):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, export_max_shard_size=good)
+    path = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\nexport_max_shard_size: 5GiB\n")
+    with pytest.raises(ConfigError, match=r"line 4: key 'export_max_shard_size'.*KB, MB, GB or TB"):
+        PreTrainingArguments.from_yaml(path)
+    with pytest.raises(ConfigError, match="export_max_shard_size"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, export_max_shard_size=0)
+
+
 def test_bad_dtype_and_decay_style():
     with pytest.raises(ConfigError, match="Unknown dtype"):
         PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, dtype="fp8")

@@ -209,3 +209,19 @@ def test_a_shard_the_index_lists_but_the_folder_lacks_is_named(checkpoints, tmp_
     missing.unlink()
     with pytest.raises(ConfigError, match=f"lists {missing.name}, which is not in"):
         laid_out(folder, tmp_path)
+
+
+def test_a_bad_index_or_a_damaged_file_is_named(checkpoints, tmp_path):
+    import shutil
+
+    folder = tmp_path / "bad-index"
+    shutil.copytree(checkpoints / "untied", folder)
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json: not a safetensors index.*weight_map"):
+        laid_out(folder, tmp_path)
+    folder = tmp_path / "cut-short"
+    shutil.copytree(checkpoints / "untied", folder)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"{shard.name}: cannot be read as safetensors.*download it again"):
+        laid_out(folder, tmp_path)
