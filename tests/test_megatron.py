@@ -1,4 +1,5 @@
-"""The megatron engine: tensor (+sequence), pipeline and data parallelism on real processes (torchrun, gloo),
+"""The megatron engine: tensor (+sequence), pipeline, context and data parallelism and the chunked loss on real
+processes (torchrun, gloo),
 each mesh's per-step losses equal to one process; resume across meshes; HF export; the seed's plugin_args,
 hooks, model-config parser registry and launch flows.
 
@@ -45,12 +46,24 @@ TWO_RANK = {
     "tied-embeddings-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
                                                "model_path": "{root}/tied"}, "tied"),
     "dp2-distributed-optimizer": ({"dp": 2, "plugin_args": {"use_distributed_optimizer": True}}, "one-mbs4"),
+    # the output head computes the loss in chunks: vocab-parallel under tp, on the last stage under pp
+    "tp2-sequence-parallel-chunked-loss": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
+                                            "loss_chunk_size": 24}, "one"),
+    "pp2-chunked-loss": ({"plugin_args": {"pp_degree": 2}, "loss_chunk_size": 24}, "one"),
+    # context parallelism: every sequence split over 2 ranks
+    "cp2": ({"context_parallel_degree": 2}, "one"),
 }
 FOUR_RANK = {
     "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
                                   "one-mbs4"),
     "pp2-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "pp_degree": 2,
                                                    "sequence_parallelism": True}}, "one"),
+    "cp2-tp2-sequence-parallel": ({"context_parallel_degree": 2,
+                                   "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, "one"),
+    "cp2-pp2-chunked-loss": ({"context_parallel_degree": 2, "plugin_args": {"pp_degree": 2},
+                              "loss_chunk_size": 24}, "one"),
+    "dp2-cp2-distributed-optimizer": ({"dp": 2, "context_parallel_degree": 2,
+                                       "plugin_args": {"use_distributed_optimizer": True}}, "one-mbs4"),
 }
 
 
@@ -129,6 +142,10 @@ def two_rank(base, tmp_path_factory) -> Path:
         {"name": "tp-resume", "config": {**TWO_RANK["tp2-sequence-parallel"][0], "save_dir": str(root / "pp-then-tp")}},
         {"name": "dp-exit", "config": {**distributed, "exit_interval": 3, "save_dir": str(root / "dp-resumed")}},
         {"name": "dp-resume", "config": {**distributed, "save_dir": str(root / "dp-resumed")}},
+        {"name": "cp-exit", "config": {**TWO_RANK["cp2"][0], "exit_interval": 3,
+                                       "save_dir": str(root / "cp-then-tp")}},
+        {"name": "cp-then-tp", "config": {**TWO_RANK["tp2-sequence-parallel"][0],
+                                          "save_dir": str(root / "cp-then-tp")}},
         {"name": "hooks", "hooks": True, "config": {"plugin_args": {"tp_degree": 2}, "save_dir": str(root / "hooks")}},
     ]
     launch_cases(base, cases, 2, root)
@@ -167,9 +184,10 @@ def test_four_rank_mesh_matches_one_process_and_exports_the_same_model(four_rank
         torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
 
 
-def test_a_pipeline_checkpoint_resumes_on_a_tensor_parallel_mesh_and_on_one_process(two_rank, references, tmp_path):
+def test_pipeline_and_context_parallel_checkpoints_resume_on_other_meshes(two_rank, references, tmp_path):
     assert_same_losses(two_rank / "pp-then-tp", references["one"])
     assert_same_losses(two_rank / "dp-resumed", references["one-mbs4"])
+    assert_same_losses(two_rank / "cp-then-tp", references["one"])  # cp=2 to cp=1 (and tp=2)
     # the tensor-parallel checkpoint of step 3 continues on a single process
     moved = tmp_path / "moved"
     shutil.copytree(two_rank / "pp-then-tp" / "checkpoints" / "step-3", moved / "checkpoints" / "step-3")

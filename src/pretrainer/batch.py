@@ -14,6 +14,7 @@ exist (`models/chunked_loss.py`): `forward_logits` hands it the batch's targets,
 
 from __future__ import annotations
 
+import contextlib
 from contextvars import ContextVar
 
 import torch
@@ -62,6 +63,17 @@ def head_targets() -> torch.Tensor | None:
     """The targets of the batch being forwarded (None outside `forward_logits`, e.g. in `generate`)."""
     batch = _forwarded_batch.get()
     return batch_targets(batch) if batch is not None else None
+
+
+@contextlib.contextmanager
+def targets_for_head(targets: torch.Tensor):
+    """Hand `targets` to an output head that computes the loss itself, for an engine that runs the model's
+    modules without `forward_logits` (pipeline stages)."""
+    token = _forwarded_batch.set({"shift_labels": targets})
+    try:
+        yield
+    finally:
+        _forwarded_batch.reset(token)
 
 
 def is_head_loss(output: torch.Tensor) -> bool:

@@ -8,6 +8,12 @@ stored gradients. The head's weight is thus used only inside the head's own forw
 (FSDP's unsharded parameters, DeepSpeed ZeRO-3's gathered ones) has it whole. The math is the plain
 softmax cross-entropy's, so loss and gradients equal the unchunked ones within fp32 rounding.
 
+A head split by vocabulary rows over tensor-parallel ranks (the megatron engine's, a DTensor sharded on
+dim 0) computes each chunk's logits for its own rows only, as Megatron's vocab-parallel cross-entropy does:
+the ranks all-reduce each token's max logit, then its sum of exponentials and its target's logit, so no
+rank holds a chunk's logits for the whole vocabulary; the hidden states' gradient is a partial sum that the
+tensor-parallel layout reduces in backward.
+
 The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its
 forward changes, and outside `batch.forward_logits` (no targets: `generate`, a user's call) it returns
 ordinary logits.
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import types
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..batch import IGNORE, head_targets
@@ -60,19 +68,55 @@ def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool
     return True
 
 
+def computes_loss(head: torch.nn.Module | None) -> bool:
+    """Whether `head` was made to compute the loss itself (`install_chunked_loss`)."""
+    return bool(getattr(head, "loss_chunk_size", 0))
+
+
 def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     targets = head_targets()
     if targets is None:
         return F.linear(hidden, self.weight)
-    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(self.weight, DTensor):
+        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size)
+    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows [offset, offset + rows) of a head split over `group`."""
+    offset: int
+    group: object
+
+
+def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The chunked loss of a head whose weight is a DTensor sharded by vocabulary rows over a 1-D mesh; the
+    input arrives as the layout's replicated DTensor (sequence-parallel slices already gathered)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+        raise ConfigError(f"loss_chunk_size: the output head's weight is laid out as {weight.placements} on a "
+                          f"{mesh.ndim}-D mesh; chunks need it split by vocabulary rows over one tensor-parallel "
+                          "mesh: set loss_chunk_size: 0")
+    _, (offset, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    out = LinearCrossEntropy.apply(hidden, weight.to_local(), targets, chunk, VocabShard(offset, mesh.get_group()))
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions],
-    ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient)."""
+    ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a
+    `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                shard: VocabShard | None):
         flat = hidden.reshape(-1, hidden.shape[-1])
         labels = targets.reshape(-1).to(flat.device)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -84,13 +128,19 @@ class LinearCrossEntropy(torch.autograd.Function):
             h, t = flat[start:start + chunk], labels[start:start + chunk]
             logits = F.linear(h, weight).float()
             valid = t != IGNORE
-            safe = t.clamp(min=0)
-            log_norm = torch.logsumexp(logits, dim=-1)
-            total += ((log_norm - logits.gather(1, safe[:, None])[:, 0]) * valid).sum()
-            correct += ((logits.argmax(dim=-1) == t) & valid).sum()
+            if shard is None:
+                local = t.clamp(min=0)
+                log_norm = torch.logsumexp(logits, dim=-1)
+                target_logit = logits.gather(1, local[:, None])[:, 0]
+                correct += ((logits.argmax(dim=-1) == t) & valid).sum()
+                mine = valid
+            else:
+                log_norm, target_logit, local, mine, best = _shard_statistics(logits, t, valid, shard)
+                correct += ((target_logit >= best) & valid).sum()  # the target holds the largest logit
+            total += ((log_norm - target_logit) * valid).sum()
             if want_hidden or want_weight:
                 grad_logits = torch.exp(logits - log_norm[:, None])  # softmax, minus one at the target
-                grad_logits.scatter_add_(1, safe[:, None], -torch.ones_like(log_norm)[:, None])
+                grad_logits.scatter_add_(1, local[:, None], -mine.to(logits.dtype)[:, None])
                 grad_logits *= valid[:, None]
                 grad_logits = grad_logits.to(h.dtype)
                 if want_hidden:
@@ -110,4 +160,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
         if grad_hidden is not None:
             grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _shard_statistics(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, shard: VocabShard):
+    """Over the whole vocabulary, from each rank's rows: (log of the softmax normaliser, the target's logit,
+    the target's row in this shard (0 where elsewhere), whether this shard holds it, the largest logit)."""
+    rows = logits.shape[1]
+    mine = valid & (targets >= shard.offset) & (targets < shard.offset + rows)
+    local = torch.where(mine, targets - shard.offset, 0)
+    best = logits.max(dim=-1).values
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=shard.group)
+    sums = torch.stack([torch.exp(logits - best[:, None]).sum(dim=-1),
+                        logits.gather(1, local[:, None])[:, 0] * mine])
+    dist.all_reduce(sums, group=shard.group)
+    return best + torch.log(sums[0]), sums[1], local, mine, best

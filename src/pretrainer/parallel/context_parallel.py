@@ -1,5 +1,5 @@
-"""Context parallelism (`context_parallel_degree`, cp) for the ddp and fsdp engines: each sequence is split
-over the cp ranks of a data replica, which see the same batches; processes = dp x cp.
+"""Context parallelism (`context_parallel_degree`, cp) for the ddp, fsdp and megatron engines: each sequence
+is split over the cp ranks of a data replica, which see the same batches; processes = dp x cp (x tp x pp).
 
 Load balance: a window of T tokens is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r, so
 under a causal mask every rank has the same attention work. Attention: each rank computes queries, keys
@@ -12,9 +12,11 @@ attention mask shape, at the cost of holding a layer's keys and values for the w
 grouped-query attention is small next to the rest of the step.
 
 Each rank's loss covers its own tokens; loss sums and token counts are reduced over all ranks, and the
-engine averages gradients over all of them (cp ranks hold full model replicas). A short final window is
-padded (ignored targets) to a multiple of 2 x cp. Document masking (`reset_attention_mask`) is refused;
-`reset_position_ids` works (positions feed RoPE, the causal mask uses window order).
+engine averages gradients over all of them (cp ranks hold the same parameters: whole replicas under ddp and
+fsdp, the same tp shard of the same pipeline stage under megatron, which reduces gradients over dp x cp).
+A short final window is padded (ignored targets) to a multiple of 2 x cp. Document masking
+(`reset_attention_mask`) is refused; `reset_position_ids` works (positions feed RoPE, the causal mask uses
+window order).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ class ContextParallel:
     rank: int            # index within the cp group
     group: object        # the cp group's ProcessGroup
     pad_token_id: int = 0
+    multiple: int = 1    # chunk sizes are a multiple of this (sequence parallelism splits them over tp)
 
     def chunks(self, length: int) -> tuple[int, int]:
         """(chunk size, padded length) for a window of `length` tokens."""
         pieces = 2 * self.degree
-        size = -(-length // pieces)
+        size = -(-length // (pieces * self.multiple)) * self.multiple
         return size, size * pieces
 
     def order(self, length: int) -> torch.Tensor:
@@ -61,8 +64,9 @@ class ContextParallel:
         size, _ = self.chunks(length)
         return self.order(length).view(self.degree, 2 * size)[self.rank]
 
-    def shard(self, batch: dict) -> dict:
-        """This rank's part of a host batch (input_ids, shift_labels, position_ids)."""
+    def shard(self, batch: dict, min_length: int = 0) -> dict:
+        """This rank's part of a host batch (input_ids, shift_labels, position_ids), its windows padded to at
+        least `min_length` tokens (pipeline stages exchange fixed shapes)."""
         mask = batch.get("attention_mask")
         if mask is not None and not _is_right_padding(mask):
             raise ConfigError("context_parallel_degree: batches with an attention_mask other than right padding "
@@ -70,7 +74,8 @@ class ContextParallel:
                               "data without reset_attention_mask, or context_parallel_degree: 1")
         ids, targets = batch["input_ids"], batch_targets(batch)
         rows, length = ids.shape
-        _, padded = self.chunks(length)
+        window = max(length, min_length)
+        _, padded = self.chunks(window)
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(length).expand(rows, length)
@@ -79,9 +84,9 @@ class ContextParallel:
             ids = F.pad(ids, (0, extra), value=self.pad_token_id)
             targets = F.pad(targets, (0, extra), value=IGNORE)
             positions = F.pad(positions, (0, extra), value=0)
-        mine = self.local_indices(length)
+        mine = self.local_indices(window)
         return {"input_ids": ids[:, mine], "shift_labels": targets[:, mine], "position_ids": positions[:, mine],
-                "cp_length": length}
+                "cp_length": window}
 
     @contextlib.contextmanager
     def active(self, length: int):
@@ -93,6 +98,16 @@ class ContextParallel:
             yield
         finally:
             _current = previous
+
+
+def active_positions(device: torch.device) -> torch.Tensor | None:
+    """`[1, local tokens]` window positions of this rank's tokens in the forward in progress (None outside a
+    context-parallel forward): RoPE for modules that are not handed the batch's positions (pipeline stages)."""
+    layout = _current
+    if layout is None:
+        return None
+    size = layout._order.numel() // layout.degree
+    return layout._order[layout.rank * size:(layout.rank + 1) * size].to(device)[None]
 
 
 def _is_right_padding(mask: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -63,9 +64,13 @@ class DistributedEngine(Engine):
         if args.context_parallel_degree > 1:
             if not self.supports_context_parallel:
                 raise ConfigError(f"key 'context_parallel_degree': engine {self.name} does not split sequences "
-                                  "over ranks; use engine ddp or fsdp")
-            self.context = context_parallel.create(args.context_parallel_degree, self.rank, self.world_size)
+                                  "over ranks; use engine ddp, fsdp or megatron")
+            self.context = self.context_group(args.context_parallel_degree)
             self.model_parallel_size = args.context_parallel_degree  # ranks that read one replica's batches
+
+    def context_group(self, degree: int) -> context_parallel.ContextParallel | None:
+        """This rank's context-parallel group (consecutive ranks)."""
+        return context_parallel.create(degree, self.rank, self.world_size)
 
     # ------------------------------------------------------------ context parallelism
     @property
@@ -92,17 +97,21 @@ class DistributedEngine(Engine):
     def describe(self) -> str:
         return super().describe() + (f" context_parallel_degree={self.context.degree}" if self.context else "")
 
-    def forward(self, model: torch.nn.Module, batch: dict):
+    def sequence_layout(self, batch: dict | None = None):
+        """Context: attention runs on the context-parallel layout of `batch` (or of the last batch given, for
+        its backward, where activation checkpointing recomputes attention); nothing without cp."""
         if not self.context:
-            return super().forward(model, batch)
-        self._window = batch["cp_length"]
-        with self.context.active(self._window):
+            return contextlib.nullcontext()
+        if batch is not None:
+            self._window = batch["cp_length"]
+        return self.context.active(self._window)
+
+    def forward(self, model: torch.nn.Module, batch: dict):
+        with self.sequence_layout(batch):
             return super().forward(model, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if not self.context:
-            return super().backward(loss)
-        with self.context.active(self._window):  # activation checkpointing recomputes attention here
+        with self.sequence_layout():
             super().backward(loss)
 
     def save_state_async(self, folder, model, optimizer):

@@ -130,9 +130,6 @@ class Engine(ABC):
     supports_async_save = True
     # The HF export streams the weights tensor by tensor (`export_tensors`) instead of one full state dict.
     exports_tensor_by_tensor = True
-    # The model's output head may compute the loss itself, in chunks (`loss_chunk_size`): the head is whole on
-    # the rank that runs it, not split over ranks.
-    supports_chunked_loss = True
     model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
 
     def __init__(self, args):

@@ -67,6 +67,6 @@ def create_engine(args) -> Engine:
     engine = engine_class(select_engine(args))(args)
     if args.context_parallel_degree > 1 and getattr(engine, "context", None) is None:
         raise ConfigError(f"key 'context_parallel_degree': {args.context_parallel_degree} needs several processes "
-                          "and engine ddp or fsdp")
+                          "and engine ddp, fsdp or megatron")
     args.check_world_size(engine.world_size, engine.model_parallel_size)
     return engine

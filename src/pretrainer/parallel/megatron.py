@@ -1,13 +1,16 @@
-"""The megatron engine: Megatron-LM's tensor, sequence and pipeline parallelism on PyTorch's own machinery.
+"""The megatron engine: Megatron-LM's tensor, sequence, pipeline and context parallelism on PyTorch's own
+machinery.
 
-A device mesh `dp x pp x tp` (tp innermost, as in Megatron). Each rank builds only its pipeline stages
-(`pipeline.DecoderStage`) from the HF model, applies the model family's tensor-parallel plan
-(`plans`, chosen by the model-config parser registry), recomputes activations as configured, and wraps
-each stage for data parallelism over `dp`: `replicate` (gradients all-reduced, like DDP), or with
-`use_distributed_optimizer` FSDP2 without resharding after forward (gradients reduce-scattered and the
-optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2 style). Micro-batches
-(`num_micro_batches` = `gradient_accumulation_steps`) run through a GPipe, 1F1B or interleaved 1F1B
-schedule when pp > 1.
+A device mesh `dp x pp x cp x tp` (tp innermost, then context parallelism, as in Megatron). Each rank
+builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model, applies the model family's
+tensor-parallel plan (`plans`, chosen by the model-config parser registry), recomputes activations as
+configured, and wraps each stage for data parallelism over `dp`: `replicate` (gradients all-reduced, like
+DDP), or with `use_distributed_optimizer` FSDP2 without resharding after forward (gradients
+reduce-scattered and the optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2
+style). With context parallelism (`context_parallel_degree`, see context_parallel.py) the cp ranks of a
+stage hold the same parameters and split every sequence, so gradients are reduced over dp x cp, as
+Megatron's dp-cp group does. Micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run
+through a GPipe, 1F1B or interleaved 1F1B schedule when pp > 1.
 
 The model the loop holds is a `MegatronModel`: this rank's modules under the HF model's own names, so
 optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all see HF keys.
@@ -23,11 +26,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-from ..batch import IGNORE, batch_targets
+from ..batch import IGNORE, batch_targets, is_head_loss
 from ..config import ConfigError
 from ..models import materialize
+from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
 from ..models.registry import parse_model_config
+from . import context_parallel
 from .activation_checkpoint import apply_activation_checkpointing
 from .distributed import DistributedEngine
 from .engine import compile_layers, to_device_async
@@ -66,7 +71,7 @@ class MegatronModel(torch.nn.Module):
 
 class MegatronEngine(DistributedEngine):
     name = "megatron"
-    supports_chunked_loss = False  # the output head is split over tensor-parallel ranks (vocab-parallel)
+    supports_context_parallel = True
     reads_weight_slices = True
 
     def __init__(self, args):
@@ -76,19 +81,32 @@ class MegatronEngine(DistributedEngine):
                               "stages); use bf16 (or fp32)")
         self.settings = read_settings(args)
         s = self.settings
-        if self.world_size % s.model_parallel_size:
+        cp = args.context_parallel_degree
+        self.model_parallel_size = s.model_parallel_size * cp  # ranks that read one replica's batches
+        if self.world_size % self.model_parallel_size:
             raise ConfigError(f"{self.world_size} process(es) cannot be split into tp_degree={s.tp} x "
-                              f"pp_degree={s.pp} model-parallel groups; launch a multiple of {s.model_parallel_size}")
-        self.model_parallel_size = s.model_parallel_size
-        self.dp = self.world_size // s.model_parallel_size
-        self.mesh = init_device_mesh(self.device.type, (self.dp, s.pp, s.tp), mesh_dim_names=("dp", "pp", "tp"))
+                              f"pp_degree={s.pp} x context_parallel_degree={cp} model-parallel groups; launch a "
+                              f"multiple of {self.model_parallel_size}")
+        self.dp = self.world_size // self.model_parallel_size
+        self.mesh = init_device_mesh(self.device.type, (self.dp, s.pp, cp, s.tp),
+                                     mesh_dim_names=("dp", "pp", "cp", "tp"))
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
+        # gradients and token counts are summed over the ranks holding the same parameters: dp x cp
+        self.data_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else self.mesh["dp"]
+        if cp > 1:  # sequence parallelism splits each cp rank's tokens again over tp
+            self.context = context_parallel.ContextParallel(cp, self.mesh.get_local_rank("cp"),
+                                                            self.mesh.get_group("cp"),
+                                                            multiple=s.tp if s.sequence_parallel else 1)
         self.stages: list[DecoderStage] = []
         self.stage_ids: list[int] = []
         self.schedule = None
         self.loss_weight = 1.0
         self._loss_fn, self._loss_scale, self._loss_sums = None, 1.0, []
         self._padding_checked = False
+        self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
+
+    def context_group(self, degree: int) -> None:
+        return None  # made on the mesh above, once it exists
 
     @property
     def data_rank(self) -> int:
@@ -97,6 +115,15 @@ class MegatronEngine(DistributedEngine):
     @property
     def data_world_size(self) -> int:
         return self.dp
+
+    @property
+    def gradient_average_size(self) -> int:
+        return self.data_mesh.size()
+
+    def shard_batch(self, batch: dict) -> dict:
+        if not self.context:
+            return batch
+        return self.context.shard(batch, self.plan.seq_length if self.settings.pp > 1 else 0)
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -120,6 +147,9 @@ class MegatronEngine(DistributedEngine):
         ranges = split_layers(shape.num_layers, s.num_stages, s.pipeline_layers)
         self.stage_ids = stages_of_rank(self.pp_rank, s.pp, s.num_stages)
         is_meta = any(p.is_meta for p in model.parameters())
+        self._head_loss = computes_loss(parts.lm_head)
+        if self.context:
+            context_parallel.install(model, self.context.degree)
         for index in self.stage_ids:
             stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
                                  config=model.config, tied=not shape.untied_embeddings,
@@ -134,7 +164,7 @@ class MegatronEngine(DistributedEngine):
                 stage.sequence_shards = s.tp if s.sequence_parallel else 1
             if args.compile:
                 compile_layers(stage)
-            if self.dp > 1:
+            if self.data_mesh.size() > 1:
                 self._data_parallel(stage)
             self.stages.append(stage)
         if not is_meta:
@@ -184,7 +214,7 @@ class MegatronEngine(DistributedEngine):
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 
-        mesh = self.mesh["dp"]
+        mesh = self.data_mesh
         if self.settings.distributed_optimizer:
             for layer in stage.layers.values():
                 fully_shard(layer, mesh=mesh, reshard_after_forward=False)
@@ -219,6 +249,8 @@ class MegatronEngine(DistributedEngine):
         """Sequence length a batch is right-padded to: a multiple of tp under sequence parallelism (each rank
         holds an equal slice), and the run's full length under pipelining (stages exchange fixed shapes)."""
         s = self.settings
+        if self.context:  # shard_batch made every rank's piece of equal, tp-divisible length already
+            return length
         if s.pp > 1:
             length = max(length, self.plan.seq_length)
         multiple = s.tp if s.sequence_parallel else 1
@@ -236,17 +268,21 @@ class MegatronEngine(DistributedEngine):
                               "this batch has padding before tokens: set the tokenizer's padding_side='right'")
 
     def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a batch (on the rank holding the last stage; None elsewhere when pipelined)."""
+        """Logits of a batch, or the head's loss sum (see chunked_loss.py), on the rank holding the last
+        stage; None elsewhere when pipelined."""
         self._check_padding_side(batch)
         length = batch["input_ids"].shape[1]
         input_ids = _pad(batch["input_ids"], self.padded_length(length), 0)
-        if self.settings.pp == 1:
-            position_ids = batch.get("position_ids")
-            if position_ids is not None:
-                position_ids = _pad(position_ids, input_ids.shape[1], 0)
-            return self.stages[0](input_ids, position_ids)[:, :length]
-        logits = self._pipeline_forward_only(input_ids)
-        return logits[:, :length] if logits is not None else None
+        targets = _pad(batch_targets(batch), input_ids.shape[1], IGNORE) if self._head_loss else None
+        with self.sequence_layout(batch):
+            if self.settings.pp == 1:
+                position_ids = batch.get("position_ids")
+                if position_ids is not None:
+                    position_ids = _pad(position_ids, input_ids.shape[1], 0)
+                output = self.stages[0](input_ids, position_ids, targets)
+            else:
+                output = self._pipeline_forward_only(input_ids, targets)
+        return output if output is None or is_head_loss(output) else output[:, :length]
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
         if self.settings.pp == 1:
@@ -262,9 +298,11 @@ class MegatronEngine(DistributedEngine):
         targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
                              for b in micro_batches])
         last = self.settings.num_stages - 1
-        with self.autocast():
+        # a head that computes the loss is handed each micro-batch's targets with its hidden states
+        head_targets = {"targets": targets} if self._head_loss and last in self.stage_ids else {}
+        with self.autocast(), self.sequence_layout(micro_batches[0]):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
-                               target=targets if last in self.stage_ids else None)
+                               target=targets if last in self.stage_ids else None, **head_targets)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         # The first step also calls the loss once on stand-in outputs (the schedule infers shapes): keep the
         # micro-batches' own losses, the last ones.
@@ -278,7 +316,7 @@ class MegatronEngine(DistributedEngine):
         return summed * self._loss_scale
 
     @torch.no_grad()
-    def _pipeline_forward_only(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def _pipeline_forward_only(self, input_ids: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
         """Run the stages in order, sending hidden states between pipeline ranks (evaluation)."""
         s = self.settings
         group = self.mesh.get_group("pp")
@@ -296,7 +334,8 @@ class MegatronEngine(DistributedEngine):
                     dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
             if self.pp_rank == owner:
                 with self.autocast():
-                    hidden = by_id[index](input_ids.to(self.device) if index == 0 else hidden)
+                    hidden = by_id[index](input_ids.to(self.device) if index == 0 else hidden, None,
+                                          targets if index == s.num_stages - 1 else None)
         return hidden if s.num_stages - 1 in self.stage_ids else None
 
     def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
@@ -328,19 +367,22 @@ class MegatronEngine(DistributedEngine):
 
     # ------------------------------------------------------------ reductions
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Token counts: the ranks of one model replica see the same batch, so sum over dp only."""
+        """Token counts: the tp and pp ranks of one model replica see the same tokens, so sum over dp (x cp:
+        each cp rank counts its own part of the sequences) only."""
         counts = to_device_async(counts, self.device)
-        dist.all_reduce(counts, group=self.mesh.get_group("dp"))
+        dist.all_reduce(counts, group=self.data_mesh.get_group())
         return counts
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Loss sums: one copy per replica, from its last pipeline stage, first tp rank."""
+        """Loss sums: one copy per replica (per cp rank: each holds its tokens' part), from its last pipeline
+        stage, first tp rank."""
         value = value * self.loss_weight
         dist.all_reduce(value)
         return value
 
     def describe(self) -> str:
-        return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp} x tp={self.settings.tp}) " \
+        cp = f" x cp={self.context.degree}" if self.context else ""
+        return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
 
 

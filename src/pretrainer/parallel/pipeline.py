@@ -12,11 +12,15 @@ per rank, rank r holds stages r, r+pp, r+2pp, ...
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask
 
+from ..batch import targets_for_head
 from ..config import ConfigError
+from . import context_parallel
 from .plans import ModelParts
 
 
@@ -69,12 +73,17 @@ class DecoderStage(torch.nn.Module):
             size = num_layers or 1
             self.recompute_groups = [(names[i:i + size], True) for i in range(0, len(names), size)]
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (token ids on the first stage) to the next stage's hidden states, or, on the last,
+        logits, or with `targets` and a head that computes the loss (`loss_chunk_size`) its loss sum."""
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
         else:
             batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
+        if position_ids is None:  # a context-parallel rank's tokens sit at their places in the whole window
+            position_ids = context_parallel.active_positions(hidden.device)
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         shape_only = hidden.new_empty((batch, seq, 1))
@@ -90,7 +99,8 @@ class DecoderStage(torch.nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:
-            hidden = self.lm_head(hidden)
+            with targets_for_head(targets) if targets is not None else contextlib.nullcontext():
+                hidden = self.lm_head(hidden)
         return hidden
 
     def _run_layers(self, names, hidden, mask, position_embeddings, position_ids):

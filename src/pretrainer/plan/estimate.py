@@ -256,9 +256,9 @@ def _activations(layout: Layout, shape: ModelShape, config, notes: dict) -> tupl
 
 def _logits(layout: Layout, shape: ModelShape) -> int:
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    if layout.loss_chunk:
-        tokens = min(tokens, layout.loss_chunk)
-    return LOSS_BYTES_PER_LOGIT * tokens * shape.vocab
+    if layout.loss_chunk:  # one chunk at a time, of this rank's vocabulary rows under tensor parallelism
+        return LOSS_BYTES_PER_LOGIT * min(tokens, layout.loss_chunk) * -(-shape.vocab // layout.tp)
+    return LOSS_BYTES_PER_LOGIT * tokens * shape.vocab  # megatron's head gathers whole logits on every tp rank
 
 
 def _compute_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, trained_share: float) -> float:

@@ -92,7 +92,7 @@ class Layout:
         if self.engine == "fsdp":
             keys += [f"fsdp_reshard_after_forward={str(self.fsdp_reshard).lower()}",
                      f"fsdp_cpu_offload={str(self.fsdp_offload).lower()}"]
-        if self.engine in ("ddp", "fsdp"):
+        if self.engine in ("ddp", "fsdp", "megatron"):
             keys.append(f"context_parallel_degree={self.cp}")
         return keys
 

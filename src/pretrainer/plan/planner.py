@@ -41,13 +41,11 @@ def make_plan(args, spec, world_size: int, devices_per_node: int, device: Device
     seq_length = resolve_seq_length(args.seq_length, config, spec.config_source)
     layout = layout_from_args(args, world_size, devices_per_node, seq_length, shape.layers, shape.hidden)
 
-    def loss_chunk(engine: str, micro_batch: int) -> int:
-        """`loss_chunk_size` as the run resolves it (the megatron engine keeps the full logits)."""
-        if engine == "megatron":
-            return 0
+    def loss_chunk(micro_batch: int) -> int:
+        """`loss_chunk_size` as the run resolves it."""
         return resolve_chunk_size(args.loss_chunk_size, micro_batch, seq_length, shape.vocab)
 
-    layout = layout.replace(loss_chunk=loss_chunk(layout.engine, layout.micro_batch))
+    layout = layout.replace(loss_chunk=loss_chunk(layout.micro_batch))
     checkpoint = ("slices" if reads_checkpoint_in_slices(args, spec) else "whole") if spec.has_weights else "none"
     own = estimate(layout, shape, config, device, args.trainable_parameters, checkpoint)
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, loss_chunk, args.trainable_parameters,

@@ -28,7 +28,7 @@ def _batch_splits(layout: Layout, dp: int) -> list[tuple[int, int]]:
 
 
 def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
-    """`loss_chunk(engine, micro_batch)`: the chunk the run would resolve for that engine and micro-batch."""
+    """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
     world, per_node = layout.world_size, layout.devices_per_node
     base = dict(world_size=world, devices_per_node=per_node, seq_length=layout.seq_length, dtype=layout.dtype)
     shapes: list[dict] = []
@@ -44,9 +44,9 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 shapes.append(dict(engine="deepspeed", zero_stage=stage))
                 shapes.append(dict(engine="deepspeed", zero_stage=stage, offload_optimizer=True))
             shapes.append(dict(engine="deepspeed", zero_stage=3, offload_optimizer=True, offload_parameters=True))
-        for tp in _divisors(min(per_node, 8), 8):
-            if shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp:
-                continue
+        tensor_parallel = [tp for tp in _divisors(min(per_node, 8), 8) if tp > 1 and not (
+            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
+        for tp in [1, *tensor_parallel]:
             for pp in _divisors(world // tp, 8):
                 if tp * pp == 1 or pp > shape.layers or (pp > 1 and shape.tied):
                     continue
@@ -56,6 +56,9 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 continue
             shapes.append(dict(engine="fsdp", cp=cp))
             shapes.append(dict(engine="ddp", cp=cp))
+            for tp in tensor_parallel:  # Megatron's long-context layout: tp within a node, cp across
+                if world % (tp * cp) == 0:
+                    shapes.append(dict(engine="megatron", tp=tp, cp=cp, sequence_parallel=True))
     out = []
     for parallel in shapes:
         dp = world // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
@@ -64,7 +67,7 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 continue
             for recompute in RECOMPUTE:
                 out.append(Layout(**base, **parallel, micro_batch=micro, accumulation=accumulation,
-                                  recompute=recompute, loss_chunk=loss_chunk(parallel["engine"], micro)))
+                                  recompute=recompute, loss_chunk=loss_chunk(micro)))
     return out
 
 

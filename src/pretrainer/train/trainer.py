@@ -195,9 +195,7 @@ class PreTrainer:
         if not chunk:
             return
         explicit = args.loss_chunk_size != "auto"
-        blocker = (f"engine {self.engine.name} does not keep the output head whole on one rank"
-                   if not self.engine.supports_chunked_loss else
-                   "custom_loss_function needs per-token losses" if self.hooks.loss_function is not None else None)
+        blocker = "custom_loss_function needs per-token losses" if self.hooks.loss_function is not None else None
         if blocker and explicit:
             raise ConfigError(f"loss_chunk_size: not available here ({blocker}); set loss_chunk_size: 0")
         if blocker:
