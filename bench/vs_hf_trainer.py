@@ -2,10 +2,12 @@
 
     .venv/bin/pip install -e '.[bench]'        # datasets, for the HF flow
     .venv/bin/python bench/vs_hf_trainer.py [--size tiny|25m] [--threads 1] [--steps 30] [--repeats 2]
-        [--dtype fp32|bf16]
+        [--dtype fp32|bf16] [--flows FLOW[@DTYPE],...]
 
 Flows, each a fresh process, run in alternation (`--repeats` rounds), in `--dtype` (fp32 default; bf16: the
-HF Trainer with `bf16=True`, pretrainer with `dtype: bf16`, fp32 master weights in both), same initial weights, AdamW
+HF Trainer with `bf16=True`, pretrainer with `dtype: bf16`, fp32 master weights in both) or the dtype a flow
+names (`pretrainer@fp32,pretrainer@bf16,hf-trainer@bf16`: several dtypes side by side in one run), same
+initial weights, AdamW
 (lr 3e-4, betas 0.9/0.95, weight decay 0.1, clip 1.0, cosine with 3 warmup steps), micro-batch 8, no
 accumulation, no evaluation:
 
@@ -21,8 +23,9 @@ accumulation, no evaluation:
   roughly 30-250 tokens).
 
 Printed per flow: steady-state useful (non-padding) tokens/s (steps 6 onward, median over rounds), MFU
-against this machine's measured GEMM peak in the same dtype at the same thread count, the whole run's wall
+against this machine's measured GEMM peak in the flow's dtype at the same thread count, the whole run's wall
 time from launch to exit, and the process tree's peak RSS; the header names the CPU and its bf16 matrix flags.
+With several dtypes, each flow's tokens/s is also given against `pretrainer@fp32` (when run).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def main() -> None:
     parser.add_argument("--flows", default="hf-trainer,pretrainer,pretrainer-compile,seed-padded-alpaca,"
                                            "pretrainer-packed-alpaca")
     ns = parser.parse_args()
-    flows = ns.flows.split(",")
+    flows = [flow if "@" in flow else f"{flow}@{ns.dtype}" for flow in ns.flows.split(",")]
     env = {**os.environ, "OMP_NUM_THREADS": str(ns.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     results: dict[str, list] = {flow: [] for flow in flows}
@@ -196,32 +199,37 @@ def main() -> None:
         (tmp / "padded.py").write_text(SEED_PADDED)
         alpaca = tmp / "alpaca.json"
         write_alpaca(alpaca)
-        hf_args = [tmp / "model", CORPUS, tmp / "hf-cache", tmp / "hf-out", seq, ns.micro_batch, ns.steps,
-                   tmp / "timings.json", json.dumps({**OPTIM, "dtype": ns.dtype})]
-        if "hf-trainer" in flows:
-            measure([sys.executable, tmp / "hf.py", *hf_args], env=env)  # fills the datasets cache (untimed)
+
+        def hf_args(dtype: str) -> list:
+            return [tmp / "model", CORPUS, tmp / "hf-cache", tmp / "hf-out", seq, ns.micro_batch, ns.steps,
+                    tmp / "timings.json", json.dumps({**OPTIM, "dtype": dtype})]
+
+        hf_flows = [flow for flow in flows if flow.startswith("hf-trainer@")]
+        if hf_flows:  # fills the datasets cache (untimed)
+            measure([sys.executable, tmp / "hf.py", *hf_args(hf_flows[0].split("@")[1])], env=env)
         prepared = {"megatron_dataset_flag": True, "data_path": str(tmp / "corpus_text_document"),
                     "dataloader_config": {"split": "100,0,0"}}
         for round_ in range(ns.repeats):
             for flow in flows:
-                run = tmp / f"{flow}-{round_}"
-                if flow == "hf-trainer":
-                    wall, rss, _ = measure([sys.executable, tmp / "hf.py", *hf_args], env=env)
+                name, dtype = flow.split("@")
+                run = tmp / f"{name}-{dtype}-{round_}"
+                if name == "hf-trainer":
+                    wall, rss, _ = measure([sys.executable, tmp / "hf.py", *hf_args(dtype)], env=env)
                     results[flow].append((steady_from_marks(tmp / "timings.json"), wall, rss))
                     continue
-                if flow in ("pretrainer", "pretrainer-compile", "pretrainer-glibc-malloc"):
-                    config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch, compile=flow.endswith("compile"),
-                                               host_malloc_reuse=not flow.endswith("glibc-malloc"), dtype=ns.dtype,
+                if name in ("pretrainer", "pretrainer-compile", "pretrainer-glibc-malloc"):
+                    config = pretrainer_config(tmp / f"{name}.yaml", tmp / "model", seq, ns.steps, run,
+                                               ns.micro_batch, compile=name.endswith("compile"),
+                                               host_malloc_reuse=not name.endswith("glibc-malloc"), dtype=dtype,
                                                **prepared)
                     command = [BIN / "pretrainer", "train", config]
-                elif flow == "seed-padded-alpaca":
-                    config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch, dtype=ns.dtype)
+                elif name == "seed-padded-alpaca":
+                    config = pretrainer_config(tmp / f"{name}.yaml", tmp / "model", seq, ns.steps, run,
+                                               ns.micro_batch, dtype=dtype)
                     command = [sys.executable, tmp / "padded.py", config, alpaca, seq]
                 else:
-                    config = pretrainer_config(tmp / f"{flow}.yaml", tmp / "model", seq, ns.steps, run,
-                                               ns.micro_batch, train_data=str(alpaca), dtype=ns.dtype)
+                    config = pretrainer_config(tmp / f"{name}.yaml", tmp / "model", seq, ns.steps, run,
+                                               ns.micro_batch, train_data=str(alpaca), dtype=dtype)
                     command = [BIN / "pretrainer", "train", config]
                 wall, rss, _ = measure(command, env=env)
                 results[flow].append((steady_from_metrics(run)[0], wall, rss))
@@ -251,24 +259,37 @@ def report(results: dict, flops: float, ns) -> None:
     from pretrainer.perf.dtype_choice import cpu_matrix_flags
     from pretrainer.perf.peak import processor_name
 
-    peak = device_peak(torch.device("cpu"), torch.bfloat16 if ns.dtype == "bf16" else torch.float32)
-    baseline = statistics.median(r[0] for r in results["hf-trainer"]) if results.get("hf-trainer") else None
-    base_wall = statistics.median(r[1] for r in results["hf-trainer"]) if baseline else None
+    dtypes = sorted({flow.split("@")[1] for flow in results})
+    peaks = {dtype: device_peak(torch.device("cpu"), torch.bfloat16 if dtype == "bf16" else torch.float32)
+             for dtype in dtypes}
+
+    def rate_of(flow: str) -> float | None:
+        return statistics.median(r[0] for r in results[flow]) if results.get(flow) else None
+
     print(f"CPU: {processor_name(torch.device('cpu'))}; bf16/fp16 matrix flags: "
           f"{' '.join(cpu_matrix_flags()) or 'none'}")
-    print(f"model {ns.size}, {ns.threads} thread(s), {ns.dtype}, micro-batch {ns.micro_batch}, {ns.steps} steps, "
-          f"{ns.repeats} round(s); {flops / 1e6:,.1f} MFLOP/token; {peak.describe()}")
-    print(f"{'flow':26} {'useful tok/s':>12} {'vs HF':>6} {'MFU':>6} {'run wall s':>10} {'vs HF':>6} "
+    print(f"model {ns.size}, {ns.threads} thread(s), micro-batch {ns.micro_batch}, {ns.steps} steps, "
+          f"{ns.repeats} round(s); {flops / 1e6:,.1f} MFLOP/token")
+    for dtype, peak in peaks.items():
+        print(f"  {dtype}: {peak.describe()}")
+    fp32 = rate_of("pretrainer@fp32") if len(dtypes) > 1 else None
+    print(f"{'flow':31} {'useful tok/s':>12} {'vs HF':>6} {'vs fp32':>7} {'MFU':>6} {'run wall s':>10} {'vs HF':>6} "
           f"{'peak RSS MB':>11}")
     for flow, runs in results.items():
-        rate = statistics.median(r[0] for r in runs)
+        dtype = flow.split("@")[1]
+        hf = f"hf-trainer@{dtype}"
+        baseline = rate_of(hf)
+        base_wall = statistics.median(r[1] for r in results[hf]) if baseline else None
+        rate = rate_of(flow)
         wall = statistics.median(r[1] for r in runs)
         rss = max(r[2] for r in runs)
         speed = f"{rate / baseline:5.2f}x" if baseline else "-"
+        versus_fp32 = f"{rate / fp32:5.2f}x" if fp32 else "-"
         faster = f"{base_wall / wall:5.2f}x" if base_wall else "-"
-        print(f"{flow:26} {rate:12,.0f} {speed:>6} {100 * rate * flops / (peak.tflops * 1e12):5.1f}% "
-              f"{wall:10.1f} {faster:>6} {rss:11.0f}")
-    alpaca = [results.get(f) for f in ("seed-padded-alpaca", "pretrainer-packed-alpaca")]
+        mfu = 100 * rate * flops / (peaks[dtype].tflops * 1e12)
+        print(f"{flow:31} {rate:12,.0f} {speed:>6} {versus_fp32:>7} {mfu:5.1f}% {wall:10.1f} {faster:>6} {rss:11.0f}")
+    alpaca = [next((runs for flow, runs in results.items() if flow.startswith(name + "@")), None)
+              for name in ("seed-padded-alpaca", "pretrainer-packed-alpaca")]
     if all(alpaca):
         padded, packed = (statistics.median(r[0] for r in runs) for runs in alpaca)
         print(f"packed vs padded alpaca, useful tokens/s: {packed / padded:.2f}x")

@@ -89,7 +89,9 @@ SAME_CHECKPOINT_PATH = {"fsdp-no-reshard", "fsdp-hybrid", "fsdp-activation-check
                         "ddp-selective-checkpointing", "deepspeed-zero2-offload"}
 
 
-BF16_ENGINES = {"ddp": "engine=ddp", "fsdp": "engine=fsdp", "deepspeed-zero2": "deepspeed={root}/zero2.json"}
+BF16_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"], "deepspeed-zero2": ["deepspeed={root}/zero2.json"],
+                # the 4 rows of the single run's micro-batch on one replica of 2 tensor-parallel ranks
+                "megatron-tp2": ["engine=megatron", "plugin_args.tp_degree=2", "dp=1", "micro_batch_size=4"]}
 BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
 
 
@@ -113,8 +115,8 @@ def engine_runs(setup) -> None:
     for leg in (["exit_interval=3"], []):
         cases.append({"name": "fsdp-async", "overrides": ["engine=fsdp", "async_checkpoint=true", *leg],
                       "config": {"save_dir": str(root / "fsdp-async")}})
-    for engine, option in BF16_ENGINES.items():
-        cases.append({"name": f"bf16-{engine}", "overrides": [option.format(root=root), *BF16_SHORT_RUN],
+    for engine, options in BF16_ENGINES.items():
+        cases.append({"name": f"bf16-{engine}", "overrides": [*(o.format(root=root) for o in options), *BF16_SHORT_RUN],
                       "config": {"save_dir": str(root / f"bf16-{engine}")}})
     launch_cases(yaml.safe_load(config.read_text()), cases, 2, root)
 
@@ -161,7 +163,8 @@ def test_fsdp_checkpoint_resumes_on_one_process(setup, engine_runs):
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 def test_bf16_on_two_ranks_tracks_fp32(setup, engine_runs, engine):
-    """bf16 (autocast for DDP, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16) for 2 steps."""
+    """bf16 (autocast for DDP and megatron, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16)
+    for 2 steps."""
     root, config, single_dir = setup
     save_dir = root / f"bf16-{engine}"
     got, want = train_losses(save_dir), train_losses(single_dir)
