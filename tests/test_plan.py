@@ -248,3 +248,29 @@ def test_loading_counts_one_tensor_where_the_engine_reads_slices_and_the_whole_m
     assert loading("engine=megatron", "dp=1", "plugin_args.tp_degree=2") == 4 * largest
     assert loading("engine=ddp", "dp=2") == 4 * parameters
     assert loading("engine=fsdp", "dp=2", "sliced_weight_loading=false") == 4 * parameters
+
+
+def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_chunks_its_logits(base_config,
+                                                                                                  tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer.plan.estimate import CPU_GATHER_RETENTION
+
+    config = write_config(tmp_path / "run.yaml", base_config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_config["model_path"]))
+    parameters = sum(p.numel() for p in model.parameters())
+
+    def sizes(*overrides, device=()):
+        return plan_json(config, *overrides, "--world-size", "2", *device)["per_rank_bytes"]
+
+    assert sizes("engine=fsdp", "dp=2")["heap_retained"] == int(CPU_GATHER_RETENTION["fsdp", "other"] * 4 * parameters)
+    assert sizes("engine=fsdp", "dp=2", "activation_checkpointing=full")["heap_retained"] == \
+        int(CPU_GATHER_RETENTION["fsdp", "full"] * 4 * parameters)
+    assert sizes("engine=ddp", "dp=2")["heap_retained"] == 0
+    assert sizes("engine=fsdp", "dp=2", device=("--device", "H100"))["heap_retained"] == 0  # a CPU heap's only
+    # the megatron engine's head computes the loss in chunks of its own vocabulary rows
+    whole = sizes("engine=megatron", "dp=1", "plugin_args.tp_degree=2", "loss_chunk_size=0")["logits"]
+    chunked = sizes("engine=megatron", "dp=1", "plugin_args.tp_degree=2", "loss_chunk_size=16")["logits"]
+    vocab, tokens = model.config.vocab_size, base_config["micro_batch_size"] * base_config["seq_length"]
+    assert chunked == 12 * 16 * vocab // 2  # one chunk of this rank's half of the vocabulary
+    assert whole == int((12 + 4 + 4 / 2) * tokens * vocab)  # the whole logits, the shard and the gather's buffer

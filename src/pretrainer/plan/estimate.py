@@ -17,7 +17,8 @@ Memory per rank, in the engines' own terms:
 The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of
 backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
 and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
-overhead (CPU_HEAP_OVERHEAD, measured). A model loaded from weights is first read whole in fp32 on every rank
+overhead (CPU_HEAP_OVERHEAD, measured), and FSDP/ZeRO-3 ranks add what the heap keeps of their per-layer
+gathers (CPU_GATHER_RETENTION, measured). A model loaded from weights is first read whole in fp32 on every rank
 (`build_model`), which can be the peak itself for engines that shard it afterwards.
 
 Step time: model FLOPs per step over the world's peak at an assumed MFU (recompute adds its forward,
@@ -41,6 +42,13 @@ OFFLOAD_BYTES_PER_S = 25e9   # host <-> device copies (assumed, PCIe 5-class)
 # requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
 # with and without recompute: 1.14-1.25), checked on the other sizes.
 CPU_HEAP_OVERHEAD = 1.2
+# On CPU, engines that gather every layer's weights and reduce-scatter its gradients each step (FSDP, DeepSpeed
+# ZeRO-3) leave the heap far above their live tensors: activations are carved out of the freed layer-sized
+# buffers, so the next gather cannot reuse them and glibc's heap grows until an FSDP rank holds about what a
+# DDP rank does. Counted as a multiple of the model's fp32 bytes, by engine and recomputation, measured on
+# bench/plan_accuracy.py's 27M model (2 ranks) and checked on its 5M and 82M models.
+CPU_GATHER_RETENTION = {("fsdp", "full"): 2.9, ("fsdp", "other"): 1.6,
+                        ("zero3", "full"): 3.6, ("zero3", "other"): 4.1}
 SELECTIVE_RECOMPUTE_COST = 0.03  # share of the step's compute (assumed)
 HOST_ADAM_BYTES_PER_S = 10e9  # a host Adam step streams its states at about this rate (assumed)
 
@@ -58,6 +66,7 @@ class Estimate:
     runtime: int
     loading: int                 # host bytes while the checkpoint is read (see _loading), 0 for a config
     host_offload: int            # bytes kept in host memory by offloading (on an accelerator)
+    retained: int                # freed buffers the CPU heap keeps (CPU_GATHER_RETENTION), 0 elsewhere
     compute_seconds: float
     communication_seconds: float
     device: DeviceSpec
@@ -73,7 +82,7 @@ class Estimate:
         backward_end = self.gradients + self.working
         tensors = persistent + max(backward_start, backward_end)
         if self.device.kind == "cpu":  # offloaded state and the load are in the same memory
-            tensors = CPU_HEAP_OVERHEAD * (tensors + self.host_offload)
+            tensors = CPU_HEAP_OVERHEAD * (tensors + self.host_offload + self.retained)
             return self.runtime + int(max(tensors, self.loading))
         return self.runtime + tensors
 
@@ -96,7 +105,7 @@ class Estimate:
                 "activations": self.activations + self.working, "logits": self.logits,
                 "communication": self.communication,
                 "runtime": self.runtime, "loading": self.loading, "host_offload": self.host_offload,
-                "peak": self.peak}
+                "heap_retained": self.retained, "peak": self.peak}
 
 
 def compute_bytes(dtype: str) -> int:
@@ -133,9 +142,22 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
     activations, working = _activations(layout, shape, config, notes)
     logits = _logits(layout, shape)
     loading = _loading(layout, shape, checkpoint, notes)
+    retained = _heap_retained(layout, shape, device, notes)
     return Estimate(layout, params, grads, optimizer, activations, working, logits, comm, device.runtime_bytes, loading,
-                    offload, _compute_seconds(layout, shape, device, trained_share),
+                    offload, retained, _compute_seconds(layout, shape, device, trained_share),
                     _communication_seconds(layout, shape, device, t, c), device, notes)
+
+
+def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes: dict) -> int:
+    """Bytes the CPU heap keeps of an FSDP or ZeRO-3 rank's per-layer gathers (see CPU_GATHER_RETENTION)."""
+    engine = "zero3" if layout.engine == "deepspeed" and layout.zero_stage == 3 else layout.engine
+    gathers = layout.fsdp_shards > 1 if engine == "fsdp" else engine == "zero3" and layout.dp > 1
+    if device.kind != "cpu" or not gathers:
+        return 0
+    factor = CPU_GATHER_RETENTION[engine, "full" if layout.recompute == "full" else "other"]
+    notes["heap_retained"] = (f"freed per-layer gather and gradient buffers the CPU heap keeps ({factor:g} x the fp32 "
+                              "model, measured)")
+    return int(factor * 4 * shape.parameters)
 
 
 def _loading(layout: Layout, shape: ModelShape, checkpoint: str, notes: dict) -> int:
@@ -258,7 +280,10 @@ def _logits(layout: Layout, shape: ModelShape) -> int:
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     if layout.loss_chunk:  # one chunk at a time, of this rank's vocabulary rows under tensor parallelism
         return LOSS_BYTES_PER_LOGIT * min(tokens, layout.loss_chunk) * -(-shape.vocab // layout.tp)
-    return LOSS_BYTES_PER_LOGIT * tokens * shape.vocab  # megatron's head gathers whole logits on every tp rank
+    per_logit = LOSS_BYTES_PER_LOGIT
+    if layout.engine == "megatron" and layout.tp > 1:  # the head's vocabulary shard and the all-gather's buffer
+        per_logit += 4 + 4 / layout.tp
+    return int(per_logit * tokens * shape.vocab)
 
 
 def _compute_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, trained_share: float) -> float:

@@ -48,6 +48,8 @@ def text(plan: Plan, count: int = 8) -> str:
         lines.append(f"  {name:<14}{value / GIB:>9.2f}  {note}")
     if own.loading:
         lines.append(f"  {'loading':<14}{own.loading / GIB:>9.2f}  {own.notes['loading']}")
+    if own.retained:
+        lines.append(f"  {'heap retained':<14}{own.retained / GIB:>9.2f}  {own.notes['heap_retained']}")
     if own.host_offload:
         lines.append(f"  {'host offload':<14}{own.host_offload / GIB:>9.2f}  in host memory, not the device's")
     if own.host_peak:
