@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..batch import batch_targets, forward_logits
 from ..config import ConfigError, RunPlan, torch_dtype
-from ..models import checkpoint_name, has_meta_tensors, materialize
+from ..models import checkpoint_name, cpu_attention, has_meta_tensors, materialize
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -97,9 +97,12 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def compile_layers(model: torch.nn.Module) -> None:
+def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
     """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
-    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change."""
+    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change. In bf16/fp16 on a
+    CPU, `sdpa` attention becomes models/cpu_attention.py's, whose backward the compile fuses."""
+    if precision.device.type == "cpu" and precision.dtype != "fp32":
+        cpu_attention.install(model)
     for layer in decoder_layers(model):
         layer.compile()
 
@@ -335,7 +338,7 @@ class Engine(ABC):
         """Per-layer transforms, before an engine wraps or shards the model: checkpointing, then compile."""
         apply_activation_checkpointing(model, self.args.activation_checkpointing)
         if self.args.compile:
-            compile_layers(model)
+            compile_layers(model, self.precision)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

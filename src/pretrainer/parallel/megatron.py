@@ -163,7 +163,7 @@ class MegatronEngine(DistributedEngine):
                     self._replicate_norms(stage)
                 stage.sequence_shards = s.tp if s.sequence_parallel else 1
             if args.compile:
-                compile_layers(stage)
+                compile_layers(stage, self.precision)
             if self.data_mesh.size() > 1:
                 self._data_parallel(stage)
             self.stages.append(stage)
