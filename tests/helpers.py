@@ -49,6 +49,10 @@ def train_losses(save_dir) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(save_dir) if "loss" in row}
 
 
+def grad_norms(save_dir) -> dict[int, float]:
+    return {row["step"]: row["grad_norm"] for row in read_metrics(save_dir) if "grad_norm" in row}
+
+
 def eval_losses(save_dir) -> dict[int, float]:
     return {row["step"]: row["eval_loss"] for row in read_metrics(save_dir) if "eval_loss" in row}
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import eval_losses, read_metrics, train_losses
+from helpers import eval_losses, grad_norms, read_metrics, train_losses
 from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
@@ -81,6 +81,11 @@ def assert_same_run(got: Path, expected: Path, rel: float) -> None:
     want_eval, have_eval = eval_losses(expected), eval_losses(got)
     assert sorted(have_eval) == sorted(want_eval) == [3, 6]
     assert [have_eval[s] for s in (3, 6)] == pytest.approx([want_eval[s] for s in (3, 6)], rel=rel)
+    # the gradient norm (clipping's input and a logged figure) counts each shard and copy once
+    want_norms, have_norms = grad_norms(expected), grad_norms(got)
+    assert sorted(have_norms) == sorted(want_norms) and want_norms
+    assert [have_norms[s] for s in sorted(have_norms)] == pytest.approx([want_norms[s] for s in sorted(want_norms)],
+                                                                        rel=max(rel, 1e-4))
 
 
 # Variants of an engine whose checkpoint path is the base engine's: equality and export only, to keep the

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, eval_losses, train_losses, write_tiny_model
+from helpers import EXAMPLES, eval_losses, grad_norms, train_losses, write_tiny_model
 from launch import BIN, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases, run_case
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
@@ -164,6 +164,8 @@ def assert_same_losses(got: Path, expected: Path) -> None:
     assert sorted(train_losses(got)) == [1, 2, 3, 4, 5, 6]
     assert train_losses(got) == pytest.approx(train_losses(expected), rel=1e-5)
     assert eval_losses(got) == pytest.approx(eval_losses(expected), rel=1e-5)
+    # the gradient norm (the clipping's input) sums each shard once over the mesh
+    assert grad_norms(got) and grad_norms(got) == pytest.approx(grad_norms(expected), rel=1e-4)
 
 
 @pytest.mark.parametrize("name", TWO_RANK)

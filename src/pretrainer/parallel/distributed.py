@@ -149,6 +149,9 @@ class DistributedEngine(Engine):
             else:
                 yield name, None
 
+    def sum_over_ranks(self, value: torch.Tensor) -> None:
+        dist.all_reduce(value)
+
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)

@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from ..batch import batch_targets, forward_logits
 from ..config import ConfigError, RunPlan, torch_dtype
 from ..models import checkpoint_name, cpu_attention, has_meta_tensors, materialize
 from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
+from .gradient_norm import clip_, global_norm
 
 logger = logging.getLogger(__name__)
 
@@ -250,13 +250,19 @@ class Engine(ABC):
 
     def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """The global norm of the parameters' gradients (before clipping); scales them down to `max_norm`."""
-        if max_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is a partial sum until gathered
-            grad_norm = grad_norm.full_tensor()
+        grads = [p.grad for p in params]
+        grad_norm = global_norm(grads, self.gradient_holders, self.sum_over_ranks, self.device)
+        if max_norm and grads:
+            clip_(grads, max_norm, grad_norm)
         return grad_norm
+
+    @property
+    def gradient_holders(self) -> int:
+        """Ranks over which each gradient is copied or split (a plain tensor is copied on each): all of them."""
+        return self.world_size
+
+    def sum_over_ranks(self, value: torch.Tensor) -> None:
+        """Sum a device tensor over every rank, in place."""
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value

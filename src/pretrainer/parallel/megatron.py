@@ -300,9 +300,11 @@ class MegatronEngine(DistributedEngine):
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states
         head_targets = {"targets": targets} if self._head_loss and last in self.stage_ids else {}
+        # return_outputs=False: the schedule would otherwise keep every micro-batch's logits until the next step
         with self.autocast(), self.sequence_layout(micro_batches[0]):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
-                               target=targets if last in self.stage_ids else None, **head_targets)
+                               target=targets if last in self.stage_ids else None, return_outputs=False,
+                               **head_targets)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         # The first step also calls the loss once on stand-in outputs (the schedule infers shapes): keep the
         # micro-batches' own losses, the last ones.
@@ -338,32 +340,10 @@ class MegatronEngine(DistributedEngine):
                                           targets if index == s.num_stages - 1 else None)
         return hidden if s.num_stages - 1 in self.stage_ids else None
 
-    def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-        """As every engine, with the norm summed over pipeline stages and each shard counted once."""
-        grads = [p.grad for p in params]
-        grad_norm = self.global_grad_norm(grads)
-        if max_norm:
-            coefficient = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
-            locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            torch._foreach_mul_(locals_, coefficient.to(locals_[0].dtype))
-        return grad_norm
-
-    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient. A shard counts once: each rank adds its local sum of
-        squares weighted by (distinct shards / ranks holding the stage), then one all-reduce."""
-        holders = self.world_size // self.settings.pp
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for grad in grads:
-            if isinstance(grad, DTensor):
-                shards = 1
-                for size, placement in zip(grad.device_mesh.shape, grad.placements):
-                    shards *= size if placement.is_shard() else 1
-                local = grad.to_local()
-            else:
-                shards, local = 1, grad
-            total += local.double().pow(2).sum() * (shards / holders)
-        dist.all_reduce(total)
-        return total.sqrt().float()
+    @property
+    def gradient_holders(self) -> int:
+        """The ranks of one pipeline stage: each holds its stage's gradients (or their tp/dp shards)."""
+        return self.world_size // self.settings.pp
 
     # ------------------------------------------------------------ reductions
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
