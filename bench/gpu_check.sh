@@ -43,12 +43,19 @@ run() {  # name, then key=value overrides
       save_dir="$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 || { tail -30 "$OUT/$name.log"; return 1; }
   "$PY" - "$OUT/$name" "$name" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"loss"' in l]
+every = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl")]
+rows = [r for r in every if "loss" in r]
 last = rows[-2:]  # steady state: the last 10 steps
 tps = sum(r["tokens_per_s_per_device"] for r in last) / len(last)
 mfu = sum(r["mfu"] for r in last) / len(last)
+reserved = rows[-1].get("peak_reserved_mb", 0)
 print(f"{sys.argv[2]:14} tokens/s/GPU {tps:9,.0f}  MFU {100 * mfu:5.1f}%  peak allocated {rows[-1]['peak_mem_mb']:8,.0f} MB"
-      f"  reserved {rows[-1].get('peak_reserved_mb', 0):8,.0f} MB  loss {rows[-1]['loss']:.4f}")
+      f"  reserved {reserved:8,.0f} MB  loss {rows[-1]['loss']:.4f}")
+# the plan made before the run (the model of `pretrainer plan`) against the allocator's peak
+predicted = next((r["predicted_peak_mem_mb"] for r in every if r.get("event") == "start"), None)
+if predicted and reserved:
+    print(f"{'':14} planned peak {predicted:8,.0f} MB: {predicted / reserved - 1:+.1%} of reserved, "
+          f"{predicted / rows[-1]['peak_mem_mb'] - 1:+.1%} of allocated (the plan adds ~1 GiB of CUDA context)")
 PY
 }
 {

@@ -274,3 +274,66 @@ def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_c
     vocab, tokens = model.config.vocab_size, base_config["micro_batch_size"] * base_config["seq_length"]
     assert chunked == 12 * 16 * vocab // 2  # one chunk of this rank's half of the vocabulary
     assert whole == int((12 + 4 + 4 / 2) * tokens * vocab)  # the whole logits, the shard and the gather's buffer
+
+
+def test_tensor_parallel_layers_recomputed_in_full_count_a_larger_cpu_heap():
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.estimate import CPU_HEAP_OVERHEAD, CPU_HEAP_OVERHEAD_TP_RECOMPUTE
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
+    shape = model_shape(config)
+
+    def planned(device, engine="megatron", **layout):
+        return estimate(Layout(engine, 2, 2, 4, 1, 256, "fp32", **layout), shape, config,
+                        device_spec("fp32", 2, device))
+
+    recomputed = planned("cpu", tp=2, recompute="full")
+    assert recomputed.heap_overhead == CPU_HEAP_OVERHEAD_TP_RECOMPUTE > CPU_HEAP_OVERHEAD
+    assert dataclasses.replace(recomputed, heap_overhead=CPU_HEAP_OVERHEAD).peak < recomputed.peak
+    assert planned("cpu", tp=2).heap_overhead == CPU_HEAP_OVERHEAD
+    assert planned("cpu", engine="ddp", recompute="full").heap_overhead == CPU_HEAP_OVERHEAD
+    assert planned("H100", tp=2, recompute="full").heap_overhead == 1.0  # a CPU heap's only
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_plan_counts_the_flops_the_run_counts(tied):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer.perf.flops import flops_per_token
+    from pretrainer.plan import model_shape
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model_shape(config).flops(64).per_token == flops_per_token(model, 64).per_token
+
+
+def test_pipeline_stages_are_estimated_apart_and_the_higher_peak_is_the_plan():
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.estimate import _estimate_rank, rank_parts
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
+    shape = model_shape(config)
+    layout = Layout("megatron", 2, 2, 2, 4, 64, "fp32", pp=2)
+    first, last = rank_parts(layout, shape)
+    assert first.parameters + last.parameters == shape.parameters  # the layers split evenly, the rest once
+    assert (first.stage, first.in_flight, first.head) == ("first", 2, False)  # 1F1B: pp forwards before a backward
+    assert (last.stage, last.in_flight, last.head) == ("last", 1, True)
+    assert [p.in_flight for p in rank_parts(dataclasses.replace(layout, schedule="gpipe"), shape)] == [4, 4]
+    assert [p.stage for p in rank_parts(dataclasses.replace(layout, pp=1), shape)] == [""]
+
+    device = device_spec("fp32", 2, "cpu")
+    stages = [_estimate_rank(layout, shape, config, device, "all", "none", part) for part in (first, last)]
+    assert stages[0].logits == 0 < stages[1].logits
+    assert stages[0].activations == 2 * stages[1].activations  # same layers, twice the micro-batches in flight
+    planned = estimate(layout, shape, config, device)
+    assert planned.peak == max(s.peak for s in stages) and planned.stage == max(stages, key=lambda s: s.peak).stage

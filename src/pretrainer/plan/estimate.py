@@ -17,9 +17,11 @@ Memory per rank, in the engines' own terms:
 The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of
 backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
 and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
-overhead (CPU_HEAP_OVERHEAD, measured), and FSDP/ZeRO-3 ranks add what the heap keeps of their per-layer
-gathers (CPU_GATHER_RETENTION, measured). A model loaded from weights is first read whole in fp32 on every rank
-(`build_model`), which can be the peak itself for engines that shard it afterwards.
+overhead (CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and FSDP/ZeRO-3
+ranks add what the heap keeps of their per-layer gathers (CPU_GATHER_RETENTION, measured). A model loaded
+from weights is first read whole in fp32 on every rank (`build_model`), which can be the peak itself for
+engines that shard it afterwards. Pipeline stages differ: the first holds the embedding and the most
+micro-batches in flight, the last the head and its logits; the higher of their peaks is the estimate.
 
 Step time: model FLOPs per step over the world's peak at an assumed MFU (recompute adds its forward,
 a pipeline its bubble), plus the communication volume over an assumed bandwidth, not overlapped: both
@@ -42,6 +44,11 @@ OFFLOAD_BYTES_PER_S = 25e9   # host <-> device copies (assumed, PCIe 5-class)
 # requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
 # with and without recompute: 1.14-1.25), checked on the other sizes.
 CPU_HEAP_OVERHEAD = 1.2
+# Megatron's tensor-parallel layers under full recomputation fragment the heap further: each layer recomputed
+# in backward allocates its DTensor temporaries (shards, all-reduced outputs) among the gradients as they are
+# created, and later requests do not fit the holes. Fitted on bench/plan_accuracy.py's 27M model (tp=2, full
+# recompute: 1.45), checked on its 5M and 82M models (1.44-1.66).
+CPU_HEAP_OVERHEAD_TP_RECOMPUTE = 1.45
 # On CPU, engines that gather every layer's weights and reduce-scatter its gradients each step (FSDP, DeepSpeed
 # ZeRO-3) leave the heap far above their live tensors: activations are carved out of the freed layer-sized
 # buffers, so the next gather cannot reuse them and glibc's heap grows until an FSDP rank holds about what a
@@ -67,10 +74,12 @@ class Estimate:
     loading: int                 # host bytes while the checkpoint is read (see _loading), 0 for a config
     host_offload: int            # bytes kept in host memory by offloading (on an accelerator)
     retained: int                # freed buffers the CPU heap keeps (CPU_GATHER_RETENTION), 0 elsewhere
+    heap_overhead: float         # RSS over live tensor bytes on CPU (CPU_HEAP_OVERHEAD...), 1 elsewhere
     compute_seconds: float
     communication_seconds: float
     device: DeviceSpec
     notes: dict = field(default_factory=dict)  # component -> what it holds
+    stage: str = ""              # the pipeline stage whose rank peaks highest ("" without a pipeline)
 
     @property
     def peak(self) -> int:
@@ -82,7 +91,7 @@ class Estimate:
         backward_end = self.gradients + self.working
         tensors = persistent + max(backward_start, backward_end)
         if self.device.kind == "cpu":  # offloaded state and the load are in the same memory
-            tensors = CPU_HEAP_OVERHEAD * (tensors + self.host_offload + self.retained)
+            tensors = self.heap_overhead * (tensors + self.host_offload + self.retained)
             return self.runtime + int(max(tensors, self.loading))
         return self.runtime + tensors
 
@@ -116,12 +125,46 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
              checkpoint: str = "none") -> Estimate:
     """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`;
     `checkpoint`: how the run reads its weights: "none" (random init), "whole" (every rank loads the whole
-    model) or "slices" (an engine that lays the model out first reads only its own slices)."""
-    counts = _rank_parameters(layout, shape)
+    model) or "slices" (an engine that lays the model out first reads only its own slices).
+
+    Under pipeline parallelism the ranks differ (the first stage's hold the embedding and the most micro-batches
+    in flight, the last stage's the head and its logits): the rank with the highest peak is the estimate."""
+    return max((_estimate_rank(layout, shape, config, device, trainable, checkpoint, part)
+                for part in rank_parts(layout, shape)), key=lambda e: e.peak)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What a rank holds of the model and of the step: its pipeline stage's share, split by tp."""
+    stage: str        # "first", "last", or "" (the whole model: no pipeline)
+    parameters: int
+    matmul: int       # of them, in matmuls (autocast keeps compute-dtype copies of these)
+    in_flight: int    # micro-batches whose activations the rank holds at once
+    head: bool        # computes the logits and the loss
+
+
+def rank_parts(layout: Layout, shape: ModelShape) -> list[RankPart]:
+    """The kinds of rank a layout has: one, or a pipeline's first and last stages (the middle ones hold less
+    than either). With 1F1B a stage s of pp holds min(pp - s, micro-batches) forwards before its first
+    backward; GPipe runs every forward first; the interleaved schedule is counted as 1F1B's first stage."""
+    tp = layout.tp if layout.engine == "megatron" else 1
+    if layout.engine != "megatron" or layout.pp == 1:
+        return [RankPart("", shape.parameters // tp, shape.matmul_parameters // tp, 1, True)]
+    layers = -(-shape.layers // layout.pp) * shape.layer_parameters
+    most = min(layout.pp, layout.accumulation)
+    in_flight = {"gpipe": (layout.accumulation, layout.accumulation), "1f1b": (most, 1)}.get(layout.schedule,
+                                                                                         (most, most))
+    return [RankPart("first", (layers + shape.embedding_parameters) // tp, layers // tp, in_flight[0], False),
+            RankPart("last", (layers + shape.head_parameters + shape.other_parameters) // tp,
+                     (layers + shape.vocab * shape.hidden) // tp, in_flight[1], True)]
+
+
+def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, checkpoint: str,
+                   part: RankPart) -> Estimate:
     low = layout.dtype != "fp32"
     c = compute_bytes(layout.dtype)
     trained_share = _trained_share(shape, trainable)
-    n, n_mm = counts["parameters"], counts["matmul"]
+    n, n_mm = part.parameters, part.matmul
     t = int(n * trained_share)
     notes: dict = {}
     engine = layout.engine
@@ -139,13 +182,16 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
         if replicas > 1:
             comm = 4 * t
             notes["communication"] = "gradient buckets of the data-parallel all-reduce"
-    activations, working = _activations(layout, shape, config, notes)
-    logits = _logits(layout, shape)
+    if part.stage:
+        notes["parameters"] = f"the {part.stage} pipeline stage's " + notes["parameters"]
+    activations, working = _activations(layout, shape, config, part, notes)
+    logits = _logits(layout, shape) if part.head else 0
     loading = _loading(layout, shape, checkpoint, notes)
     retained = _heap_retained(layout, shape, device, notes)
     return Estimate(layout, params, grads, optimizer, activations, working, logits, comm, device.runtime_bytes, loading,
-                    offload, retained, _compute_seconds(layout, shape, device, trained_share),
-                    _communication_seconds(layout, shape, device, t, c), device, notes)
+                    offload, retained, _heap_overhead(layout, device),
+                    _compute_seconds(layout, shape, device, trained_share),
+                    _communication_seconds(layout, shape, device, t, c), device, notes, part.stage)
 
 
 def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes: dict) -> int:
@@ -158,6 +204,14 @@ def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes:
     notes["heap_retained"] = (f"freed per-layer gather and gradient buffers the CPU heap keeps ({factor:g} x the fp32 "
                               "model, measured)")
     return int(factor * 4 * shape.parameters)
+
+
+def _heap_overhead(layout: Layout, device: DeviceSpec) -> float:
+    if device.kind != "cpu":
+        return 1.0
+    if layout.engine == "megatron" and layout.tp > 1 and layout.recompute == "full":
+        return CPU_HEAP_OVERHEAD_TP_RECOMPUTE
+    return CPU_HEAP_OVERHEAD
 
 
 def _loading(layout: Layout, shape: ModelShape, checkpoint: str, notes: dict) -> int:
@@ -177,21 +231,6 @@ def _trained_share(shape: ModelShape, trainable) -> float:
     if trainable == "embeddings":
         return (shape.embedding_parameters + shape.head_parameters) / shape.parameters
     return 1.0  # all, or globs (counted as all: an upper bound)
-
-
-def _rank_parameters(layout: Layout, shape: ModelShape) -> dict:
-    """Parameters one rank holds before any sharding of states: its pipeline stage's, split by tp."""
-    if layout.engine != "megatron":
-        return {"parameters": shape.parameters, "matmul": shape.matmul_parameters}
-    per_stage = -(-shape.layers // layout.pp)
-    first = per_stage * shape.layer_parameters + shape.embedding_parameters
-    last = per_stage * shape.layer_parameters + shape.head_parameters + shape.other_parameters
-    if layout.pp == 1:
-        first = last = shape.parameters
-    largest = max(first, last)
-    head = shape.vocab * shape.hidden if layout.pp == 1 or largest == last else 0
-    return {"parameters": largest // layout.tp,
-            "matmul": (per_stage * shape.layer_parameters + head) // layout.tp}
 
 
 def _deepspeed_states(layout, shape, n, t, c, device, notes):
@@ -252,7 +291,7 @@ def _fsdp_states(layout, shape, n, t, c, device, notes):
     return sharded_params + gathered, grads, optimizer, offload
 
 
-def _activations(layout: Layout, shape: ModelShape, config, notes: dict) -> tuple[int, int]:
+def _activations(layout: Layout, shape: ModelShape, config, part: RankPart, notes: dict) -> tuple[int, int]:
     """(bytes saved for backward at the end of forward, bytes one layer's backward works with)."""
     seq = layout.seq_length // layout.cp
     autocast = layout.engine in ("single", "ddp", "megatron")
@@ -264,9 +303,7 @@ def _activations(layout: Layout, shape: ModelShape, config, notes: dict) -> tupl
     per_layer = {"none": profile.per_layer + gathered_kv, "selective": profile.selective_layer + gathered_kv,
                  "full": profile.layer_input}[layout.recompute]
     layers = -(-shape.layers // layout.pp)
-    in_flight = 1
-    if layout.pp > 1:
-        in_flight = layout.accumulation if layout.schedule == "gpipe" else min(layout.pp, layout.accumulation)
+    in_flight = part.in_flight
     # the layer in backward: its activations (recomputed when checkpointed) and gradients of that size
     working = layout.micro_batch * (profile.per_layer + gathered_kv) * (2 if layout.recompute != "none" else 1)
     notes["activations"] = (f"{layers} layer(s) x {per_layer / 2**20:,.1f} MiB per sequence ({layout.recompute} "

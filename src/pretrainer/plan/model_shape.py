@@ -43,7 +43,7 @@ class ModelShape:
     @property
     def matmul_parameters(self) -> int:
         """Parameters a token multiplies with: all but the input lookup, the head counted even when tied."""
-        return self.parameters - self.embedding_parameters + self.vocab * self.hidden
+        return self.parameters - self.embedding_parameters + (self.vocab * self.hidden if self.tied else 0)
 
     def flops(self, seq_length: int, frozen: int = 0) -> FlopsCount:
         return FlopsCount(self.matmul_parameters, self.layers, self.heads, self.head_dim, seq_length, frozen)

@@ -56,8 +56,9 @@ def text(plan: Plan, count: int = 8) -> str:
         lines.append(f"  {'host peak':<14}{own.host_peak / GIB:>9.2f}  of {size(own.device.host_memory_bytes)} host "
                      f"memory per rank ({own.device.host_memory_source})")
     verdict = "fits" if own.fits else "does NOT fit"
+    heap = f", tensors x {own.heap_overhead:g} for the CPU heap" if own.device.kind == "cpu" else ""
     lines.append(f"  {'peak':<14}{own.peak / GIB:>9.2f}  {verdict} in {own.device.memory_bytes / GIB:,.1f} GiB "
-                 "(runtime + the larger of backward's start and the optimizer step)")
+                 f"(runtime + the larger of backward's start and the optimizer step{heap})")
     lines += ["", f"step: ~{own.step_seconds:,.3g} s (compute {own.compute_seconds:,.3g} s, communication "
               f"{own.communication_seconds:,.3g} s), from {assumptions(own)}", ""]
     shown = listed(plan, count)
