@@ -97,6 +97,9 @@ def test_plan_as_json_and_its_layouts_replan_to_what_they_claim():
     assert plan["device_memory_bytes"] == int(80 * 2**30 * 0.93)
     assert plan["fits"] == (sizes["peak"] <= plan["device_memory_bytes"])
     assert plan["step_seconds"] > 0 and "MFU" in plan["assumptions"]
+    assert plan["pipeline_stage"] is None
+    piped = plan_json(PLAN_7B, "engine=megatron", "dp=1", "plugin_args.pp_degree=8", "--device", "H100")
+    assert piped["pipeline_stage"] in ("first", "last")
     layouts = plan["layouts"]
     assert layouts and all(layout["fits"] for layout in layouts)
     times = [layout["step_seconds"] for layout in layouts]

@@ -79,6 +79,7 @@ def as_json(plan: Plan, count: int = 50) -> dict:
         "model": plan.shape.describe(),
         "layout": own.layout.overrides(),
         "per_rank_bytes": own.per_rank_bytes(),
+        "pipeline_stage": own.stage or None,  # the stage whose rank peaks highest (first/last), None without pp
         "device": own.device.name,
         "device_memory_bytes": own.device.memory_bytes,
         "host_memory_bytes": own.device.host_memory_bytes,
