@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrainer.parallel.gradient_norm import clip_, global_norm, sum_of_squares
+from pretrainer.parallel.gradient_norm import clip_, global_norm, sums_of_squares
 
 
 def test_cpu_sums_are_float64_piece_by_piece():
     grads = [torch.randn(3, 1000) * 1e3, torch.randn(5), torch.randn(0)]
-    exact = sum(g.double().pow(2).sum() for g in grads).item()
-    summed = sum_of_squares(grads, piece=7)  # many pieces, a short last one, an empty tensor
-    assert summed.dtype == torch.float64 and summed.item() == pytest.approx(exact, rel=1e-6)
+    exact = [g.double().pow(2).sum().item() for g in grads]
+    sums = sums_of_squares(grads, piece=7)  # many pieces, a short last one, an empty tensor
+    assert sums.dtype == torch.float64 and sums.tolist() == pytest.approx(exact, rel=1e-6)
 
 
 def test_the_norm_of_a_large_gradient_is_exact_and_clipping_reaches_the_limit():

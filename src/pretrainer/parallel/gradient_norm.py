@@ -22,35 +22,42 @@ from torch.distributed.tensor import DTensor
 CPU_PIECE = 1 << 16  # elements per fp32 norm on a CPU
 
 
-def sum_of_squares(tensors: list[torch.Tensor], piece: int = CPU_PIECE) -> torch.Tensor:
-    """The tensors' summed squares, float64 (they share a device)."""
-    if tensors[0].device.type == "cpu":
-        tensors = [part for tensor in tensors for part in tensor.detach().reshape(-1).split(piece)]
-    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+def sums_of_squares(tensors: list[torch.Tensor], piece: int = CPU_PIECE) -> torch.Tensor:
+    """Each tensor's sum of squares, float64 (the tensors share a device)."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors)).double().square()
+    pieces, counts = [], []
+    for tensor in tensors:
+        parts = tensor.detach().reshape(-1).split(piece)
+        pieces += parts
+        counts.append(len(parts))
+    squares = torch.stack(torch._foreach_norm(pieces)).double().square()
+    return torch.stack([part.sum() for part in squares.split(counts)])
 
 
 def global_norm(grads: list[torch.Tensor], holders: int, sum_over_ranks: Callable[[torch.Tensor], None],
                 device: torch.device) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32, on `device`). `holders`: ranks that hold each plain
     (not DTensor) gradient and each DTensor's mesh; `sum_over_ranks` sums a tensor over the ranks in place."""
-    groups: dict[tuple[torch.device, float], list[torch.Tensor]] = defaultdict(list)  # by device and weight
+    by_device: dict[torch.device, list[tuple[torch.Tensor, float]]] = defaultdict(list)
     for grad in grads:
         shards = 1
         if isinstance(grad, DTensor):
             for size, placement in zip(grad.device_mesh.shape, grad.placements):
                 shards *= size if placement.is_shard() else 1
             grad = grad.to_local()
-        groups[grad.device, shards / holders].append(grad)
+        by_device[grad.device].append((grad, shards / holders))
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for (_, weight), tensors in groups.items():
-        total += sum_of_squares(tensors).to(device) * weight
+    for where, weighted in by_device.items():
+        tensors = [grad for grad, _ in weighted]
+        weights = torch.tensor([weight for _, weight in weighted], dtype=torch.float64, device=where)
+        total += (sums_of_squares(tensors) * weights).sum().to(device)
     sum_over_ranks(total)
     return total.sqrt().float()
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale the gradients in place so that their global `norm` is at most `max_norm` (without reading the norm
-    on the host)."""
+    """Scale the gradients in place so that their global `norm` is at most `max_norm` (no device sync)."""
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for grad in grads:

@@ -151,14 +151,12 @@ def rank_parts(layout: Layout, shape: ModelShape) -> list[RankPart]:
     if layout.engine != "megatron" or layout.pp == 1:
         return [RankPart("", shape.parameters // tp, shape.matmul_parameters // tp, 1, True)]
     layers = -(-shape.layers // layout.pp) * shape.layer_parameters
-    if layout.schedule == "gpipe":
-        first = last = layout.accumulation
-    else:
-        first = min(layout.pp, layout.accumulation)
-        last = 1 if layout.schedule == "1f1b" else first
-    return [RankPart("first", (layers + shape.embedding_parameters) // tp, layers // tp, first, False),
+    most = min(layout.pp, layout.accumulation)
+    in_flight = {"gpipe": (layout.accumulation, layout.accumulation), "1f1b": (most, 1)}.get(layout.schedule,
+                                                                                         (most, most))
+    return [RankPart("first", (layers + shape.embedding_parameters) // tp, layers // tp, in_flight[0], False),
             RankPart("last", (layers + shape.head_parameters + shape.other_parameters) // tp,
-                     (layers + shape.vocab * shape.hidden) // tp, last, True)]
+                     (layers + shape.vocab * shape.hidden) // tp, in_flight[1], True)]
 
 
 def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, checkpoint: str,
