@@ -67,3 +67,58 @@ def assert_resume_reproduces(config: dict, folder: Path) -> None:
     PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(interrupted)})).train()
     assert sorted(train_losses(straight)) == [1, 2, 3, 4, 5, 6]
     assert train_losses(interrupted) == train_losses(straight)
+
+
+def cpu_engine(dtype: str = "fp32"):
+    """A single-process CPU engine, as a one-process run resolves it."""
+    import torch
+
+    from pretrainer.config import ParallelDims
+    from pretrainer.parallel import EngineOptions, SingleEngine, planned_world
+
+    return SingleEngine(EngineOptions(ParallelDims(1), dtype), planned_world(1, 1, torch.device("cpu")))
+
+
+def layout_check(trainer) -> dict:
+    """The planner's answers for a trainer's run (its engine class's, for this rank's share of the model) beside
+    what the constructed engine holds on this rank."""
+    import dataclasses
+
+    from pretrainer.plan import model_shape
+    from pretrainer.plan.estimate import rank_parts
+
+    run, engine = trainer.resolved, trainer.engine
+    layout = run.layout(trainer.world.local_size)
+    shape = model_shape(run.model_config, run.vocab_size)
+    shares = rank_parts(layout, shape, run.trainable)
+    share = shares[0] if 0 in getattr(engine, "stage_ids", [0]) else shares[-1]  # a pipeline's first or last stage
+    states = layout.engine_class.model_states(layout, shape, share, True)
+    planned = {"weights": states.weights, "optimizer": states.optimizer, "gradient_ranks": layout.dims.gradient_ranks,
+               "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout)}
+    return {"engine": run.engine, "dtype": run.dtype, "planned": planned,
+            "held": dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer))}
+
+
+def write_layout_check(trainer) -> None:
+    if trainer.pretrain_args.save_dir:
+        rank = trainer.engine.rank
+        check = json.dumps(layout_check(trainer))
+        Path(trainer.pretrain_args.save_dir, f"layout_check_rank{rank}.json").write_text(check)
+
+
+def assert_layout_answers(save_dir: Path, ranks: int) -> list[dict]:
+    """Each rank of a run in `save_dir` holds what its engine class told the planner: weights and optimizer state
+    within 3% (shards of uneven rows, replicated norms), the gradient and shard groups and autocast exactly."""
+    import pytest
+
+    checks = [json.loads((Path(save_dir) / f"layout_check_rank{r}.json").read_text()) for r in range(ranks)]
+    for rank, check in enumerate(checks):
+        planned, held = check["planned"], check["held"]
+        where = f"{save_dir} rank {rank} ({check['engine']})"
+        assert held["weights"] == pytest.approx(planned["weights"], rel=0.03), where
+        assert held["optimizer"] == pytest.approx(planned["optimizer"], rel=0.03), where
+        assert (held["gradient_ranks"], held["shard_ranks"]) == (planned["gradient_ranks"], planned["shard_ranks"]), \
+            where
+        if check["dtype"] != "fp32":  # autocast or its absence shows only in low precision
+            assert held["autocasts"] == planned["autocasts"], where
+    return checks

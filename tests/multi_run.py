@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from helpers import write_layout_check
 from pretrainer import PreTrainer, PreTrainingArguments
 
 HOOK_CALLS: Counter = Counter()
@@ -70,7 +71,9 @@ def run_case(base: dict, case: dict) -> None:
     args = PreTrainingArguments.from_dict(config, case.get("overrides", []))
     if case.get("hooks"):
         args.update_distributed_train_args(make_hooks(base["model_path"], base["seq_length"]))
-    PreTrainer(args).train()
+    trainer = PreTrainer(args)
+    trainer.train()
+    write_layout_check(trainer)  # what the engine holds beside what the planner says it holds
     if case.get("hooks"):
         Path(args.save_dir, f"hook_calls_rank{os.environ.get('RANK', '0')}.json").write_text(
             json.dumps(dict(HOOK_CALLS)))

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrainer import ConfigError
-from pretrainer.parallel.activation_checkpoint import apply_activation_checkpointing, decoder_layers
+from pretrainer.parallel.activation_checkpoint import RecomputeSettings, apply_activation_checkpointing, decoder_layers
 
 
 class OpCounter(TorchDispatchMode):
@@ -26,7 +26,7 @@ class OpCounter(TorchDispatchMode):
 def backward_ops(model_dir, mode: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    apply_activation_checkpointing(model, mode)
+    apply_activation_checkpointing(model, RecomputeSettings(mode))
     ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     counter = OpCounter()

@@ -146,10 +146,27 @@ def test_override_errors():
 
 
 def test_dp_checked_against_world_size_not_at_parse_time():
+    from pretrainer.config import ParallelDims
+
     args = PreTrainingArguments.from_yaml(SEEDS / "llama2-deepspeed.yaml")  # dp: 8 loads anywhere
     with pytest.raises(ConfigError, match=r"dp=8 does not match the launch: 1 process\(es\) gives dp=1"):
-        args.check_world_size(1)
-    args.check_world_size(8)
+        ParallelDims(1).check_claimed_dp(args.dp)
+    ParallelDims(8).check_claimed_dp(args.dp)
+    with pytest.raises(ConfigError, match=r"dp=8 does not match the launch: 8 process\(es\) / tp x pp x cp = 4 "
+                                          r"gives dp=2"):
+        ParallelDims(8, tp=2, pp=2).check_claimed_dp(args.dp)
+
+
+def test_parallel_dims_split_the_world_one_way():
+    from pretrainer.config import ParallelDims
+
+    dims = ParallelDims(16, tp=2, pp=2, cp=2, shard=2)
+    assert (dims.replica_ranks, dims.dp, dims.gradient_ranks, dims.shard, dims.replicate) == (8, 2, 4, 2, 2)
+    assert dims.vocab_multiple == 2 and "tp=2 pp=2 cp=2" in dims.describe()
+    with pytest.raises(ConfigError, match=r"6 process\(es\) cannot be split into groups of tp=4 x pp=1"):
+        ParallelDims(6, tp=4)
+    with pytest.raises(ConfigError, match="cannot be sharded in groups of 3"):
+        ParallelDims(4, shard=3)
 
 
 def test_missing_config_file_and_none():
@@ -168,27 +185,24 @@ def test_warmup_and_lr_validation():
     assert args.warmup_steps_resolved() == 10
 
 
-def test_run_plan_resolves_each_derived_value_once():
+def test_batch_sizes_derive_each_value_once():
     from transformers import LlamaConfig
 
-    from pretrainer.config import resolve_run_plan
+    from pretrainer.config import BatchSizes, resolve_seq_length
 
     model_config = LlamaConfig(max_position_embeddings=256)
     args = PreTrainingArguments(num_training_steps=10, micro_batch_size=3, dp=2, gradient_accumulation_steps=4,
                                 eval_iters=5, dtype="fp32")
-    plan = resolve_run_plan(args, model_config, "config.json", world_size=4, model_parallel_size=2)
-    assert plan.seq_length == 256  # unset: the model's max_position_embeddings
-    assert plan.data_parallel_size == 2 and plan.global_batch_size == 3 * 4 * 2 == args.batch_size
-    assert plan.train_samples == 10 * 24 and plan.eval_samples == 5 * 3 * 2
-    assert plan.torch_dtype is torch.float32
-    assert resolve_run_plan(PreTrainingArguments(**{**args.to_dict(), "seq_length": 64}), model_config, "c",
-                            world_size=2, model_parallel_size=1).seq_length == 64
+    sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, model_config, "config.json"), 2)
+    assert sizes.seq_length == 256  # unset: the model's max_position_embeddings
+    assert sizes.data_parallel_size == 2 and sizes.global_batch_size == 3 * 4 * 2 == args.batch_size
+    assert sizes.train_samples == 10 * 24 and sizes.eval_samples == 5 * 3 * 2
+    assert resolve_seq_length(64, model_config, "c") == 64
     with pytest.raises(ConfigError, match=r"key 'seq_length': 512 exceeds the model's max_position_embeddings "
                                           r"\(256, config.json\)"):
-        resolve_run_plan(PreTrainingArguments(**{**args.to_dict(), "seq_length": 512}), model_config,
-                         "config.json", world_size=2, model_parallel_size=1)
+        resolve_seq_length(512, model_config, "config.json")
     with pytest.raises(ConfigError, match="seq_length is not set and the model config has no"):
-        resolve_run_plan(args, None, "no model", world_size=2, model_parallel_size=1)
+        resolve_seq_length(None, None, "no model")
 
 
 def test_dtype_table_round_trips():
@@ -210,7 +224,7 @@ def test_values_torch_would_refuse_deep_inside_are_config_errors(tmp_path, key, 
 
 
 def test_a_device_this_machine_lacks_is_a_config_error():
-    from pretrainer.parallel import resolve_device
+    from pretrainer.run import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import EXAMPLES, eval_losses, read_metrics, train_losses
+from helpers import EXAMPLES, assert_layout_answers, eval_losses, read_metrics, train_losses
 from launch import BIN, pretrainer, run, run_ok
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainingArguments
@@ -127,6 +127,7 @@ def test_seed_json_trains_resumes_and_exports_on_two_ranks(deepspeed_runs, seed_
     losses = train_losses(straight)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses.values())
     assert train_losses(resumed) == losses and eval_losses(resumed) == eval_losses(straight)
+    assert_layout_answers(straight, 2)  # ZeRO's partitions and buffers as the planner counts them
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(straight / "hf")  # ZeRO-3 shards gathered, not size 0

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import eval_losses, grad_norms, read_metrics, train_losses
+from helpers import assert_layout_answers, eval_losses, grad_norms, read_metrics, train_losses, write_layout_check
 from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
@@ -70,7 +70,9 @@ def setup(tmp_path_factory, request):
         (root / name).write_text(json.dumps(content))
     single_dir = root / "single"
     torch.set_num_threads(1)
-    PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "save_dir": str(single_dir)})).train()
+    single = PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "save_dir": str(single_dir)}))
+    single.train()
+    write_layout_check(single)
     return root, path, single_dir
 
 
@@ -131,6 +133,7 @@ def test_engine_matches_single_process_resumes_exactly_and_exports(setup, engine
     root, config, single_dir = setup
     straight, interrupted = root / f"{name}-straight", root / f"{name}-interrupted"
     assert_same_run(straight, single_dir, rel=1e-5)
+    assert_layout_answers(straight, 2)  # each rank holds what the engine class told the planner
 
     if name not in SAME_CHECKPOINT_PATH:  # stopped after step 3 (exit_interval), then the same command again
         events = [r for r in read_metrics(interrupted) if "event" in r]
@@ -175,6 +178,13 @@ def test_bf16_on_two_ranks_tracks_fp32(setup, engine_runs, engine):
     got, want = train_losses(save_dir), train_losses(single_dir)
     assert sorted(got) == [1, 2]
     assert got[1] == pytest.approx(want[1], rel=2e-2)  # same init and data, bf16 compute
+    assert_layout_answers(save_dir, 2)  # autocast (or the engine's own casting) as the planner counts it
+
+
+def test_one_process_holds_what_the_planner_counts(setup):
+    root, _, single_dir = setup
+    (check,) = assert_layout_answers(single_dir, 1)
+    assert check["held"]["gradient_ranks"] == check["held"]["shard_ranks"] == 1
 
 
 def test_ddp_accumulation_communicates_once_per_update(base_config):

@@ -155,7 +155,7 @@ def test_training_from_a_weighted_blend_with_document_masking_resumes_exactly(ba
 
 def test_a_zero_weight_prefix_is_left_out_of_the_blend(base_config, tmp_path):
     from pretrainer import PreTrainingArguments
-    from pretrainer.config import resolve_run_plan
+    from pretrainer.config import BatchSizes
     from pretrainer.data import build_indexed_datasets
 
     write_prefix(tmp_path, [[7] * 500 + [1]], "a")  # one document: all of it in the train part
@@ -163,7 +163,7 @@ def test_a_zero_weight_prefix_is_left_out_of_the_blend(base_config, tmp_path):
     args = PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
                                    "data_path": f"1 {tmp_path / 'a'} 0 {tmp_path / 'b'}",
                                    "dataloader_config": {"split": "60,40,0"}})
-    data = build_indexed_datasets(args, resolve_run_plan(args, None, "no model", world_size=1, model_parallel_size=1))
+    data = build_indexed_datasets(args, BatchSizes.of(args, args.seq_length, 1))
     assert data.eval is None  # only b, weight 0, has validation documents: no blend of nothing
     assert len(data.train) == 6 * 2 * 2
     assert all(set(data.train[i]["input_ids"].tolist()) <= {7, 1} for i in range(len(data.train)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import read_metrics, write_tiny_model
+from helpers import cpu_engine, read_metrics, write_tiny_model
 from launch import BIN, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainingArguments
@@ -124,13 +124,11 @@ def resave(folder: Path, target: Path) -> Path:
 def test_the_streamed_export_writes_what_save_pretrained_writes(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pretrainer.parallel.engine import SingleEngine
     from pretrainer.train.export import export_hf
 
-    args = PreTrainingArguments.from_dict({"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, "dtype": "fp32"})
     for folder in ("untied", "tied"):
         model = AutoModelForCausalLM.from_pretrained(checkpoints / folder, dtype=torch.float32)
-        ours = export_hf(SingleEngine(args), model, None, tmp_path / f"ours-{folder}", "bf16", "300KB")
+        ours = export_hf(cpu_engine(), model, None, tmp_path / f"ours-{folder}", "bf16", "300KB")
         model.config.use_cache = True
         theirs = tmp_path / f"theirs-{folder}"
         model.to(torch.bfloat16).save_pretrained(theirs, max_shard_size="300KB")

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from helpers import EXAMPLES, eval_losses, grad_norms, train_losses, write_tiny_model
+from helpers import EXAMPLES, assert_layout_answers, eval_losses, grad_norms, train_losses, write_tiny_model
 from launch import BIN, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases, run_case
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
@@ -155,9 +156,22 @@ def two_rank(base, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def four_rank(base, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("four-rank")
-    launch_cases(base, [{"name": n, "config": {**c, "save_dir": str(root / n)}} for n, (c, _) in FOUR_RANK.items()],
-                 4, root)
+    cases = [{"name": n, "config": {**c, "save_dir": str(root / n)}} for n, (c, _) in FOUR_RANK.items()]
+    cases.append({"name": "padded-vocabulary",
+                  "config": {**padded_vocabulary_case(root), "save_dir": str(root / "pad")}})
+    launch_cases(base, cases, 4, root)
     return root
+
+
+def padded_vocabulary_case(root: Path) -> dict:
+    """tp=2 x cp=2 with a tokenizer (4,096 tokens) larger than the model's 4,000 rows, padded to a multiple of 3:
+    the rows are a multiple of 3 and of tp (4,098), not of tp x cp (4,104); chunks of 24 tokens."""
+    model = write_tiny_model(root / "small-vocab", vocab_size=4000, num_hidden_layers=4)
+    tokenizer = write_tiny_model(root / "tokenizer", num_hidden_layers=4)
+    return {"model_path": str(model), "tokenizer_path": str(tokenizer), "allow_tokenizer_mismatch": True,
+            "pad_vocab_to_multiple_of": 3, "context_parallel_degree": 2, "loss_chunk_size": 24,
+            "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}, "num_training_steps": 2,
+            "eval_interval": 0, "save_interval": 0}
 
 
 def assert_same_losses(got: Path, expected: Path) -> None:
@@ -171,6 +185,7 @@ def assert_same_losses(got: Path, expected: Path) -> None:
 @pytest.mark.parametrize("name", TWO_RANK)
 def test_two_rank_mesh_matches_one_process(two_rank, references, name):
     assert_same_losses(two_rank / name, references[TWO_RANK[name][1]])
+    assert_layout_answers(two_rank / name, 2)  # each rank holds what the engine class told the planner
 
 
 @pytest.mark.parametrize("name", FOUR_RANK)
@@ -178,12 +193,28 @@ def test_four_rank_mesh_matches_one_process_and_exports_the_same_model(four_rank
     from safetensors.torch import load_file
 
     assert_same_losses(four_rank / name, references[FOUR_RANK[name][1]])
+    assert_layout_answers(four_rank / name, 4)
     got = load_file(four_rank / name / "hf" / "model.safetensors")
     expected = load_file(references[FOUR_RANK[name][1]] / "hf" / "model.safetensors")
     assert got.keys() == expected.keys()
     for key in expected:
         # Adam turns tiny gradient differences into updates of up to lr: compare at a fraction of one step
         torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
+
+
+def test_plan_and_train_agree_on_the_padded_vocabulary_and_the_loss_chunk(four_rank, tmp_path):
+    """Both resolve the run once, with the same functions: `pretrainer plan` for 4 ranks says what the 4-rank
+    run trained (its exported embedding, the chunk its head was given)."""
+    from safetensors.torch import load_file
+
+    config = {**json.loads((four_rank / "cases.json").read_text())["base"], **padded_vocabulary_case(four_rank)}
+    path = tmp_path / "padded.yaml"
+    path.write_text(yaml.safe_dump(config))
+    planned = json.loads(run_ok(pretrainer("plan", path, "--world-size", "4", "--json")).stdout)
+    start = json.loads((four_rank / "pad" / "metrics.jsonl").read_text().splitlines()[0])
+    exported = load_file(four_rank / "pad" / "hf" / "model.safetensors")["model.embed_tokens.weight"]
+    assert planned["vocab_size"] == start["vocab_size"] == exported.shape[0] == 4098
+    assert planned["loss_chunk_size"] == start["loss_chunk_size"] == 24
 
 
 def test_pipeline_and_context_parallel_checkpoints_resume_on_other_meshes(two_rank, references, tmp_path):
@@ -215,7 +246,7 @@ def test_the_four_hooks_run_on_a_tensor_parallel_mesh(two_rank, references):
 def test_seed_megatron_yaml_maps_to_engine_settings_and_reports_what_it_ignores(tiny_model):
     from transformers import AutoConfig
 
-    from pretrainer.parallel.megatron_settings import read_settings, report_unused_keys
+    from pretrainer.parallel.megatron_settings import read_settings, unused_keys
 
     args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml")
     settings = read_settings(args, num_layers=32)
@@ -224,7 +255,7 @@ def test_seed_megatron_yaml_maps_to_engine_settings_and_reports_what_it_ignores(
         ("full", "block", 32)
     assert (args.lr, args.min_lr, args.lr_decay_style, args.warmup_fraction, args.clip_grad) == \
         (1e-5, 1e-6, "cosine", 0.01, 1.0)
-    messages = "\n".join(report_unused_keys(args, AutoConfig.from_pretrained(tiny_model)))
+    messages = "\n".join(unused_keys(args, AutoConfig.from_pretrained(tiny_model), settings))
     assert "other_megatron_args.use_flash_attn: ignored, attention runs through" in messages
     assert "other_megatron_args.ffn_hidden_size=11008: ignored, the model's config.json defines the network " \
            "(ffn_hidden_size=128)" in messages
@@ -259,7 +290,7 @@ def test_model_config_parser_registry(tiny_model):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
     shape = parse_model_config(model)
     assert (shape.num_layers, shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size,
-            shape.kv_channels, shape.untied_embeddings, shape.parallel_plan) == (2, 4, 2, 128, 16, True, "llama")
+            shape.kv_channels, shape.untied_embeddings, shape.parallel_split) == (2, 4, 2, 128, 16, True, "llama")
     assert shape.megatron_args["swiglu"] and shape.megatron_args["normalization"] == "RMSNorm"
     with pytest.raises(ConfigError, match="tp_degree=4 does not divide the model's num_key_value_heads"):
         shape.check_tensor_parallel(4)

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrainer import PreTrainingArguments
-from pretrainer.train.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
+from pretrainer.config import OptimizerSettings, ScheduleSettings
+from pretrainer.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
 
 
 def lrs(style: str, total: int = 10, warmup: int = 2, min_ratio: float = 0.1, **kw) -> list[float]:
@@ -37,8 +38,8 @@ def test_scheduler_follows_config_and_steps_once_per_update():
     model = torch.nn.Linear(2, 2)
     args = PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, lr=1e-3, min_lr=1e-4,
                                 warmup_fraction=0.2, lr_decay_style="linear")
-    optimizer = build_optimizer(model, args, torch.device("cpu"))
-    scheduler = build_scheduler(optimizer, args)
+    optimizer = build_optimizer(model, OptimizerSettings.of(args), torch.device("cpu"))
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(args))
     seen = []
     for _ in range(10):
         seen.append(optimizer.param_groups[0]["lr"])

@@ -184,12 +184,11 @@ def test_hf_export_does_not_import_deepspeed():
     program = (
         "import sys\n"
         "from transformers import AutoConfig, LlamaForCausalLM\n"
-        "from pretrainer import PreTrainingArguments\n"
-        "from pretrainer.parallel.engine import SingleEngine\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from helpers import cpu_engine\n"
         "from pretrainer.train.export import export_hf\n"
         f"model = LlamaForCausalLM(AutoConfig.from_pretrained({str(QUICKSTART_MODEL)!r}))\n"
-        "engine = SingleEngine(PreTrainingArguments.from_dict({'num_training_steps': 1, 'micro_batch_size': 1, "
-        "'dp': 1, 'dtype': 'fp32'}))\n"
+        "engine = cpu_engine()\n"
         "export_hf(engine, model, None, sys.argv[1], 'fp32', '5GB')\n"
         "print('deepspeed' in sys.modules)\n")
     with tempfile.TemporaryDirectory() as out:
@@ -221,8 +220,8 @@ def test_dtype_auto_resolves_before_the_run_and_says_why(base_config):
     expected, why = choose_dtype("cpu", False, cpu_speedup("bf16"), cpu_matrix_flags())
     trainer = PreTrainer(PreTrainingArguments(**{**base_config, "dtype": "auto", "num_training_steps": 1,
                                                  "warmup_steps": 0}))
-    assert trainer.pretrain_args.dtype == expected and trainer.plan.dtype == expected
-    assert trainer.engine.dtype_reason == why
+    assert trainer.resolved.dtype == expected == trainer.engine.precision.dtype and trainer.resolved.dtype_reason == why
+    assert trainer.pretrain_args.dtype == "auto"  # the loaded arguments say what was written, the run what it does
 
 
 def test_frozen_parameters_count_four_flops_per_token_not_six(tiny_model):

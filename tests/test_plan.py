@@ -21,6 +21,17 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+
+def layout_of(engine: str, world: int, per_node: int, micro: int, accumulation: int, seq: int, dtype: str,
+              settings=None, cp: int = 1, **fields):
+    """A planner layout of `engine` with its `settings` on `world` processes, as the engine splits them."""
+    from pretrainer.parallel import Layout, engine_class
+
+    cls = engine_class(engine)
+    sequence_parallel, schedule = cls.parallel_style(settings)
+    return Layout(engine, cls.parallel_dims(world, cp, settings), micro, accumulation, seq, dtype, per_node,
+                  settings=settings, sequence_parallel=sequence_parallel, pipeline_schedule=schedule, **fields)
+
 def plan_json(*args) -> dict:
     return json.loads(run_ok(pretrainer("plan", *args, "--json")).stdout)
 
@@ -74,13 +85,14 @@ def test_zero_model_states_agree_with_deepspeeds_own_estimators(stage, offload_o
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     from transformers import AutoConfig
 
-    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.parallel.deepspeed_config import DeepSpeedSettings
+    from pretrainer.plan import estimate, model_shape
     from pretrainer.plan.device import device_spec
 
     config = AutoConfig.from_pretrained(REPO / "examples" / "models" / "llama-2-7b" / "config.json")
     shape = model_shape(config)
-    layout = Layout("deepspeed", 16, 8, 1, 4, 512, "bf16", zero_stage=stage, offload_optimizer=offload_optimizer,
-                    offload_parameters=offload_parameters)
+    layout = layout_of("deepspeed", 16, 8, 1, 4, 512, "bf16",
+                       DeepSpeedSettings.for_zero(stage, offload_optimizer, offload_parameters))
     ours = estimate(layout, shape, config, device_spec("bf16", 8, "H100"))
     if stage == 2:
         theirs = estimate_zero2_model_states_mem_needs(shape.parameters, 8, 2, offload_optimizer)[1]  # (cpu, gpu)
@@ -191,7 +203,7 @@ def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
     (["--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["--devices-per-node", "0"], "--devices-per-node must be >= 1, got 0"),
     (["--world-size", "3", "engine=megatron", "plugin_args.tp_degree=2"],
-     "--world-size 3: not a multiple of the 2 processes that hold one model replica"),
+     "3 process(es) cannot be split into groups of tp=2 x pp=1 x context_parallel_degree=1 ranks"),
     (["--world-size", "2", "engine=single"], "engine: single runs one process, but 2 processes are planned"),
     (["--device-memory", "1.2.3GB"], "--device-memory '1.2.3GB': give a size such as 80GB"),
     (["device_memory=lots"], "key 'device_memory': device_memory 'lots': give a size such as 80GB"),
@@ -257,7 +269,7 @@ def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_c
                                                                                                   tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pretrainer.plan.estimate import CPU_GATHER_RETENTION
+    from pretrainer.parallel.fsdp import CPU_GATHER_RETENTION
 
     config = write_config(tmp_path / "run.yaml", base_config)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_config["model_path"]))
@@ -266,9 +278,9 @@ def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_c
     def sizes(*overrides, device=()):
         return plan_json(config, *overrides, "--world-size", "2", *device)["per_rank_bytes"]
 
-    assert sizes("engine=fsdp", "dp=2")["heap_retained"] == int(CPU_GATHER_RETENTION["fsdp", "other"] * 4 * parameters)
+    assert sizes("engine=fsdp", "dp=2")["heap_retained"] == int(CPU_GATHER_RETENTION["other"] * 4 * parameters)
     assert sizes("engine=fsdp", "dp=2", "activation_checkpointing=full")["heap_retained"] == \
-        int(CPU_GATHER_RETENTION["fsdp", "full"] * 4 * parameters)
+        int(CPU_GATHER_RETENTION["full"] * 4 * parameters)
     assert sizes("engine=ddp", "dp=2")["heap_retained"] == 0
     assert sizes("engine=fsdp", "dp=2", device=("--device", "H100"))["heap_retained"] == 0  # a CPU heap's only
     # the megatron engine's head computes the loss in chunks of its own vocabulary rows
@@ -284,15 +296,17 @@ def test_tensor_parallel_layers_recomputed_in_full_count_a_larger_cpu_heap():
 
     from transformers import AutoConfig
 
-    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.parallel.megatron_settings import MegatronSettings
+    from pretrainer.plan import estimate, model_shape
     from pretrainer.plan.device import device_spec
     from pretrainer.plan.estimate import CPU_HEAP_OVERHEAD, CPU_HEAP_OVERHEAD_TP_RECOMPUTE
 
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
     shape = model_shape(config)
 
-    def planned(device, engine="megatron", **layout):
-        return estimate(Layout(engine, 2, 2, 4, 1, 256, "fp32", **layout), shape, config,
+    def planned(device, engine="megatron", tp=1, recompute="none"):
+        settings = MegatronSettings(tp=tp) if engine == "megatron" else None
+        return estimate(layout_of(engine, 2, 2, 4, 1, 256, "fp32", settings, recompute=recompute), shape, config,
                         device_spec("fp32", 2, device))
 
     recomputed = planned("cpu", tp=2, recompute="full")
@@ -320,19 +334,21 @@ def test_pipeline_stages_are_estimated_apart_and_the_higher_peak_is_the_plan():
 
     from transformers import AutoConfig
 
-    from pretrainer.plan import Layout, estimate, model_shape
+    from pretrainer.config import ParallelDims
+    from pretrainer.parallel.megatron_settings import MegatronSettings
+    from pretrainer.plan import estimate, model_shape
     from pretrainer.plan.device import device_spec
     from pretrainer.plan.estimate import _estimate_rank, rank_parts
 
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
     shape = model_shape(config)
-    layout = Layout("megatron", 2, 2, 2, 4, 64, "fp32", pp=2)
+    layout = layout_of("megatron", 2, 2, 2, 4, 64, "fp32", MegatronSettings(pp=2))
     first, last = rank_parts(layout, shape)
     assert first.parameters + last.parameters == shape.parameters  # the layers split evenly, the rest once
     assert (first.stage, first.in_flight, first.head) == ("first", 2, False)  # 1F1B: pp forwards before a backward
     assert (last.stage, last.in_flight, last.head) == ("last", 1, True)
-    assert [p.in_flight for p in rank_parts(dataclasses.replace(layout, schedule="gpipe"), shape)] == [4, 4]
-    assert [p.stage for p in rank_parts(dataclasses.replace(layout, pp=1), shape)] == [""]
+    assert [p.in_flight for p in rank_parts(dataclasses.replace(layout, pipeline_schedule="gpipe"), shape)] == [4, 4]
+    assert [p.stage for p in rank_parts(dataclasses.replace(layout, dims=ParallelDims(2)), shape)] == [""]
 
     device = device_spec("fp32", 2, "cpu")
     stages = [_estimate_rank(layout, shape, config, device, "all", "none", part) for part in (first, last)]
@@ -340,3 +356,28 @@ def test_pipeline_stages_are_estimated_apart_and_the_higher_peak_is_the_plan():
     assert stages[0].activations == 2 * stages[1].activations  # same layers, twice the micro-batches in flight
     planned = estimate(layout, shape, config, device)
     assert planned.peak == max(s.peak for s in stages) and planned.stage == max(stages, key=lambda s: s.peak).stage
+
+
+def test_plan_and_train_agree_on_the_loss_chunk_with_a_custom_loss(base_config, tmp_path, monkeypatch):
+    """A custom loss needs per-token losses: `auto` then keeps the plain loss in the run and in its plan alike;
+    without it both chunk the same way."""
+    from pretrainer import PreTrainer, PreTrainingArguments
+    from pretrainer.models import chunked_loss
+    from pretrainer.plan.command import plan_for_command
+
+    monkeypatch.setattr(chunked_loss, "AUTO_LOGITS_BYTES", 1024)  # `auto` chunks even the tiny model's logits
+
+    def masked_mean(loss_mask, output_tensor):
+        return (output_tensor * loss_mask).sum() / loss_mask.sum(), {}
+
+    chunks = {}
+    for custom in (False, True):
+        args = PreTrainingArguments(**{**base_config, "num_training_steps": 1, "warmup_steps": 0, "eval_interval": 0,
+                                       "export_hf": False, "save_dir": str(tmp_path / f"custom-{custom}")})
+        if custom:
+            args.update_distributed_train_args({"custom_loss_function": masked_mean})
+        trainer = PreTrainer(args)
+        trainer.train()
+        chunks[custom] = (plan_for_command(args, None, None, "cpu", None).estimate.layout.loss_chunk,
+                          trainer.loss_chunk_size)
+    assert chunks[True] == (0, 0) and chunks[False][0] == chunks[False][1] > 0

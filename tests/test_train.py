@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, eval_losses, read_metrics, train_losses, write_tiny_model
+from helpers import EXAMPLES, cpu_engine, eval_losses, read_metrics, train_losses, write_tiny_model
 from pretrainer import ConfigError, DataError, PreTrainer, PreTrainingArguments
 from pretrainer.train.checkpoint import find_latest
 
@@ -263,10 +263,9 @@ def test_a_misspelt_pretrainer_argument_is_an_error(base_config):
 def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_config, tmp_path):
     """The capabilities an engine declares decide: a DeepSpeed checkpoint (also one written before the format
     was recorded) is refused by a DCP engine; a DCP checkpoint of 2 ranks is resharded."""
-    from pretrainer.parallel import SingleEngine
     from pretrainer.train.checkpoint import check_resumable
 
-    engine = SingleEngine(PreTrainingArguments(**base_config))
+    engine = cpu_engine()
     for state in ({"engine": "deepspeed", "world_size": 2},
                   {"engine": "deepspeed", "world_size": 1, "checkpoint_format": "deepspeed"}):
         with pytest.raises(ConfigError, match="was written by engine deepspeed; engine single cannot read it"):

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder, resolve_run_plan
+from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
@@ -24,6 +24,28 @@ EXIT_COLLECTIVE = 5
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # `key=value` overrides may also follow a command's options (`plan CONFIG --world-size 8 dp=8`), which
+    # argparse leaves over once the positional list has been taken.
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(ns, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.overrides = [*ns.overrides, *extra]
+    commands = {"prepare": prepare_command, "tokenizer": tokenizer_command, "report": report_command,
+                "plan": plan_command, "train": train_command, "export": export_command}
+    try:
+        return commands[ns.command](ns)
+    except (ConfigError, DataError) as exc:
+        print(f"pretrainer: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (TrainingDiverged, CheckpointError, CollectiveFailure) as exc:
+        print(f"pretrainer: error: {exc}", file=sys.stderr)
+        codes = {TrainingDiverged: EXIT_DIVERGED, CheckpointError: EXIT_CHECKPOINT}
+        return codes.get(type(exc), EXIT_COLLECTIVE)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrainer", description="Pretrain causal language models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -57,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment
     # says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    add_prepare_command(commands)
+    add_tokenizer_commands(commands)
+    return parser
+
+
+def add_prepare_command(commands) -> None:
     prep = commands.add_parser("prepare", help="tokenize a corpus into Megatron-compatible .bin/.idx files")
     prep.add_argument("--input", nargs="+", required=True,
                       help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
@@ -78,37 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     megatron.add_argument("--log-interval", type=int, help="accepted; the progress bar shows live rates")
     megatron.add_argument("--keep-sequential-samples", action="store_true", help="accepted; order is always kept")
     megatron.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
-    add_tokenizer_commands(commands)
-    # `key=value` overrides may also follow a command's options (`plan CONFIG --world-size 8 dp=8`), which
-    # argparse leaves over once the positional list has been taken.
-    ns, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(ns, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        ns.overrides = [*ns.overrides, *extra]
-    try:
-        if ns.command == "prepare":
-            return prepare_command(ns)
-        if ns.command == "tokenizer":
-            return tokenizer_command(ns)
-        if ns.command == "report":
-            return report_command(ns)
-        if ns.command == "plan":
-            return plan_command(ns)
-        args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
-        if ns.command == "train":
-            from .train import PreTrainer
 
-            PreTrainer(args).train()
-        else:
-            export_checkpoint(args, ns.checkpoint, ns.output)
-    except (ConfigError, DataError) as exc:
-        print(f"pretrainer: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (TrainingDiverged, CheckpointError, CollectiveFailure) as exc:
-        print(f"pretrainer: error: {exc}", file=sys.stderr)
-        codes = {TrainingDiverged: EXIT_DIVERGED, CheckpointError: EXIT_CHECKPOINT}
-        return codes.get(type(exc), EXIT_COLLECTIVE)
+
+def train_command(ns) -> int:
+    from .train import PreTrainer
+
+    PreTrainer(PreTrainingArguments.from_yaml(ns.config, ns.overrides)).train()
+    return 0
+
+
+def export_command(ns) -> int:
+    export_checkpoint(PreTrainingArguments.from_yaml(ns.config, ns.overrides), ns.checkpoint, ns.output)
     return 0
 
 
@@ -132,13 +140,16 @@ def prepare_command(ns) -> int:
 
 
 def plan_command(ns) -> int:
+    import contextlib
     import json
 
     from .plan.command import plan_for_command
-    from .plan.report import as_json, text
+    from .plan.render import as_json, text
 
     args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
-    plan = plan_for_command(args, ns.world_size, ns.devices_per_node, ns.device, ns.device_memory, ns.host_memory)
+    with contextlib.redirect_stdout(sys.stderr):  # the plan is the output (DeepSpeed prints as it is imported)
+        plan = plan_for_command(args, ns.world_size, ns.devices_per_node, ns.device, ns.device_memory,
+                                ns.host_memory)
     print(json.dumps(as_json(plan), indent=1) if ns.json else text(plan))
     return 0
 
@@ -157,8 +168,9 @@ def report_command(ns) -> int:
 
 def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
     """Load a checkpoint's weights into the configured model and export it."""
-    from .models import build_model, preflight
+    from .models import build_model
     from .parallel import create_engine
+    from .run import launch_world, resolve_run
     from .train import checkpoint as ckpt
     from .train.export import export_hf
     from .train.metrics import setup_logging
@@ -174,12 +186,12 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     if ckpt.checkpoint_format(ckpt.read_trainer_state(path)) == "deepspeed":
         raise ConfigError(f"{path} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end; to rebuild "
                           "weights from ZeRO shards use DeepSpeed's zero_to_fp32.py on it")
-    engine = create_engine(args)
-    spec = preflight(args, model_parallel=engine.model_parallel_size)
-    plan = resolve_run_plan(args, spec.config, spec.config_source, engine.world_size, engine.model_parallel_size)
-    model = engine.place(build_model(args, spec, read_slices=engine.reads_weight_slices), plan)
+    world = launch_world(args)
+    run = resolve_run(args, world)
+    engine = create_engine(run.engine, run.options, world)
+    model = engine.place(build_model(args, run.model, read_slices=engine.reads_slices))
     ckpt.load_model_weights(path, engine=engine, model=model)
-    export_hf(engine, model, spec.tokenizer, out, args.export_dtype or args.dtype, args.export_max_shard_size)
+    export_hf(engine, model, run.tokenizer, out, args.export_dtype or run.dtype, args.export_max_shard_size)
     engine.close()
     return out
 

@@ -33,7 +33,7 @@ from .loading import (
     top_level_key_lines,
 )
 from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
-from .run_plan import global_batch_size
+from .sizes import global_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see parallel/activation_checkpoint.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
@@ -274,18 +275,6 @@ class PreTrainingArguments:
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def check_world_size(self, world_size: int, model_parallel: int = 1) -> None:
-        """The seed never checks `dp`; a mismatch silently changes the global batch, so refuse it."""
-        expected = world_size // model_parallel
-        if self.dp != expected or expected * model_parallel != world_size:
-            raise ConfigError(
-                f"key 'dp': dp={self.dp} does not match the launch: {world_size} process(es)"
-                + (f" / model-parallel size {model_parallel}" if model_parallel > 1 else "")
-                + f" gives dp={expected}. Set dp: {expected} (or add `dp={expected}` on the command line), "
-                "or launch a matching number of processes"
-                + (" (e.g. torchrun --nproc_per_node N; `accelerate launch` with a MULTI_CPU config starts only one "
-                   "process on CPU)" if world_size == 1 else "") + ".")
-
     # ------------------------------------------------------------ validation
     def _coerce_scientific_strings(self) -> None:
         for f in dataclasses.fields(self):
@@ -312,9 +301,17 @@ class PreTrainingArguments:
                 raise key_error(f.name, f"expected {describe_types(allowed)}, got {value!r} ({type(value).__name__})")
 
     def _check_values(self) -> None:
-        positive = ["num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
-                    "eval_iters"]
-        for name in positive:
+        self._check_counts()
+        self._check_choices()
+        self._check_sizes()
+        self._check_long_context()
+        self._check_optimization()
+        self._check_loop()
+        self._check_ranges()
+
+    def _check_counts(self) -> None:
+        for name in ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
+                     "eval_iters"):
             if getattr(self, name) < 1:
                 raise key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("seq_length", "save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints",
@@ -324,19 +321,27 @@ class PreTrainingArguments:
                 raise key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
         if self.seq_length is not None and self.seq_length == 0:
             raise key_error("seq_length", "seq_length must be >= 1")
-        if self.lr_decay_style not in DECAY_STYLES:
-            raise key_error("lr_decay_style", f"lr_decay_style {self.lr_decay_style!r} is not one of "
-                             f"{', '.join(DECAY_STYLES)}")
-        if self.engine not in ENGINES:
-            raise key_error("engine", f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise key_error("activation_checkpointing", f"activation_checkpointing {self.activation_checkpointing!r} "
-                             "is not one of none, full, selective")
+
+    def _check_choices(self) -> None:
         if isinstance(self.preflight_memory_check, bool):  # YAML reads a bare `off` as false (and `on` as true)
             self.preflight_memory_check = "error" if self.preflight_memory_check else "off"
-        if self.preflight_memory_check not in MEMORY_CHECKS:
-            raise key_error("preflight_memory_check", f"preflight_memory_check {self.preflight_memory_check!r} is not "
-                             f"one of {', '.join(MEMORY_CHECKS)}")
+        if self.export_dtype is not None:
+            self.export_dtype = self.export_dtype.lower()
+        choices = {"lr_decay_style": DECAY_STYLES, "engine": ENGINES, "activation_checkpointing":
+                   ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
+                   "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES}
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise key_error(name, f"{name} {value!r} is not one of {', '.join(allowed)}")
+        if isinstance(self.trainable_parameters, list) and not (
+                self.trainable_parameters and all(isinstance(p, str) and p for p in self.trainable_parameters)):
+            raise key_error("trainable_parameters", "trainable_parameters is all, embeddings, or a non-empty list of "
+                             "glob patterns over parameter names (e.g. ['model.embed_tokens.*', 'lm_head.*'])")
+        if self.resume not in ("auto", "none") and not self.resume:
+            raise key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
+
+    def _check_sizes(self) -> None:
         if self.device_memory is not None:  # e.g. 20GB; read here so a typo fails at load, not at the check
             try:
                 parse_size(self.device_memory, "device_memory")
@@ -345,18 +350,12 @@ class PreTrainingArguments:
         if not _is_shard_size(self.export_max_shard_size):
             raise key_error("export_max_shard_size", f"export_max_shard_size {self.export_max_shard_size!r}: give a "
                              "number of bytes or a size in KB, MB, GB or TB (powers of 1000, as save_pretrained)")
-        if self.txt_mode not in TXT_MODES:
-            raise key_error("txt_mode", f"txt_mode {self.txt_mode!r} is not one of {', '.join(TXT_MODES)}")
-        if self.new_token_init not in NEW_TOKEN_INITS:
-            raise key_error("new_token_init", f"new_token_init {self.new_token_init!r} is not one of "
-                             f"{', '.join(NEW_TOKEN_INITS)}")
-        if isinstance(self.trainable_parameters, list) and not (
-                self.trainable_parameters and all(isinstance(p, str) and p for p in self.trainable_parameters)):
-            raise key_error("trainable_parameters", "trainable_parameters is all, embeddings, or a non-empty list of "
-                             "glob patterns over parameter names (e.g. ['model.embed_tokens.*', 'lm_head.*'])")
-        self._check_long_context()
-        if self.on_error not in ON_ERROR:
-            raise key_error("on_error", f"on_error {self.on_error!r} is not one of {', '.join(ON_ERROR)}")
+        if isinstance(self.eval_split, float) and not 0 <= self.eval_split < 1:
+            raise key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
+        if isinstance(self.eval_split, int) and self.eval_split < 0:
+            raise key_error("eval_split", "eval_split must be >= 0")
+
+    def _check_optimization(self) -> None:
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             raise key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
@@ -370,22 +369,13 @@ class PreTrainingArguments:
             raise key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
-        if self.export_dtype is not None:
-            self.export_dtype = self.export_dtype.lower()
-            if self.export_dtype not in DTYPES:
-                raise key_error("export_dtype", f"export_dtype {self.export_dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def _check_loop(self) -> None:
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
             raise key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
                              "exceeds this many times the running mean), or null")
         if self.distributed_timeout_minutes <= 0:
             raise key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
-        if isinstance(self.eval_split, float) and not 0 <= self.eval_split < 1:
-            raise key_error("eval_split", "eval_split is a fraction in [0, 1) of the documents or a count >= 0")
-        if isinstance(self.eval_split, int) and self.eval_split < 0:
-            raise key_error("eval_split", "eval_split must be >= 0")
-        if self.resume not in ("auto", "none") and not self.resume:
-            raise key_error("resume", "resume is 'auto', 'none' or a checkpoint folder")
-        self._check_ranges()
 
     def _check_long_context(self) -> None:
         if self.rope_scaling is not None:

@@ -38,15 +38,15 @@ class RunData:
     eval: Iterable[dict] | None   # re-iterable eval micro-batches, or None
 
 
-def assemble_data(args, plan, tokenizer, placement: DataPlacement, *, datasets_provider=None,
+def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_provider=None,
                   train_dataloader=None, eval_dataloader=None) -> RunData:
-    """This rank's train stream and eval batches for the run `plan` describes."""
+    """This rank's train stream and eval batches for a run of these `sizes`."""
     if train_dataloader is not None:
         if placement.replicas > 1:
             logger.info("a user DataLoader is iterated as given on each rank: give each rank its own part "
                         "(e.g. a DistributedSampler)")
         return RunData(BatchStream(train_dataloader, args.seed), eval_dataloader)
-    built = _build_datasets(args, plan, tokenizer, placement, datasets_provider)
+    built = _build_datasets(args, sizes, tokenizer, placement, datasets_provider)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     masking = None
     if args.reset_position_ids or args.reset_attention_mask:
@@ -54,18 +54,18 @@ def assemble_data(args, plan, tokenizer, placement: DataPlacement, *, datasets_p
         logger.info("document masking: positions restart after each EOS%s", "; attention stays within each "
                     "document" if args.reset_attention_mask else "")
     shard = {"rank": placement.rank, "world_size": placement.replicas, "masking": masking}
-    train = SampleStream(built.train, plan.micro_batch_size, pad_id, seed=args.seed, num_workers=args.num_workers,
+    train = SampleStream(built.train, sizes.micro_batch_size, pad_id, seed=args.seed, num_workers=args.num_workers,
                          shuffle=not built.shuffled, **shard)
     if eval_dataloader is None and built.eval is not None:
-        eval_dataloader = EvalBatches(built.eval, plan.micro_batch_size, pad_id, **shard)
+        eval_dataloader = EvalBatches(built.eval, sizes.micro_batch_size, pad_id, **shard)
     return RunData(train, eval_dataloader)
 
 
-def _build_datasets(args, plan, tokenizer, placement: DataPlacement, datasets_provider) -> BuiltData:
+def _build_datasets(args, sizes, tokenizer, placement: DataPlacement, datasets_provider) -> BuiltData:
     if args.megatron_dataset_flag and datasets_provider is not None:
-        return provided_datasets(datasets_provider, plan)
+        return provided_datasets(datasets_provider, sizes)
     if args.megatron_dataset_flag:
-        return build_indexed_datasets(args, plan, placement.is_main, placement.barrier)
+        return build_indexed_datasets(args, sizes, placement.is_main, placement.barrier)
     if not args.resolved_train_data:
         raise ConfigError("no training data: set `train_data` (files, globs or folders of json/jsonl/csv/txt/parquet), "
                           "or data_path with megatron_dataset_flag: true for prepared .bin/.idx data, or pass "
@@ -73,4 +73,4 @@ def _build_datasets(args, plan, tokenizer, placement: DataPlacement, datasets_pr
     if args.dataloader_config:
         logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the built-in pipeline "
                     "packs sequences without padding and does not use it")
-    return build_datasets(args, tokenizer, plan.seq_length, placement)
+    return build_datasets(args, tokenizer, sizes.seq_length, placement)

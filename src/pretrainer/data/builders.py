@@ -73,9 +73,9 @@ def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return store.sequence_pointers[ids] // itemsize, store.sequence_lengths[ids]
 
 
-def build_indexed_datasets(args, plan, is_main: bool = True, barrier=lambda: None) -> BuiltData:
+def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: None) -> BuiltData:
     """GPT-style train/valid samples from prepared `.bin/.idx` prefixes, split by Megatron's contiguous
-    document ranges and blended by weight when several prefixes are given. `plan` (a RunPlan) says the
+    document ranges and blended by weight when several prefixes are given. `sizes` (the run's BatchSizes) says the
     sequence length and how many samples the run and one evaluation read; the main rank builds the index
     caches while the others wait at `barrier`."""
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
@@ -84,7 +84,7 @@ def build_indexed_datasets(args, plan, is_main: bool = True, barrier=lambda: Non
     raw = args.data_path if args.data_path is not None else args.get_dataloader_config().get("data_path")
     prefixes, weights = parse_data_path(raw)
     split = args.data_split
-    seq_length = plan.seq_length
+    seq_length = sizes.seq_length
     cache_folder = Path(args.data_cache_path) if args.data_cache_path else _writable(
         default_cache_folder(prefixes[0]), args)
     cache = IndexCache(cache_folder, build_on_this_rank=is_main, barrier=barrier)
@@ -110,8 +110,8 @@ def build_indexed_datasets(args, plan, is_main: bool = True, barrier=lambda: Non
         if r[0][1] <= r[0][0]:
             raise DataError(f"data_path {prefixes[i]}: split {split!r} leaves no training documents out of "
                             f"{datasets[i].num_documents}; give the first (train) part a non-zero share")
-    train = build(0, "train", plan.train_samples)
-    evaluation = build(1, "valid", plan.eval_samples)
+    train = build(0, "train", sizes.train_samples)
+    evaluation = build(1, "valid", sizes.eval_samples)
     logger.info("data: %s, split %s -> %d train samples of %d tokens, %s", " + ".join(prefixes), split,
                 len(train), seq_length + 1, f"{len(evaluation)} eval samples" if evaluation else "no eval split")
     return BuiltData(train, evaluation, shuffled=True)

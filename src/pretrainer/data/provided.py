@@ -10,16 +10,16 @@ from ..config import ConfigError
 from .builders import BuiltData
 
 
-def provided_datasets(provider, plan) -> BuiltData:
+def provided_datasets(provider, sizes) -> BuiltData:
     """Call the hook with [train, valid, test] sample counts (all replicas) and check what it returns."""
-    provided = provider([plan.train_samples, plan.eval_samples, 0])
+    provided = provider([sizes.train_samples, sizes.eval_samples, 0])
     if not isinstance(provided, (tuple, list)) or len(provided) != 3:
         raise ConfigError("custom_megatron_datasets_provider_function must return (train, valid, test) datasets")
     train, valid, _ = provided
     if train is None:
         raise ConfigError("custom_megatron_datasets_provider_function returned no training dataset")
-    return BuiltData(ProvidedSamples(train, plan.seq_length, "train"),
-                     ProvidedSamples(valid, plan.seq_length, "valid") if valid is not None else None)
+    return BuiltData(ProvidedSamples(train, sizes.seq_length, "train"),
+                     ProvidedSamples(valid, sizes.seq_length, "valid") if valid is not None else None)
 
 
 class ProvidedSamples(torch.utils.data.Dataset):

@@ -1,11 +1,21 @@
 """Models: building HF causal LMs from a folder or a config, and the checks that precede it."""
 
-from .build import ModelSpec, build_model, count_parameters, load_tokenizer, preflight, reads_checkpoint_in_slices
-from .chunked_loss import install_chunked_loss, resolve_chunk_size
+from .build import (
+    ModelSource,
+    ModelSpec,
+    build_model,
+    count_parameters,
+    load_tokenizer,
+    model_source,
+    preflight,
+    reads_checkpoint_in_slices,
+)
+from .chunked_loss import LossChunk, install_chunked_loss, resolve_chunk_size, resolve_loss_chunk
 from .hf_weights import LoadStats, checkpoint_name, pending_checkpoint, tied_output_names
 from .init import has_meta_tensors, materialize
 from .trainable import select_trainable
 
-__all__ = ["LoadStats", "ModelSpec", "build_model", "checkpoint_name", "count_parameters", "has_meta_tensors",
-           "install_chunked_loss", "load_tokenizer", "materialize", "pending_checkpoint", "preflight",
-           "reads_checkpoint_in_slices", "resolve_chunk_size", "select_trainable", "tied_output_names"]
+__all__ = ["LoadStats", "LossChunk", "ModelSource", "ModelSpec", "build_model", "checkpoint_name", "count_parameters",
+           "has_meta_tensors", "install_chunked_loss", "load_tokenizer", "materialize", "model_source",
+           "pending_checkpoint", "preflight", "reads_checkpoint_in_slices", "resolve_chunk_size", "resolve_loss_chunk",
+           "select_trainable", "tied_output_names"]

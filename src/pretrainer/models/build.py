@@ -35,21 +35,24 @@ class ModelSpec:
     growth: VocabGrowth | None = None  # the vocabulary grows to a larger (extended) tokenizer
 
 
-def preflight(args, config=None, model_parallel: int = 1) -> ModelSpec:
-    """Resolve and check the model config and tokenizer without building the model.
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from and its config, read (RoPE settings applied) before anything heavy."""
+    config: object          # transformers PretrainedConfig
+    source: str             # the model folder (or the hook that built the model)
+    config_source: str      # where the config came from, for messages
+    has_weights: bool
+    folder: Path | None     # the folder beside the config (its tokenizer), None for a provided model
 
-    `config` is the config of a model built elsewhere (custom_model_provider_function): no model path needed.
-    A tokenizer larger than the model's vocabulary plans its growth (padded to a multiple of
-    `pad_vocab_to_multiple_of` and of `model_parallel`).
-    """
+
+def model_source(args, config=None) -> ModelSource:
+    """The model's config: from `model_path` (a folder or a config.json), or `config`, the config of a model
+    built elsewhere (custom_model_provider_function: no model path needed)."""
     from transformers import AutoConfig
 
     path_value = args.resolved_model_path
     if config is not None and not path_value:
-        if not args.tokenizer_path:
-            raise ConfigError("the model comes from custom_model_provider_function: set `tokenizer_path` too")
-        tokenizer = load_tokenizer(args.tokenizer_path, Path(args.tokenizer_path))
-        return ModelSpec(config, tokenizer, True, "custom_model_provider_function", "the provided model's config")
+        return ModelSource(config, "custom_model_provider_function", "the provided model's config", True, None)
     if not path_value:
         raise ConfigError("no model given: set `model_path` (or the seed's `openmind_model_path`) to an HF model "
                           "folder or a config.json")
@@ -65,10 +68,24 @@ def preflight(args, config=None, model_parallel: int = 1) -> ModelSpec:
         raise ConfigError(f"{config_file}: cannot be read as a model config: {exc}") from None
     has_weights = path.is_dir() and any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
     apply_rope_settings(config, args.rope_scaling, args.rope_theta, str(config_file))
+    return ModelSource(config, str(path), str(config_file), has_weights, config_file.parent)
 
-    tokenizer = load_tokenizer(args.resolved_tokenizer_path, path)
-    growth = plan_growth(config, tokenizer, args, config_file.parent, str(config_file), model_parallel)
-    return ModelSpec(config, tokenizer, has_weights, str(path), str(config_file), growth)
+
+def preflight(args, source: ModelSource | None = None, vocab_multiple: int = 1) -> ModelSpec:
+    """Resolve and check the model config and tokenizer without building the model.
+
+    A tokenizer larger than the model's vocabulary plans its growth (padded to a multiple of
+    `pad_vocab_to_multiple_of` and of `vocab_multiple`, the tensor-parallel degree).
+    """
+    source = source or model_source(args)
+    if source.folder is None:
+        if not args.tokenizer_path:
+            raise ConfigError("the model comes from custom_model_provider_function: set `tokenizer_path` too")
+        tokenizer = load_tokenizer(args.tokenizer_path, Path(args.tokenizer_path))
+        return ModelSpec(source.config, tokenizer, True, source.source, source.config_source)
+    tokenizer = load_tokenizer(args.resolved_tokenizer_path, Path(source.source))
+    growth = plan_growth(source.config, tokenizer, args, source.folder, source.config_source, vocab_multiple)
+    return ModelSpec(source.config, tokenizer, source.has_weights, source.source, source.config_source, growth)
 
 
 def load_tokenizer(tokenizer_path: str | None, model_path: Path):

@@ -38,6 +38,14 @@ AUTO_LOGITS_BYTES = 256 * 2**20  # fp32 logits of a micro-batch above this: chun
 AUTO_CHUNK_BYTES = 64 * 2**20    # one chunk's fp32 logits under "auto"
 
 
+@dataclass(frozen=True)
+class LossChunk:
+    """`loss_chunk_size` resolved for a run: tokens per chunk (0: the plain loss)."""
+    size: int
+    explicit: bool          # set by the user (a head that cannot chunk is an error), not `auto`
+    reason: str = ""        # why `auto` chose the plain loss where the logits are large
+
+
 def resolve_chunk_size(setting, micro_batch_size: int, seq_length: int, vocab_size: int) -> int:
     """Tokens per chunk (0: off) for `loss_chunk_size` (auto, 0 or a number)."""
     if setting != "auto":
@@ -47,6 +55,24 @@ def resolve_chunk_size(setting, micro_batch_size: int, seq_length: int, vocab_si
     return max(128, AUTO_CHUNK_BYTES // (4 * vocab_size))
 
 
+def resolve_loss_chunk(setting, micro_batch_size: int, seq_length: int, model_config, custom_loss: bool,
+                       vocab_size: int | None = None) -> LossChunk:
+    """The run's loss chunk, for `train` and the planner alike: off where a custom loss needs per-token losses
+    or the model transforms its logits after the head (an error when the size was given explicitly)."""
+    explicit = setting != "auto"
+    size = resolve_chunk_size(setting, micro_batch_size, seq_length, vocab_size or model_config.vocab_size)
+    if not size:
+        return LossChunk(0, explicit)
+    reason = ""
+    if custom_loss:
+        reason = "custom_loss_function needs per-token losses"
+    elif any(getattr(model_config, key, None) for key in ("final_logit_softcapping", "logit_scale")):
+        reason = "the model transforms the logits after the head (softcapping or scaling)"
+    if reason and explicit:
+        raise ConfigError(f"loss_chunk_size: not available here ({reason}); set loss_chunk_size: 0")
+    return LossChunk(0 if reason else size, explicit, reason)
+
+
 def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool) -> bool:
     """Make the model's output head compute the loss in chunks of `chunk_size` tokens; False (with a reason
     logged, or an error when the setting was explicit) for heads it cannot replace."""
@@ -54,8 +80,6 @@ def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool
     reason = None
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         reason = "its output head is not a bias-free Linear"
-    elif any(getattr(model.config, key, None) for key in ("final_logit_softcapping", "logit_scale")):
-        reason = "it transforms the logits after the head (softcapping or scaling)"
     if reason:
         if explicit:
             raise ConfigError(f"loss_chunk_size: this model cannot compute its loss in chunks ({reason}); set "

@@ -1,4 +1,4 @@
-"""Model-config parsers: how a model type's HF config maps to Megatron's network arguments and a parallel plan.
+"""Model-config parsers: how a model type's HF config maps to Megatron's network arguments and a model split.
 
 The seed (openmind-accelerate) registers a parser per model type with
 `@add_model_config_to_megatron_parser("llama")`; a parser is called as
@@ -7,8 +7,9 @@ The seed (openmind-accelerate) registers a parser per model type with
 the first registered key that is a substring of `model.config.model_type.lower()`.
 
 What the engine reads back from the filled arguments:
-- `parallel_plan`: the name of a module layout in `pretrainer.parallel.plans` (built in: "llama", the
-  decoder of Llama, Mistral and Qwen2: q/k/v/o attention, gate/up/down SwiGLU MLP, RMSNorm, RoPE);
+- `parallel_split` (earlier spelt `parallel_plan`, still read): the name of a model split in
+  `pretrainer.parallel.splits` (built in: "llama", the decoder of Llama, Mistral and Qwen2: q/k/v/o
+  attention, gate/up/down SwiGLU MLP, RMSNorm, RoPE);
 - `num_layers`, `num_attention_heads`, `num_query_groups`, `ffn_hidden_size`,
   `untie_embeddings_and_output_weights`: the tensor-parallel divisibility checks and the pipeline split
   use them (`hidden_size`, `kv_channels` and the vocabulary size are read back too, for other callers
@@ -53,7 +54,7 @@ class NetworkShape:
     """The parsed numbers the engine uses."""
 
     model_type: str
-    parallel_plan: str
+    parallel_split: str
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -62,7 +63,7 @@ class NetworkShape:
     ffn_hidden_size: int
     vocab_size: int
     untied_embeddings: bool
-    seq_length: int | None  # the run's (the engine passes plan.seq_length); a parser may set its own
+    seq_length: int | None  # the run's (the engine passes its seq_length); a parser may set its own
     megatron_args: dict
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -95,7 +96,7 @@ def parse_model_config(model, seq_length: int | None = None, batch_data: dict | 
             "your script before PreTrainer(...):\n"
             "    from pretrainer import add_model_config_to_megatron_parser, parse_llama_config\n"
             f"    add_model_config_to_megatron_parser({model_type!r})(parse_llama_config)\n"
-            "otherwise add a plan to pretrainer.parallel.plans and a parser that names it (docs/megatron.md: "
+            "otherwise add a split to pretrainer.parallel.splits and a parser that names it (docs/megatron.md: "
             "'Adding a model type')")
     plugin = ParserPlugin(seq_length=seq_length)
     parser(plugin, model, batch_data or {})
@@ -107,7 +108,7 @@ def parse_model_config(model, seq_length: int | None = None, batch_data: dict | 
     heads = int(args["num_attention_heads"])
     return NetworkShape(
         model_type=model_type,
-        parallel_plan=str(args.get("parallel_plan", "llama")),
+        parallel_split=str(args.get("parallel_split") or args.get("parallel_plan") or "llama"),
         num_layers=int(args["num_layers"]),
         hidden_size=int(args["hidden_size"]),
         num_attention_heads=heads,
@@ -129,7 +130,6 @@ def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
     args = megatron_lm_plugin.megatron_lm_default_args
     args.update(
         model_type_name="gpt",
-        parallel_plan="llama",
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=heads,

@@ -6,7 +6,7 @@ Types other than `dynamic` (linear, yarn, llama3, longrope) extend the model's p
 `max_position_embeddings` becomes `original_max_position_embeddings x factor` (the original defaults to the
 model's current `max_position_embeddings`), as the configs of models published with these scalings read.
 `dynamic` (NTK) rescales at run time past the original length, so `max_position_embeddings` keeps meaning
-the original length; `config.run_plan.model_positions` counts `factor` times it.
+the original length; `config.sizes.model_positions` counts `factor` times it.
 """
 
 from __future__ import annotations

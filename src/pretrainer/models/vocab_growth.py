@@ -41,13 +41,14 @@ class VocabGrowth:
     base_tokenizer: object | None     # the model's own tokenizer (None: not found beside the model)
 
 
-def padded_size(tokens: int, multiple: int, model_parallel: int = 1) -> int:
-    step = math.lcm(max(1, multiple), max(1, model_parallel))
+def padded_size(tokens: int, multiple: int, tensor_parallel: int = 1) -> int:
+    """A multiple of `multiple` and of the tensor-parallel degree (the embedding and head are split by rows)."""
+    step = math.lcm(max(1, multiple), max(1, tensor_parallel))
     return -(-tokens // step) * step
 
 
 def plan_growth(config, tokenizer, args, model_folder: Path | None, config_source: str,
-                model_parallel: int = 1) -> VocabGrowth | None:
+                tensor_parallel: int = 1) -> VocabGrowth | None:
     """None when the tokenizer fits the model's vocabulary; else the growth, after checking the tokenizer
     extends the model's own."""
     vocab = getattr(config, "vocab_size", None)
@@ -62,7 +63,7 @@ def plan_growth(config, tokenizer, args, model_folder: Path | None, config_sourc
                           "is there to check that the new one extends it (the model folder has none, or it is the "
                           "one given); keep the model's original tokenizer in its folder and point tokenizer_path "
                           "at the extended one, or set allow_tokenizer_mismatch: true")
-    new_size = padded_size(len(tokenizer), args.pad_vocab_to_multiple_of, model_parallel)
+    new_size = padded_size(len(tokenizer), args.pad_vocab_to_multiple_of, tensor_parallel)
     return VocabGrowth(vocab, new_size, len(tokenizer), base)
 
 

@@ -1,6 +1,11 @@
-"""Engines: one module per way of running a model across processes, behind `Engine`."""
+"""Engines: one module per way of running a model across processes, behind `Engine`; the world they run on
+(`world`), the parallelism they apply (`parallelize`), and what they answer the planner (`layout`)."""
 
-from .engine import Engine, Precision, SingleEngine, resolve_device
-from .factory import create_engine, select_engine
+from .engine import Engine, EngineOptions, SingleEngine
+from .factory import create_engine, engine_class, select_engine
+from .layout import Layout
+from .precision import Precision
+from .world import World, join_world, planned_world
 
-__all__ = ["Engine", "Precision", "SingleEngine", "create_engine", "resolve_device", "select_engine"]
+__all__ = ["Engine", "EngineOptions", "Layout", "Precision", "SingleEngine", "World", "create_engine", "engine_class",
+           "join_world", "planned_world", "select_engine"]

@@ -6,20 +6,36 @@
   only the cheap element-wise ops (norms, activations, rotary), so most of the memory saving of
   the element-wise activations for a few percent of compute.
 
-Layers are wrapped in place (the wrapper replaces the layer in its parent), before an engine shards them.
+Megatron's `recompute_method` / `recompute_num_layers` (the megatron engine's settings) group the layers of a
+pipeline stage for `full`: `uniform` checkpoints runs of `num_layers` layers as one unit, `block` the first
+`num_layers` layers one by one. Elsewhere `full` checkpoints every layer on its own.
+
+Layers are wrapped in place (the wrapper replaces the layer in its parent), before an engine shards them;
+`apply_activation_checkpointing` is the one entry point every engine calls (see parallelize.py).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..config import ConfigError
+from ..config import ACTIVATION_CHECKPOINTING, ConfigError
 
-MODES = ("none", "full", "selective")
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    mode: str = "none"                # none | full | selective (config.ACTIVATION_CHECKPOINTING)
+    method: str = "uniform"           # full, in pipeline stages: uniform | block
+    num_layers: int | None = None     # full, in pipeline stages: layers per unit (uniform) or checkpointed (block)
+
+    def describe(self) -> str:
+        if self.mode == "full" and (self.method != "uniform" or self.num_layers):
+            return f"full/{self.method}/{self.num_layers}"
+        return self.mode
 
 # Ops whose outputs `selective` keeps: the expensive ones.
 SELECTIVE_SAVED_OPS = {
@@ -53,11 +69,16 @@ def _inner(module: torch.nn.Module) -> torch.nn.Module:
     return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: torch.nn.Module, recompute: RecomputeSettings) -> None:
+    mode = recompute.mode
     if mode == "none":
         return
-    if mode not in MODES:
-        raise ConfigError(f"key 'activation_checkpointing': {mode!r} is not one of {', '.join(MODES)}")
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError(f"key 'activation_checkpointing': {mode!r} is not one of "
+                          f"{', '.join(ACTIVATION_CHECKPOINTING)}")
+    if mode == "full" and hasattr(model, "set_recompute"):  # a pipeline stage checkpoints groups of its layers
+        model.set_recompute(recompute.method, recompute.num_layers)
+        return
     options = {}
     if mode == "selective":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)

@@ -6,6 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import DistributedEngine
+from .parallelize import parallelize
 
 
 class DDPEngine(DistributedEngine):
@@ -13,15 +14,35 @@ class DDPEngine(DistributedEngine):
     supports_context_parallel = True
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.prepare_layers(model)
-        self.materialize_if_meta(model)  # same seeded init on every rank; DDP also broadcasts rank 0's weights
-        model.to(self.device)
-        device_ids = [self.device.index] if self.device.type != "cpu" else None
-        # LLM buffers (rotary frequencies) are constants: no need to broadcast them every forward.
-        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+        def replicate(module: torch.nn.Module) -> torch.nn.Module:
+            self.materialize_if_meta(module)  # same seeded init on every rank; DDP also broadcasts rank 0's weights
+            module.to(self.device)
+            device_ids = [self.device.index] if self.device.type != "cpu" else None
+            # LLM buffers (rotary frequencies) are constants: no need to broadcast them every forward.
+            return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+
+        self.install_context_parallel(model)
+        return parallelize(model, self.parallelism(data_parallel=replicate))
 
     def no_sync(self, model: torch.nn.Module):
         return model.no_sync()  # accumulation micro-batches skip the all-reduce
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module
+
+    def gradient_group_size(self, model: torch.nn.Module) -> int:
+        return model.process_group.size()
+
+    # ---- the planner's questions ----
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size == 1:
+            return []
+        return [{"dims": cls.parallel_dims(world_size, cp, None)} for cp in context_parallel_degrees(world_size,
+                                                                                                     seq_length)]
+
+
+def context_parallel_degrees(world_size: int, seq_length: int) -> list[int]:
+    """1, and the cp degrees worth planning for this world and sequence: 2-8 ranks, chunks of 512+ tokens."""
+    return [1] + [cp for cp in (2, 4, 8) if not (world_size % cp or seq_length % (2 * cp)
+                                                   or seq_length // cp < 1024)]

@@ -10,24 +10,33 @@ loop's calls map onto `backward`/`step` of the DeepSpeed engine.
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib.util
 import logging
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, ParallelDims
 from ..models import checkpoint_name, has_meta_tensors, materialize
-from .deepspeed_config import (
-    config_from_accelerate_env,
-    fill_deepspeed_config,
-    fill_hidden_size,
-    load_deepspeed_config,
-    validate_deepspeed_config,
-)
+from .deepspeed_config import DeepSpeedSettings, read_deepspeed_settings
 from .distributed import DistributedEngine
+from .layout import Collective, HeldState, Layout, ModelStates, RankShare, compute_bytes, tensor_bytes
+from .parallelize import parallelize
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "deepspeed"
+# On CPU, ZeRO-3's per-layer gathers leave the heap far above the live tensors (see fsdp.py): a multiple of
+# the model's fp32 bytes, with full recompute and without, measured on bench/plan_accuracy.py's 27M model.
+CPU_GATHER_RETENTION = {"full": 3.6, "other": 4.1}
+
+
+def require_deepspeed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise ConfigError("engine deepspeed needs the deepspeed package: pip install 'pretrainer[deepspeed]'") \
+            from None
 
 
 class DeepSpeedEngine(DistributedEngine):
@@ -37,54 +46,41 @@ class DeepSpeedEngine(DistributedEngine):
     checkpoint_format = "deepspeed"  # its own ZeRO shards, written by save_checkpoint
     checkpoint_needs_same_world_size = True
     supports_async_save = False
+    baseline_engine = "deepspeed"  # DeepSpeed's own imports and buffers are part of every rank's runtime
+    baseline_overrides = {"deepspeed": {"zero_optimization": {"stage": 2}}}
 
-    reads_weight_slices = True  # ZeRO-3 partitions module by module (stages 1-2 still build the whole model)
-
-    def __init__(self, args):
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ConfigError("engine deepspeed needs the deepspeed package: pip install 'pretrainer[deepspeed]'") \
-                from None
-        super().__init__(args)
-        source = args.deepspeed if args.deepspeed is not None else config_from_accelerate_env()
-        self.source = (f"key 'deepspeed' ({source})" if isinstance(source, str) else
-                       "key 'deepspeed'" if args.deepspeed is not None else "the accelerate DeepSpeed config")
-        # Filled and checked now, before the model is built: only the bucket sizes wait for its hidden size.
-        self.ds_config, self.filled = fill_deepspeed_config(load_deepspeed_config(source), args, self.world_size,
-                                                            hidden_size=None)
-        validate_deepspeed_config(self.ds_config, self.source)
+    def __init__(self, options, world):
+        require_deepspeed()
+        super().__init__(options, world)
+        self.ds_config = copy.deepcopy(self.settings.config)  # deepspeed.initialize keeps and changes it
         self.model_engine = None
+
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str) -> DeepSpeedSettings:
+        require_deepspeed()
+        return read_deepspeed_settings(args, world_size, dtype, getattr(model_config, "hidden_size", None))
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings: DeepSpeedSettings) -> ParallelDims:
+        """Every rank is a data-parallel replica; ZeRO stages 1-3 shard state over all of them."""
+        return ParallelDims(world_size, cp=cp, shard=world_size if settings.zero_stage >= 1 else 1)
 
     @property
     def zero_stage(self) -> int:
-        return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
+        return self.settings.zero_stage
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError("DeepSpeed wraps model, optimizer and schedule together: use setup()")
 
-    def setup(self, model, plan, optimizer, scheduler, build_optimizer, build_scheduler):
+    def setup(self, model, optimizer, scheduler, build_optimizer, build_scheduler):
         import deepspeed
 
-        self.plan = plan
-
-        self.prepare_layers(model)
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        if hidden:
-            fill_hidden_size(self.ds_config, hidden, self.filled)
-        if self.filled and self.is_main:
-            logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.filled.items()))
-        if self.zero_stage == 3 and has_meta_tensors(model):
-            # Built module by module and partitioned at once (as under zero.Init): no rank holds the whole model.
-            deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
-            materialize(model, self.device, self.args.seed, partition=self._partition)
-        else:
-            self.materialize_if_meta(model)
+        if self.settings.filled and self.is_main:
+            logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.settings.filled.items()))
+        model = parallelize(model, self.parallelism(data_parallel=self._materialize))
         # (A user optimizer never reaches here: it would hold unsharded parameters; PreTrainer refuses it.)
         if "optimizer" not in self.ds_config:
             optimizer = build_optimizer(model)  # our AdamW groups (no decay on norms/biases/embeddings)
-            if "offload_optimizer" in (self.ds_config.get("zero_optimization") or {}):
-                self.ds_config["zero_force_ds_cpu_optimizer"] = False
         if "scheduler" in self.ds_config:  # the JSON's scheduler wins over lr_decay_style, as in the HF Trainer
             logger.info("using the DeepSpeed config's scheduler %s (lr_decay_style is not used)",
                         self.ds_config["scheduler"].get("type"))
@@ -97,6 +93,18 @@ class DeepSpeedEngine(DistributedEngine):
             model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad])
         self.model_engine = engine
         return engine, ds_optimizer, ds_scheduler
+
+    def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DeepSpeed places the model in deepspeed.initialize; a meta-device model is materialised first, under
+        ZeRO-3 module by module and partitioned at once (as under zero.Init): no rank holds the whole model."""
+        import deepspeed
+
+        if self.zero_stage == 3 and has_meta_tensors(model):
+            deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
+            materialize(model, self.device, self.options.seed, partition=self._partition)
+        else:
+            self.materialize_if_meta(model)
+        return model
 
     def _partition(self, parameters: list[torch.nn.Parameter]) -> None:
         """Shard whole parameters over the ranks as ZeRO-3 parameters (DeepSpeed takes rank 0's values)."""
@@ -168,8 +176,108 @@ class DeepSpeedEngine(DistributedEngine):
     def unwrap(self, model):
         return self.model_engine.module
 
+    def held_state(self, model, optimizer) -> HeldState:
+        """Weights: the module's (ZeRO-3: each parameter's partition); optimizer: the inner optimizer's moments
+        and ZeRO's fp32 master partitions."""
+        parameters = list(self.model_engine.module.parameters())
+        weights = tensor_bytes(getattr(p, "ds_tensor", p) for p in parameters)
+        masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+            getattr(optimizer, "fp32_partitioned_groups_flat", None) or []
+        inner = getattr(optimizer, "optimizer", optimizer)
+        moments = super().optimizer_state_bytes(inner)
+        dp = self.model_engine.dp_world_size
+        return HeldState(weights, moments + tensor_bytes(masters), dp, dp if self.zero_stage >= 1 else 1,
+                         isinstance(self.autocast(), torch.autocast))
+
     def describe(self) -> str:
-        zero = self.ds_config.get("zero_optimization") or {}
-        offload = [k for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device") not in
-                   (None, "none")]
-        return super().describe() + f" zero_stage={self.zero_stage} offload={','.join(offload) or 'none'}"
+        return super().describe() + " " + self.settings.describe()
+
+    # ---- the planner's questions ----
+    @classmethod
+    def reads_weight_slices(cls, settings: DeepSpeedSettings) -> bool:
+        return settings.zero_stage == 3  # ZeRO-3 partitions module by module; stages 1-2 build the whole model
+
+    @classmethod
+    def autocasts(cls, layout: Layout) -> bool:
+        return False  # DeepSpeed holds the weights in the compute dtype itself
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """ZeRO's model states as DeepSpeed's own estimators count them: 16-bit weights (a shard and the largest
+        live layer at stage 3), 16-bit gradients (none kept at stage 3), and per trained parameter an fp32
+        master copy, two moments and an fp32 gradient, partitioned from stage 1 (fp32 runs count their weights
+        as 4); its buffers: the reduce bucket, and the all-gather bucket (stages 1-2) or the prefetch bucket
+        and the parameters it keeps gathered (stage 3: up to stage3_max_live_parameters)."""
+        settings, dp, c = layout.settings, layout.dims.dp, compute_bytes(layout.dtype)
+        stage, n, t = settings.zero_stage, share.parameters, share.trained
+        largest_layer = max(shape.layer_parameters, shape.embedding_parameters, shape.head_parameters)
+        weights, working = (c * n, 0) if stage < 3 else (c * n // dp, 4 * largest_layer)
+        partition = dp if stage >= 1 else 1
+        grads = {0: c * t, 1: c * t, 2: c * t // dp, 3: 0}[stage] + 4 * t // partition
+        optimizer = 12 * t // partition
+        comm = c * min(settings.buffer("reduce_bucket_size"), t)
+        if stage < 3:
+            comm += c * min(settings.buffer("allgather_bucket_size"), n)
+        else:
+            comm += (c * min(settings.buffer("stage3_prefetch_bucket_size"), n)
+                     + c * min(settings.buffer("stage3_max_live_parameters"), n - n // dp))
+        notes = {"parameters": f"{'16-bit' if c < 4 else 'fp32'} weights" + (" shards + the largest live layer"
+                                                                            if stage == 3 else ""),
+                 "gradients": ("16-bit gradients and the fp32 gradient partition" if c < 4 else
+                               "gradients and their partition"),
+                 "optimizer": "fp32 master weights and AdamW moments" + (" (partitioned)" if stage else ""),
+                 "communication": "reduce and all-gather buckets" if stage < 3 else
+                 "reduce and prefetch buckets, parameters kept gathered (stage3_max_live_parameters)"}
+        offload = 0
+        if settings.offloads("optimizer") and not on_cpu:
+            offload += optimizer + grads
+            optimizer, grads = 0, 0
+            notes["optimizer"] += ", on the host"
+        if settings.offloads("param") and stage == 3 and not on_cpu:
+            offload += c * n // dp
+            weights, working = 0, 4 * largest_layer
+        return ModelStates(weights, working, grads, optimizer, comm, offload, notes)
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """Gradients reduced over the replicas in the compute dtype; ZeRO-3 gathers every parameter in forward
+        and backward of each micro-batch."""
+        dp, c = layout.dims.dp, compute_bytes(layout.dtype)
+        traffic = [Collective(2 * c * trained, dp)]
+        if layout.settings.zero_stage == 3:
+            traffic.append(Collective(2 * c * shape.parameters, dp, per_micro_batch=True))
+        return traffic
+
+    @classmethod
+    def cpu_gather_retention(cls, layout: Layout) -> float:
+        if layout.settings.zero_stage != 3 or layout.dims.dp == 1:
+            return 0.0
+        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"]
+
+    @classmethod
+    def offloads_to_host(cls, layout: Layout) -> bool:
+        return layout.settings.offloads("optimizer")
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size == 1 or importlib.util.find_spec("deepspeed") is None:
+            return []
+        settings = [DeepSpeedSettings.for_zero(stage, offload) for stage in (1, 2, 3) for offload in (False, True)]
+        settings.append(DeepSpeedSettings.for_zero(3, True, True))
+        return [{"dims": cls.parallel_dims(world_size, 1, s), "settings": s} for s in settings]
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        settings = layout.settings
+        zero = f"{{stage: {settings.zero_stage}"
+        if settings.offloads("optimizer"):
+            zero += ", offload_optimizer: {device: cpu}"
+        if settings.offloads("param"):
+            zero += ", offload_param: {device: cpu}"
+        return [f"deepspeed={{zero_optimization: {zero}}}}}"]
+
+    @classmethod
+    def describe_settings(cls, layout: Layout) -> str:
+        settings = layout.settings
+        return (f"zero={settings.zero_stage}" + (" offload_optimizer" if settings.offloads("optimizer") else "")
+                + (" offload_parameters" if settings.offloads("param") else ""))

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, global_batch_size
@@ -23,9 +24,66 @@ AUTO = "auto"
 # ZeRO bucket sizes filled from the model's hidden size (as the HF Trainer does).
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
+# DeepSpeed's buffer sizes, in elements, where a config leaves them unset (its defaults) or "auto" before the
+# hidden size is known.
+BUFFER_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+
 # Keys found in published configs that current DeepSpeed rejects or ignores, and why.
 DROPPED = {("fp16", "fp16_opt_level"): "an apex (O1/O2) setting; current DeepSpeed rejects it"}
 IGNORED = {"min_lr": "not a DeepSpeed key: WarmupDecayLR decays to 0, set warmup_min_lr/min_lr in the run's config"}
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The DeepSpeed JSON, filled from the run's config and checked; what the engine hands deepspeed.initialize."""
+    config: dict
+    source: str = "key 'deepspeed'"   # where the JSON came from, for messages
+    filled: dict = field(default_factory=dict)  # dotted key -> value filled from the run's config
+
+    @staticmethod
+    def for_zero(stage: int, offload_optimizer: bool = False, offload_parameters: bool = False) -> "DeepSpeedSettings":
+        """A ZeRO stage with DeepSpeed's defaults (the layouts the planner compares)."""
+        zero: dict = {"stage": stage}
+        if offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if offload_parameters:
+            zero["offload_param"] = {"device": "cpu"}
+        return DeepSpeedSettings({"zero_optimization": zero})
+
+    @property
+    def zero(self) -> dict:
+        return self.config.get("zero_optimization") or {}
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.zero.get("stage", 0))
+
+    def offloads(self, kind: str) -> bool:
+        """`optimizer` or `param` state offloaded (to the CPU or NVMe)."""
+        return (self.zero.get(f"offload_{kind}") or {}).get("device", "none") not in ("none", None)
+
+    def buffer(self, key: str) -> int:
+        """A buffer size in elements (BUFFER_DEFAULTS' keys)."""
+        value = self.zero.get(key, BUFFER_DEFAULTS[key])
+        return BUFFER_DEFAULTS[key] if value == AUTO else int(value)
+
+    def describe(self) -> str:
+        offload = [k for k in ("optimizer", "param") if self.offloads(k)]
+        return f"zero_stage={self.zero_stage} offload={','.join('offload_' + k for k in offload) or 'none'}"
+
+
+def read_deepspeed_settings(args, world_size: int, dtype: str, hidden_size: int | None) -> DeepSpeedSettings:
+    """The run's DeepSpeed JSON (`deepspeed`, or what an `accelerate launch` DeepSpeed config put in the
+    environment), every "auto" filled from the config and checked with DeepSpeed's own models."""
+    source = args.deepspeed if args.deepspeed is not None else config_from_accelerate_env()
+    where = (f"key 'deepspeed' ({source})" if isinstance(source, str) else
+             "key 'deepspeed'" if args.deepspeed is not None else "the accelerate DeepSpeed config")
+    config, filled = fill_deepspeed_config(load_deepspeed_config(source), args, world_size, hidden_size, dtype=dtype)
+    validate_deepspeed_config(config, where)
+    if "optimizer" not in config and "offload_optimizer" in (config.get("zero_optimization") or {}):
+        config["zero_force_ds_cpu_optimizer"] = False  # the run's AdamW groups run on DeepSpeed's offload
+    return DeepSpeedSettings(config, where, filled)
 
 
 def load_deepspeed_config(source) -> dict:
@@ -61,9 +119,12 @@ def config_from_accelerate_env() -> dict:
     return config
 
 
-def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int | None) -> tuple[dict, dict]:
+def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int | None,
+                          dtype: str | None = None) -> tuple[dict, dict]:
     """Return the filled config and {dotted key: value} of what was filled. Without `hidden_size` (the model is
-    not known yet) the ZeRO bucket sizes derived from it stay "auto"."""
+    not known yet) the ZeRO bucket sizes derived from it stay "auto". `dtype`: the resolved compute dtype
+    (default: the config's)."""
+    dtype = dtype or args.dtype
     config = copy.deepcopy(config)
     filled: dict = {}
     for (block, key), why in DROPPED.items():
@@ -85,8 +146,8 @@ def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int 
     for precision in ("fp16", "bf16"):
         block = config.get(precision)
         if isinstance(block, dict):
-            _fill_or_check(block, "enabled", args.dtype == precision, filled, f"{precision}.")
-        elif args.dtype == precision:
+            _fill_or_check(block, "enabled", dtype == precision, filled, f"{precision}.")
+        elif dtype == precision:
             config[precision] = {"enabled": True}
             filled[f"{precision}.enabled"] = True
     optimizer = config.get("optimizer")

@@ -1,9 +1,10 @@
 """The engine interface the training loop talks to, and the single-process engine.
 
-An engine owns devices, process groups, model wrapping, mixed precision,
-the optimizer step and what goes into a checkpoint. The loop never branches on
-the engine's name: engines implement the same methods, and what differs between
-them is declared as capabilities (class attributes below) that the loop reads.
+An engine owns the process groups it builds on the world, model wrapping, mixed precision, the optimizer
+step and what goes into a checkpoint. The loop never branches on the engine's name: engines implement the
+same methods, and what differs between them is declared as capabilities (class attributes below) that the
+loop reads. An engine is built from its part of the resolved run (`EngineOptions`), never from the
+arguments; the planner asks the engine class about a layout (parallel/layout.py's `LayoutAnswers`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,10 +26,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..batch import batch_targets, forward_logits
-from ..config import ConfigError, RunPlan, torch_dtype
-from ..models import checkpoint_name, cpu_attention, has_meta_tensors, materialize
-from .activation_checkpoint import apply_activation_checkpointing, decoder_layers
+from ..config import ParallelDims
+from ..models import checkpoint_name, has_meta_tensors, materialize
+from .activation_checkpoint import RecomputeSettings
 from .gradient_norm import clip_, global_norm
+from .layout import HeldState, LayoutAnswers, tensor_bytes
+from .parallelize import Parallelism, parallelize
+from .precision import Precision
+from .world import World
 
 logger = logging.getLogger(__name__)
 
@@ -37,92 +43,32 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name != "auto":
-        try:
-            device = torch.device(name)
-        except RuntimeError as exc:
-            raise ConfigError(f"key 'device': {exc}") from None
-        available = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if device.type != "cpu" and (available is None or available.type != device.type):
-            raise ConfigError(f"key 'device': {name!r}, but this machine has "
-                              f"{'no accelerator' if available is None else 'a ' + available.type + ' device'}"
-                              "; set device: auto (or cpu)")
-        return device
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
-
-
-def check_dtype(args, device: torch.device) -> str | None:
-    """Resolve `dtype: auto` for `device` (returns why), and warn when an explicit low precision is slower
-    than fp32 on this CPU (measured, see perf/dtype_choice.py)."""
-    from ..perf.dtype_choice import choose_dtype, cpu_matrix_flags, cpu_speedup, slow_dtype_warning
-
-    on_cpu = device.type == "cpu"
-    if args.dtype == "auto":
-        accelerator_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else not on_cpu
-        args.dtype, reason = choose_dtype(device.type, accelerator_bf16, cpu_speedup("bf16") if on_cpu else None,
-                                          cpu_matrix_flags() if on_cpu else [])
-        logger.info("dtype: auto -> %s: %s", args.dtype, reason)
-        return reason
-    if on_cpu and args.dtype != "fp32":
-        warning = slow_dtype_warning(args.dtype, cpu_speedup(args.dtype), cpu_matrix_flags())
-        if warning:
-            logger.warning("%s", warning)
-    return None
-
-
-class Precision:
-    """fp32 master weights; bf16/fp16 compute by autocast; fp16 adds dynamic loss scaling."""
-
-    def __init__(self, dtype: str, device: torch.device):
-        self.dtype = dtype
-        self.device = device
-        self.compute_dtype = torch_dtype(dtype)
-        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
-
-    def autocast(self):
-        if self.dtype == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
-
-    def state_dict(self) -> dict:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
-
-
-def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
-    """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
-    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change. In bf16/fp16 on a
-    CPU, `sdpa` attention becomes models/cpu_attention.py's, whose backward the compile fuses."""
-    if precision.device.type == "cpu" and precision.dtype != "fp32":
-        cpu_attention.install(model)
-    for layer in decoder_layers(model):
-        layer.compile()
-
-
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-class Engine(ABC):
+@dataclass(frozen=True)
+class EngineOptions:
+    """An engine's part of the resolved run."""
+    dims: ParallelDims
+    dtype: str                          # compute dtype: bf16 | fp16 | fp32
+    settings: object = None             # the engine's own (FSDPSettings, DeepSpeedSettings, MegatronSettings)
+    recompute: RecomputeSettings = RecomputeSettings()
+    compile: bool = False
+    seed: int = 0                       # the init of a model built on the meta device
+    seq_length: int = 0
+    micro_batch_size: int = 1
+
+
+class Engine(LayoutAnswers, ABC):
     name: str
 
     # ---- capabilities: what the loop and the checkpointer may rely on (subclasses override) ----
     # Parameters are re-created as shards when the model is wrapped: an optimizer built over the
     # unwrapped model's parameters cannot be used.
     shards_parameters = False
-    # Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
-    # (models/hf_weights.py) instead of loading it whole in every process.
-    reads_weight_slices = False
     # Every update handed to `step` is applied (the engine's own optimizer step cannot be skipped).
     applies_every_update = False
     # How model/optimizer state is written: "dcp" (torch.distributed.checkpoint, reshardable onto any
@@ -133,16 +79,46 @@ class Engine(ABC):
     supports_async_save = True
     # The HF export streams the weights tensor by tensor (`export_tensors`) instead of one full state dict.
     exports_tensor_by_tensor = True
-    model_parallel_size = 1  # ranks that hold one model replica together (tensor x pipeline parallel)
+    # Runs over the world's process group (joined before the run is resolved; one process is a group of one).
+    joins_process_group = False
 
-    def __init__(self, args):
-        self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype_reason = check_dtype(args, self.device)
-        self.precision = Precision(args.dtype, self.device)
-        self.rank = 0
-        self.world_size = 1
-        self.plan: RunPlan | None = None  # given by setup()
+    def __init__(self, options: EngineOptions, world: World):
+        self.options, self.world = options, world
+        self.dims, self.settings = options.dims, options.settings
+        self.device = world.device
+        self.precision = Precision(options.dtype, self.device)
+        self.rank, self.world_size = world.rank, world.size
+
+    # ---- what an engine is built from: the resolver asks the class (nothing is launched yet) ----
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str):
+        """The engine's own settings from the config, checked (`model_config`: the HF config, None when not
+        known; `dtype`: the resolved compute dtype)."""
+        return None
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings) -> ParallelDims:
+        """How `world_size` processes split for this engine (context_parallel_degree `cp`)."""
+        return ParallelDims(world_size, cp=cp)
+
+    @classmethod
+    def replica_ranks(cls, args) -> int:
+        """The ranks of one replica the config describes (before a world is known): cp."""
+        return args.context_parallel_degree
+
+    @classmethod
+    def parallel_style(cls, settings) -> tuple[bool, str]:
+        """(sequence parallelism, pipeline schedule) of the settings."""
+        return False, "1f1b"
+
+    @classmethod
+    def recompute(cls, args, settings) -> RecomputeSettings:
+        """Activation checkpointing as this engine applies it."""
+        return RecomputeSettings(args.activation_checkpointing)
+
+    @property
+    def reads_slices(self) -> bool:
+        return self.reads_weight_slices(self.settings)
 
     @property
     def is_main(self) -> bool:
@@ -150,18 +126,20 @@ class Engine(ABC):
 
     @property
     def data_rank(self) -> int:
-        """This rank's index among the data-parallel replicas (which part of the data it reads)."""
-        return self.rank
+        """This rank's index among the data-parallel replicas (which part of the data it reads): the ranks of
+        one replica (tp x pp x cp) are consecutive."""
+        return self.rank // self.dims.replica_ranks
 
     @property
     def data_world_size(self) -> int:
         """How many replicas read different data."""
-        return self.world_size
+        return self.dims.dp
 
     @property
     def gradient_average_size(self) -> int:
-        """Over how many ranks' gradients the engine averages (the loop scales the loss to undo it)."""
-        return self.data_world_size
+        """Over how many ranks' gradients the engine averages (the loop scales the loss to undo it): those that
+        hold the same parameters, dp x cp."""
+        return self.dims.gradient_ranks
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's part of a host batch (context parallelism splits sequences; others keep it whole)."""
@@ -171,16 +149,14 @@ class Engine(ABC):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Place and wrap the model (DDP/FSDP/...); return what the loop calls forward on."""
 
-    def setup(self, model: torch.nn.Module, plan: RunPlan, optimizer, scheduler, build_optimizer, build_scheduler):
-        """Wrap the model for the run `plan` describes and pair it with an optimizer and schedule (given, or
-        built over the wrapped model)."""
-        model = self.place(model, plan)
+    def setup(self, model: torch.nn.Module, optimizer, scheduler, build_optimizer, build_scheduler):
+        """Wrap the model and pair it with an optimizer and schedule (given, or built over the wrapped model)."""
+        model = self.place(model)
         optimizer = optimizer or build_optimizer(model)
         return model, optimizer, scheduler or build_scheduler(optimizer)
 
-    def place(self, model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-        """Wrap the model for the run `plan` describes, without an optimizer (training setup, export)."""
-        self.plan = plan
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap the model, without an optimizer (training setup, export)."""
         return self.wrap(model)
 
     def finish_step(self, optimizer, scheduler) -> None:
@@ -277,15 +253,15 @@ class Engine(ABC):
         return value
 
     def barrier(self) -> None:
-        pass
+        self.world.barrier()
 
     def broadcast_object(self, obj):
         """The main rank's `obj` on every rank (picklable objects)."""
-        return obj
+        return self.world.broadcast_object(obj)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
-        return [obj]
+        return self.world.all_gather_object(obj)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (a host-side collective: never waits for the device)."""
@@ -336,25 +312,42 @@ class Engine(ABC):
         for name, tensor in self.unwrap(model).state_dict().items():
             yield checkpoint_name(name), tensor.detach().cpu()
 
-    def materialize_if_meta(self, model: torch.nn.Module) -> None:
+    def materialize_if_meta(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         if has_meta_tensors(model):
-            materialize(model, self.device, self.args.seed)
+            materialize(model, device or self.device, self.options.seed)
 
-    def prepare_layers(self, model: torch.nn.Module) -> None:
-        """Per-layer transforms, before an engine wraps or shards the model: checkpointing, then compile."""
-        apply_activation_checkpointing(model, self.args.activation_checkpointing)
-        if self.args.compile:
-            compile_layers(model, self.precision)
+    def parallelism(self, data_parallel=None, tensor_parallel=None) -> Parallelism:
+        """The run's per-layer steps (recompute, compile) around an engine's own parallelism."""
+        return Parallelism(tensor_parallel=tensor_parallel, recompute=self.options.recompute,
+                           compile=self.precision if self.options.compile else None, data_parallel=data_parallel)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    # ---- what this rank really holds (the planner's answers are checked against it) ----
+    def held_state(self, model: torch.nn.Module, optimizer) -> HeldState:
+        return HeldState(tensor_bytes(model.parameters()), self.optimizer_state_bytes(optimizer),
+                         self.gradient_group_size(model), self.shard_group_size(),
+                         isinstance(self.autocast(), torch.autocast))
+
+    def optimizer_state_bytes(self, optimizer) -> int:
+        return tensor_bytes(t for state in optimizer.state.values() for t in state.values()
+                            if isinstance(t, torch.Tensor))
+
+    def gradient_group_size(self, model: torch.nn.Module) -> int:
+        """Ranks of the process group this engine reduces gradients over."""
+        return 1
+
+    def shard_group_size(self) -> int:
+        return 1
+
     def close(self) -> None:
-        pass
+        """Leave the world (the process group is destroyed once, last)."""
+        self.world.close()
 
     def describe(self) -> str:
-        return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.args.dtype} "
-                f"activation_checkpointing={self.args.activation_checkpointing}")
+        return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.precision.dtype} "
+                f"activation_checkpointing={self.options.recompute.describe()}")
 
 
 class SingleEngine(Engine):
@@ -363,6 +356,12 @@ class SingleEngine(Engine):
     name = "single"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.prepare_layers(model)
-        self.materialize_if_meta(model)
-        return model.to(self.device)
+        def place(module: torch.nn.Module) -> torch.nn.Module:
+            self.materialize_if_meta(module)
+            return module.to(self.device)
+
+        return parallelize(model, self.parallelism(data_parallel=place))
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        return [{"dims": cls.parallel_dims(1, 1, None)}] if world_size == 1 else []

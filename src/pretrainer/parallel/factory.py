@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 from ..config import ConfigError
-from .distributed import launch_world_size
-from .engine import Engine, SingleEngine
+from ..config.arguments import ENGINES as ENGINE_CHOICES
+from .engine import Engine, EngineOptions, SingleEngine
+from .world import World, launch_world_size
 
+ENGINES = tuple(name for name in ENGINE_CHOICES if name != "auto")  # the engines the `engine` key names
 ACCELERATE_FLAGS = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed",
                     "ACCELERATE_USE_MEGATRON_LM": "megatron"}
 
@@ -63,10 +65,6 @@ def engine_class(name: str) -> type[Engine]:
     return FSDPEngine
 
 
-def create_engine(args) -> Engine:
-    engine = engine_class(select_engine(args))(args)
-    if args.context_parallel_degree > 1 and getattr(engine, "context", None) is None:
-        raise ConfigError(f"key 'context_parallel_degree': {args.context_parallel_degree} needs several processes "
-                          "and engine ddp, fsdp or megatron")
-    args.check_world_size(engine.world_size, engine.model_parallel_size)
-    return engine
+def create_engine(name: str, options: EngineOptions, world: World) -> Engine:
+    """Engine `name`, built from its part of the resolved run on `world`."""
+    return engine_class(name)(options, world)

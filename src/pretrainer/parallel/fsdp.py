@@ -2,72 +2,88 @@
 
 Each decoder layer is its own unit (all-gathered just before use, resharded after), the root holds the
 embeddings and head. A meta-device model is sharded first and materialised afterwards, so no rank ever
-holds the whole model.
+holds the whole model. `fsdp_shard_size` below the world gives hybrid sharding: shard within groups of
+that many ranks, replicate across them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from ..config import ConfigError
+from ..config import ConfigError, ParallelDims
 from .activation_checkpoint import decoder_layers
+from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
+from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes
+from .parallelize import parallelize, shard_layers
 
 logger = logging.getLogger(__name__)
+
+# On CPU, FSDP's per-layer gathers leave the heap far above the live tensors: activations are carved out of
+# the freed layer-sized buffers, so the next gather cannot reuse them and glibc's heap grows until a rank
+# holds about what a DDP rank does. A multiple of the model's fp32 bytes, with full recompute and without,
+# measured on bench/plan_accuracy.py's 27M model (2 ranks) and checked on its 5M and 82M models.
+CPU_GATHER_RETENTION = {"full": 2.9, "other": 1.6}
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    shard_size: int | None = None   # ranks per shard group (hybrid sharding); None: all of them
 
 
 class FSDPEngine(DistributedEngine):
     name = "fsdp"
     shards_parameters = True
-    reads_weight_slices = True
     supports_context_parallel = True
 
-    def __init__(self, args):
-        super().__init__(args)
-        self.reshard_after_forward = args.fsdp_reshard_after_forward
-        self.cpu_offload = args.fsdp_cpu_offload
-        self.mesh = self._device_mesh(args.fsdp_shard_size)
+    def __init__(self, options, world):
+        super().__init__(options, world)
+        dims = self.dims
+        if dims.shard == dims.world_size:
+            self.mesh = init_device_mesh(self.device.type, (dims.world_size,), mesh_dim_names=("shard",))
+        else:
+            self.mesh = init_device_mesh(self.device.type, (dims.world_size // dims.shard, dims.shard),
+                                         mesh_dim_names=("replicate", "shard"))
 
-    def _device_mesh(self, shard_size: int | None):
-        """1-D mesh: shard over all ranks. 2-D (hybrid): replicate across groups, shard within each group."""
-        shard = shard_size or self.world_size
-        if self.world_size % shard:
-            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {self.world_size} processes")
-        if shard == self.world_size:
-            return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
-        return init_device_mesh(self.device.type, (self.world_size // shard, shard),
-                                mesh_dim_names=("replicate", "shard"))
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str) -> FSDPSettings:
+        return FSDPSettings(args.fsdp_reshard_after_forward, args.fsdp_cpu_offload, args.fsdp_shard_size)
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings: FSDPSettings) -> ParallelDims:
+        """1-D: shard over all ranks. 2-D (hybrid): replicate across groups of `shard_size`, shard within."""
+        shard = settings.shard_size or world_size
+        if world_size % shard:
+            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {world_size} processes")
+        return ParallelDims(world_size, cp=cp, shard=shard)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.settings.reshard_after_forward
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.settings.cpu_offload
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.prepare_layers(model)
-        options = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.mesh}
-        if self.precision.dtype != "fp32":
-            # Compute in the low precision, keep fp32 shards and reduce gradients in fp32.
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype,
-                                                        reduce_dtype=torch.float32)
-        if self.cpu_offload:
-            # pin_memory needs an accelerator; without one it must be off.
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
-        if not any(p.is_meta for p in model.parameters()) and not self.cpu_offload:
-            model.to(self.device)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **options)
-        fully_shard(model, **options)
-        self.materialize_if_meta(model)
-        return model
+        def shard(module: torch.nn.Module) -> torch.nn.Module:
+            if not any(p.is_meta for p in module.parameters()) and not self.cpu_offload:
+                module.to(self.device)
+            shard_layers(module, self.mesh, decoder_layers(module), self.precision, self.reshard_after_forward,
+                         self.cpu_offload)
+            # offloaded shards live in host memory: materialise them there
+            self.materialize_if_meta(module, torch.device("cpu") if self.cpu_offload else None)
+            return module
 
-    def materialize_if_meta(self, model: torch.nn.Module) -> None:
-        if self.cpu_offload and any(p.is_meta for p in model.parameters()):
-            from ..models import materialize
-
-            materialize(model, torch.device("cpu"), self.args.seed)
-            return
-        super().materialize_if_meta(model)
+        self.install_context_parallel(model)
+        return parallelize(model, self.parallelism(data_parallel=shard))
 
     @property
     def exports_tensor_by_tensor(self) -> bool:
@@ -88,7 +104,88 @@ class FSDPEngine(DistributedEngine):
 
         return skip_reduce_scatter()
 
+    def gradient_group_size(self, model: torch.nn.Module) -> int:
+        return self.mesh.size()  # reduce-scattered over the shards, all-reduced over the replicas
+
+    def shard_group_size(self) -> int:
+        return self.mesh["shard"].size()
+
     def describe(self) -> str:
         mesh = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
         return (super().describe() + f" mesh=({mesh}) reshard_after_forward={self.reshard_after_forward}"
                 f" cpu_offload={self.cpu_offload}")
+
+    # ---- the planner's questions ----
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        return True
+
+    @classmethod
+    def autocasts(cls, layout: Layout) -> bool:
+        return False
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """fp32 shards; the layers being computed gathered in the compute dtype (every layer, from forward to
+        backward, without resharding); sharded gradients plus one layer's whole gradient before its reduce-
+        scatter, whole while micro-batches accumulate; sharded AdamW moments."""
+        settings, shards = layout.settings, layout.dims.shard
+        n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
+        root = shape.embedding_parameters + shape.head_parameters + shape.other_parameters
+        notes = {}
+        if settings.reshard_after_forward:
+            gathered = c * max(2 * shape.layer_parameters, root + shape.layer_parameters)
+            notes["parameters"] = "fp32 shards + the gathered layers being computed"
+        else:
+            gathered = c * (n - n // shards)
+            notes["parameters"] = "fp32 shards + every layer gathered from forward to backward"
+        weights, grads, optimizer = 4 * n // shards, 4 * t // shards, 8 * t // shards
+        grads += 4 * shape.layer_parameters
+        if layout.accumulation > 1:
+            grads += 4 * t - 4 * t // shards
+            notes["gradients"] = "unsharded while micro-batches accumulate"
+        offload = 0
+        if settings.cpu_offload and not on_cpu:
+            offload = weights + 4 * t // shards + optimizer
+            weights, optimizer = 0, 0
+            grads -= 4 * t // shards
+        return ModelStates(weights, gathered, grads, optimizer, 0, offload, notes)
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """Each micro-batch gathers every layer (twice when resharded after forward); gradients are
+        reduce-scattered once."""
+        shards, c = layout.dims.shard, compute_bytes(layout.dtype)
+        gathers = 2 if layout.settings.reshard_after_forward else 1
+        return [Collective(gathers * c * shape.parameters, shards, per_micro_batch=True),
+                Collective(4 * trained, shards)]
+
+    @classmethod
+    def cpu_gather_retention(cls, layout: Layout) -> float:
+        if layout.dims.shard == 1:
+            return 0.0
+        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"]
+
+    @classmethod
+    def offloads_to_host(cls, layout: Layout) -> bool:
+        return layout.settings.cpu_offload
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size == 1:
+            return []
+        whole = cls.parallel_dims(world_size, 1, FSDPSettings())
+        variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
+                    for reshard in (True, False) for offload in (False, True)]
+        return variants + [{"dims": cls.parallel_dims(world_size, cp, FSDPSettings()), "settings": FSDPSettings()}
+                           for cp in context_parallel_degrees(world_size, seq_length)[1:]]
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        return [f"fsdp_reshard_after_forward={str(layout.settings.reshard_after_forward).lower()}",
+                f"fsdp_cpu_offload={str(layout.settings.cpu_offload).lower()}"]
+
+    @classmethod
+    def describe_settings(cls, layout: Layout) -> str:
+        settings = layout.settings
+        return f"reshard={settings.reshard_after_forward}" + (" cpu_offload" if settings.cpu_offload else "")

@@ -2,10 +2,10 @@
 machinery.
 
 A device mesh `dp x pp x cp x tp` (tp innermost, then context parallelism, as in Megatron). Each rank
-builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model, applies the model family's
-tensor-parallel plan (`plans`, chosen by the model-config parser registry), recomputes activations as
-configured, and wraps each stage for data parallelism over `dp`: `replicate` (gradients all-reduced, like
-DDP), or with `use_distributed_optimizer` FSDP2 without resharding after forward (gradients
+builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model and parallelizes each
+(parallelize.py): the model family's tensor-parallel split (`splits`, chosen by the model-config parser
+registry), activation recomputation as configured, compile, and data parallelism over `dp`: `replicate`
+(gradients all-reduced, like DDP), or with `use_distributed_optimizer` FSDP2 without resharding after forward (gradients
 reduce-scattered and the optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2
 style). With context parallelism (`context_parallel_degree`, see context_parallel.py) the cp ranks of a
 stage hold the same parameters and split every sequence, so gradients are reduced over dp x cp, as
@@ -19,7 +19,9 @@ optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,18 +29,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from ..batch import IGNORE, batch_targets, is_head_loss
-from ..config import ConfigError
+from ..config import ConfigError, ParallelDims
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
 from ..models.registry import parse_model_config
 from . import context_parallel
-from .activation_checkpoint import apply_activation_checkpointing
+from .activation_checkpoint import RecomputeSettings
+from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
-from .engine import compile_layers, to_device_async
-from .megatron_settings import read_settings, report_unused_keys
+from .engine import to_device_async
+from .layout import Layout, ModelStates, RankShare, compute_bytes
+from .megatron_settings import MegatronSettings, read_settings, unused_keys
+from .parallelize import parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
-from .plans import get_plan
+from .splits import get_split
 
 logger = logging.getLogger(__name__)
 
@@ -72,29 +77,18 @@ class MegatronModel(torch.nn.Module):
 class MegatronEngine(DistributedEngine):
     name = "megatron"
     supports_context_parallel = True
-    reads_weight_slices = True
 
-    def __init__(self, args):
-        super().__init__(args)
-        if args.dtype == "fp16":
-            raise ConfigError("dtype fp16 is not available with engine megatron (no loss scaler across pipeline "
-                              "stages); use bf16 (or fp32)")
-        self.settings = read_settings(args)
-        s = self.settings
-        cp = args.context_parallel_degree
-        self.model_parallel_size = s.model_parallel_size * cp  # ranks that read one replica's batches
-        if self.world_size % self.model_parallel_size:
-            raise ConfigError(f"{self.world_size} process(es) cannot be split into tp_degree={s.tp} x "
-                              f"pp_degree={s.pp} x context_parallel_degree={cp} model-parallel groups; launch a "
-                              f"multiple of {self.model_parallel_size}")
-        self.dp = self.world_size // self.model_parallel_size
-        self.mesh = init_device_mesh(self.device.type, (self.dp, s.pp, cp, s.tp),
+    def __init__(self, options, world):
+        super().__init__(options, world)
+        s, dims = self.settings, self.dims
+        self.dp = dims.dp
+        self.mesh = init_device_mesh(self.device.type, (dims.dp, dims.pp, dims.cp, dims.tp),
                                      mesh_dim_names=("dp", "pp", "cp", "tp"))
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
         # gradients and token counts are summed over the ranks holding the same parameters: dp x cp
-        self.data_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else self.mesh["dp"]
-        if cp > 1:  # sequence parallelism splits each cp rank's tokens again over tp
-            self.context = context_parallel.ContextParallel(cp, self.mesh.get_local_rank("cp"),
+        self.data_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else self.mesh["dp"]
+        if dims.cp > 1:  # sequence parallelism splits each cp rank's tokens again over tp
+            self.context = context_parallel.ContextParallel(dims.cp, self.mesh.get_local_rank("cp"),
                                                             self.mesh.get_group("cp"),
                                                             multiple=s.tp if s.sequence_parallel else 1)
         self.stages: list[DecoderStage] = []
@@ -105,76 +99,80 @@ class MegatronEngine(DistributedEngine):
         self._padding_checked = False
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
 
-    def context_group(self, degree: int) -> None:
-        return None  # made on the mesh above, once it exists
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
+        """plugin_args (and other_megatron_args) read and checked against what this engine can run."""
+        if dtype == "fp16":
+            raise ConfigError("dtype fp16 is not available with engine megatron (no loss scaler across pipeline "
+                              "stages); use bf16 (or fp32)")
+        settings = read_settings(args, getattr(model_config, "num_hidden_layers", None))
+        settings = replace(settings, notices=tuple(unused_keys(args, model_config, settings)))
+        if settings.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
+            raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
+                              "(positions are not sent between stages); use pp_degree 1")
+        if args.compile and settings.tp > 1:
+            raise ConfigError("compile: true with tp_degree > 1 is not available: the backward of DTensor "
+                              "redistributions through compiled layers fails in this torch version; compile "
+                              "works with pp_degree and dp, or set compile: false")
+        return settings
 
-    @property
-    def data_rank(self) -> int:
-        return self.dp_rank
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
+        """A `dp x pp x cp x tp` mesh; the distributed optimizer shards its state over dp."""
+        holders = world_size // (settings.tp * settings.pp)  # dp x cp ranks hold the same parameters
+        return ParallelDims(world_size, tp=settings.tp, pp=settings.pp, cp=cp,
+                            shard=holders if settings.distributed_optimizer and holders >= 1 else 1)
 
-    @property
-    def data_world_size(self) -> int:
-        return self.dp
+    @classmethod
+    def replica_ranks(cls, args) -> int:
+        settings = read_settings(args)
+        return settings.tp * settings.pp * args.context_parallel_degree
 
-    @property
-    def gradient_average_size(self) -> int:
-        return self.data_mesh.size()
+    @classmethod
+    def parallel_style(cls, settings: MegatronSettings) -> tuple[bool, str]:
+        return settings.sequence_parallel, settings.schedule
+
+    @classmethod
+    def recompute(cls, args, settings: MegatronSettings) -> RecomputeSettings:
+        return settings.recompute
 
     def shard_batch(self, batch: dict) -> dict:
         if not self.context:
             return batch
-        return self.context.shard(batch, self.plan.seq_length if self.settings.pp > 1 else 0)
+        return self.context.shard(batch, self.options.seq_length if self.settings.pp > 1 else 0)
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        args = self.args
-        shape = parse_model_config(model, self.plan.seq_length)
-        self.settings = s = read_settings(args, shape.num_layers)
+        """Cut this rank's pipeline stages from the HF model and parallelize each (parallelize.py's order)."""
+        s = self.settings
+        shape = parse_model_config(model, self.options.seq_length)
         if self.is_main:
-            report_unused_keys(args, model.config)
+            for notice in s.notices:
+                logger.info(notice)
         if s.tp > 1:
             shape.check_tensor_parallel(s.tp)
         shape.check_pipeline(s.num_stages)
-        if s.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
-            raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
-                              "(positions are not sent between stages); use pp_degree 1")
-        if args.compile and s.tp > 1:
-            raise ConfigError("compile: true with tp_degree > 1 is not available: the backward of DTensor "
-                              "redistributions through compiled layers fails in this torch version; compile "
-                              "works with pp_degree and dp, or set compile: false")
-        plan = get_plan(shape.parallel_plan)
-        parts = plan.parts(model)
+        split = get_split(shape.parallel_split)
+        parts = split.parts(model)
         ranges = split_layers(shape.num_layers, s.num_stages, s.pipeline_layers)
         self.stage_ids = stages_of_rank(self.pp_rank, s.pp, s.num_stages)
         is_meta = any(p.is_meta for p in model.parameters())
         self._head_loss = computes_loss(parts.lm_head)
-        if self.context:
-            context_parallel.install(model, self.context.degree)
+        self.install_context_parallel(model)
         for index in self.stage_ids:
             stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
                                  config=model.config, tied=not shape.untied_embeddings,
                                  no_split_modules=getattr(model, "_no_split_modules", None))
             if not is_meta:
                 stage.to(self.device)
-            self._recompute(stage)
-            if s.tp > 1:
-                plan.tensor_parallel(stage, self.mesh["tp"], s.sequence_parallel)
-                if not s.sequence_parallel:
-                    self._replicate_norms(stage)
-                stage.sequence_shards = s.tp if s.sequence_parallel else 1
-            if args.compile:
-                compile_layers(stage, self.precision)
-            if self.data_mesh.size() > 1:
-                self._data_parallel(stage)
-            self.stages.append(stage)
+            tensor_parallel = functools.partial(self._tensor_parallel, split) if s.tp > 1 else None
+            data_parallel = self._data_parallel if self.data_mesh.size() > 1 else None
+            self.stages.append(parallelize(stage, self.parallelism(data_parallel, tensor_parallel)))
         if not is_meta:
             _release_other_stages(parts, self.stages)
         view = MegatronModel(model, self.stages)
         if is_meta:
-            materialize(view, self.device, args.seed)
-            for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
-                if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
-                    stage.lm_head.weight = stage.embed_tokens.weight
+            self._materialize(view)
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
         if s.pp > 1:
             self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
@@ -185,16 +183,23 @@ class MegatronEngine(DistributedEngine):
                     [f"{ranges[i].start}-{ranges[i].stop - 1}" for i in self.stage_ids])
         return view
 
-    def _recompute(self, stage: DecoderStage) -> None:
-        s = self.settings
-        if s.recompute_granularity == "selective":
-            apply_activation_checkpointing(stage, "selective")
-        elif s.recompute_granularity == "full":
-            stage.set_recompute(s.recompute_method, s.recompute_num_layers)
+    def _materialize(self, view: MegatronModel) -> None:
+        materialize(view, self.device, self.options.seed)
+        for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
+            if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
+                stage.lm_head.weight = stage.embed_tokens.weight
+
+    def _tensor_parallel(self, split, stage: DecoderStage) -> None:
+        """The family's tp layouts on the tp mesh; without sequence parallelism the norms become replicated
+        DTensors too, so every parameter lives on the mesh (one optimizer, one norm)."""
+        sequence_parallel = self.settings.sequence_parallel
+        split.tensor_parallel(stage, self.mesh["tp"], sequence_parallel)
+        if not sequence_parallel:
+            self._replicate_norms(stage)
+        stage.sequence_shards = self.settings.tp if sequence_parallel else 1
 
     def _replicate_norms(self, stage: DecoderStage) -> None:
-        """Without sequence parallelism the norms see the whole sequence on every tp rank; their weights
-        become replicated DTensors too, so every parameter lives on the mesh (one optimizer, one norm)."""
+        """Without sequence parallelism the norms see the whole sequence on every tp rank."""
         mesh = self.mesh["tp"]
 
         def to_replicated(module, inputs, device_mesh):
@@ -210,25 +215,18 @@ class MegatronEngine(DistributedEngine):
         for norm in norms:
             distribute_module(norm, mesh, input_fn=to_replicated, output_fn=to_local)
 
-    def _data_parallel(self, stage: DecoderStage) -> None:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.data_mesh
+    def _data_parallel(self, stage: DecoderStage) -> DecoderStage:
+        """Gradients over dp x cp: all-reduced (`replicate`), or with the distributed optimizer reduce-scattered
+        with the optimizer state sharded (FSDP2 without resharding after forward: ZeRO-1/2 style)."""
+        layers = list(stage.layers.values())
         if self.settings.distributed_optimizer:
-            for layer in stage.layers.values():
-                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-            fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+            shard_layers(stage, self.data_mesh, layers, reshard_after_forward=False)
         else:
-            for layer in stage.layers.values():
-                replicate(layer, mesh=mesh)
-            replicate(stage, mesh=mesh)
+            replicate_layers(stage, self.data_mesh, layers)
+        return stage
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.hf_model
-
-    def prepare_layers(self, model: torch.nn.Module) -> None:
-        pass  # recompute and compile are applied per stage in wrap()
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
@@ -252,7 +250,7 @@ class MegatronEngine(DistributedEngine):
         if self.context:  # shard_batch made every rank's piece of equal, tp-divisible length already
             return length
         if s.pp > 1:
-            length = max(length, self.plan.seq_length)
+            length = max(length, self.options.seq_length)
         multiple = s.tp if s.sequence_parallel else 1
         return -(-length // multiple) * multiple
 
@@ -293,7 +291,7 @@ class MegatronEngine(DistributedEngine):
         # Every micro-batch gets the same shape (stages exchange fixed-size activations): a short last batch
         # of a user DataLoader gains rows whose targets are all ignored.
         length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
-        rows = max(self.plan.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
+        rows = max(self.options.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
         inputs = torch.cat([_pad_rows(_pad(b["input_ids"], length, 0), rows, 0) for b in micro_batches])
         targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
                              for b in micro_batches])
@@ -340,6 +338,12 @@ class MegatronEngine(DistributedEngine):
                                           targets if index == s.num_stages - 1 else None)
         return hidden if s.num_stages - 1 in self.stage_ids else None
 
+    def gradient_group_size(self, model: torch.nn.Module) -> int:
+        return self.data_mesh.size()
+
+    def shard_group_size(self) -> int:
+        return self.data_mesh.size() if self.settings.distributed_optimizer else 1
+
     @property
     def gradient_holders(self) -> int:
         """The ranks of one pipeline stage: each holds its stage's gradients (or their tp/dp shards)."""
@@ -364,6 +368,70 @@ class MegatronEngine(DistributedEngine):
         cp = f" x cp={self.context.degree}" if self.context else ""
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
+
+    # ---- the planner's questions ----
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        return True
+
+    @classmethod
+    def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
+        """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
+        s = layout.settings
+        ranges = split_layers(num_layers, s.num_stages, s.pipeline_layers)
+        held = [sum(len(ranges[i]) for i in stages_of_rank(rank, s.pp, s.num_stages)) for rank in (0, s.pp - 1)]
+        return held[0], held[1]
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """With the distributed optimizer each stage is FSDP2 without resharding after forward: fp32 shards over
+        dp x cp, every layer gathered from forward to backward (and autocast's copies), the gradients
+        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate), the moments
+        sharded. Otherwise a torch engine's states over the stage's tp share."""
+        shards = layout.dims.shard
+        if not layout.settings.distributed_optimizer or shards == 1:
+            return super().model_states(layout, shape, share, on_cpu)
+        n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
+        layer = shape.layer_parameters // layout.tp
+        copies = c * share.matmul if layout.dtype != "fp32" else 0
+        grads = 4 * t // shards + 4 * layer + (4 * t - 4 * t // shards if layout.accumulation > 1 else 0)
+        notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
+                 + (" + autocast's copies" if copies else ""),
+                 "optimizer": "AdamW moments, sharded (the distributed optimizer)"}
+        return ModelStates(4 * n // shards, 4 * (n - n // shards) + copies, grads, 8 * t // shards, 0, notes=notes)
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
+        within a node and cp across."""
+        if world_size == 1:
+            return []
+        tensor_parallel = [tp for tp in _divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
+            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
+        variants = []
+        for tp in [1, *tensor_parallel]:
+            for pp in _divisors(world_size // tp, 8):
+                if tp * pp == 1 or pp > shape.layers or (pp > 1 and shape.tied):
+                    continue
+                variants.append(cls._variant(world_size, tp, pp, 1))
+        for cp in context_parallel_degrees(world_size, seq_length)[1:]:
+            variants += [cls._variant(world_size, tp, 1, cp) for tp in tensor_parallel if world_size % (tp * cp) == 0]
+        return variants
+
+    @classmethod
+    def _variant(cls, world_size: int, tp: int, pp: int, cp: int) -> dict:
+        settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
+        return {"dims": cls.parallel_dims(world_size, cp, settings), "settings": settings,
+                "sequence_parallel": settings.sequence_parallel}
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        return [f"plugin_args.tp_degree={layout.tp}", f"plugin_args.pp_degree={layout.pp}",
+                f"plugin_args.sequence_parallelism={str(layout.sequence_parallel).lower()}"]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _release_other_stages(parts, stages: list[DecoderStage]) -> None:

@@ -7,12 +7,10 @@ counterpart are reported once as ignored, with the reason. Nothing is silently d
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..config import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, ConfigError
-
-logger = logging.getLogger(__name__)
+from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -60,7 +58,7 @@ IGNORED_REASONS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronSettings:
     tp: int = 1
     pp: int = 1
@@ -74,10 +72,12 @@ class MegatronSettings:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str = "uniform"  # "uniform" | "block"
     recompute_num_layers: int | None = None
+    notices: tuple = field(default=(), compare=False)  # seed keys ignored or disagreeing with the model (logged)
 
     @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp
+    def recompute(self) -> RecomputeSettings:
+        return RecomputeSettings(self.recompute_granularity or "none", self.recompute_method,
+                                 self.recompute_num_layers)
 
     @property
     def num_stages(self) -> int:
@@ -109,25 +109,25 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
             raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in values.items()) + " disagree; set one of them")
         return next(iter(values.values()), default)
 
-    settings = MegatronSettings(
-        tp=_positive("tp_degree", pick("tp_degree", "tensor_model_parallel_size", 1)),
-        pp=_positive("pp_degree", pick("pp_degree", "pipeline_model_parallel_size", 1)),
-        sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)),
-        distributed_optimizer=bool(pick("use_distributed_optimizer", "use_distributed_optimizer", False)),
-        layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
-                                      "num_layers_per_virtual_pipeline_stage", None),
-        pipeline_layers=plugin.get("pipeline_layers"),
-    )
+    tp = _positive("tp_degree", pick("tp_degree", "tensor_model_parallel_size", 1))
     micro = plugin.get("num_micro_batches")
     if micro is not None and micro != args.gradient_accumulation_steps:
         raise ConfigError(f"plugin_args.num_micro_batches={micro} differs from gradient_accumulation_steps="
                           f"{args.gradient_accumulation_steps}; they are the same thing here (micro-batches per "
                           "optimizer step): set both to the same value")
-    settings.num_micro_batches = args.gradient_accumulation_steps
-    settings.sequence_parallel = settings.sequence_parallel and settings.tp > 1  # nothing to split with tp 1
-    _read_recompute(settings, plugin, megatron, args.activation_checkpointing)
-    _read_pipeline(settings, plugin, num_layers)
-    return settings
+    settings = MegatronSettings(
+        tp=tp,
+        pp=_positive("pp_degree", pick("pp_degree", "pipeline_model_parallel_size", 1)),
+        num_micro_batches=args.gradient_accumulation_steps,
+        # nothing to split with tp 1
+        sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)) and tp > 1,
+        distributed_optimizer=bool(pick("use_distributed_optimizer", "use_distributed_optimizer", False)),
+        layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
+                                      "num_layers_per_virtual_pipeline_stage", None),
+        pipeline_layers=plugin.get("pipeline_layers"),
+    )
+    settings = replace(settings, **_read_recompute(plugin, megatron, args.activation_checkpointing))
+    return replace(settings, **_read_pipeline(settings, plugin, num_layers))
 
 
 def _positive(key: str, value) -> int:
@@ -136,7 +136,7 @@ def _positive(key: str, value) -> int:
     return value
 
 
-def _read_recompute(settings: MegatronSettings, plugin: dict, megatron: dict, native: str) -> None:
+def _read_recompute(plugin: dict, megatron: dict, native: str) -> dict:
     granularity = megatron.get("recompute_granularity")
     if granularity is None and plugin.get("recompute_activations"):
         granularity = "selective"  # what MegatronLMPlugin turns recompute_activations into
@@ -152,12 +152,13 @@ def _read_recompute(settings: MegatronSettings, plugin: dict, megatron: dict, na
     count = megatron.get("recompute_num_layers")
     if count is not None and (not isinstance(count, int) or count < 1):
         raise ConfigError(f"other_megatron_args.recompute_num_layers must be a positive integer, got {count!r}")
-    settings.recompute_granularity, settings.recompute_method, settings.recompute_num_layers = \
-        granularity, method, count
+    return {"recompute_granularity": granularity, "recompute_method": method, "recompute_num_layers": count}
 
 
-def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | None) -> None:
+def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | None) -> dict:
+    """The pipeline's virtual stages and schedule (fields of MegatronSettings), checked."""
     schedule = plugin.get("pipeline_schedule")
+    virtual_stages = settings.virtual_stages
     if settings.layers_per_virtual_stage is not None:
         if settings.pp == 1:
             raise ConfigError("num_layers_per_virtual_pipeline_stage needs pp_degree > 1")
@@ -167,7 +168,7 @@ def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | N
                 raise ConfigError(f"num_layers_per_virtual_pipeline_stage={settings.layers_per_virtual_stage}: the "
                                   f"model's {num_layers} layers over pp_degree={settings.pp} must give each rank a "
                                   "multiple of it")
-            settings.virtual_stages = per_rank // settings.layers_per_virtual_stage
+            virtual_stages = per_rank // settings.layers_per_virtual_stage
     if settings.pipeline_layers is not None:
         layers = settings.pipeline_layers
         if not isinstance(layers, list) or not all(isinstance(n, int) and n >= 1 for n in layers):
@@ -178,28 +179,28 @@ def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | N
         if num_layers is not None and sum(layers) != num_layers:
             raise ConfigError(f"plugin_args.pipeline_layers {layers} sums to {sum(layers)}, the model has "
                               f"{num_layers} decoder layers")
-        if settings.layers_per_virtual_stage is not None and len(layers) != settings.num_stages:
+        if settings.layers_per_virtual_stage is not None and len(layers) != settings.pp * virtual_stages:
             raise ConfigError("plugin_args.pipeline_layers and num_layers_per_virtual_pipeline_stage give different "
                               "stage counts; keep one of them")
-        settings.virtual_stages = len(layers) // settings.pp
+        virtual_stages = len(layers) // settings.pp
     if schedule is None:
-        schedule = "interleaved_1f1b" if settings.virtual_stages > 1 else "1f1b"
+        schedule = "interleaved_1f1b" if virtual_stages > 1 else "1f1b"
     if schedule not in SCHEDULES:
         raise ConfigError(f"plugin_args.pipeline_schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if settings.virtual_stages > 1 and schedule != "interleaved_1f1b":
-        raise ConfigError(f"{settings.virtual_stages} virtual stages per rank need pipeline_schedule: "
+    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(f"{virtual_stages} virtual stages per rank need pipeline_schedule: "
                           f"interleaved_1f1b (got {schedule})")
-    if schedule == "interleaved_1f1b" and settings.pp > 1 and settings.virtual_stages == 1:
-        settings.virtual_stages = 2  # interleaving needs at least two model chunks per rank
+    if schedule == "interleaved_1f1b" and settings.pp > 1 and virtual_stages == 1:
+        virtual_stages = 2  # interleaving needs at least two model chunks per rank
     if settings.pp > 1 and schedule != "gpipe" and settings.num_micro_batches < settings.pp:
         raise ConfigError(f"pipeline_schedule {schedule} with pp_degree={settings.pp} needs at least {settings.pp} "
                           f"micro-batches per step (gradient_accumulation_steps={settings.num_micro_batches}); "
                           "raise gradient_accumulation_steps or use pipeline_schedule: gpipe")
-    settings.schedule = schedule
+    return {"virtual_stages": virtual_stages, "schedule": schedule}
 
 
-def report_unused_keys(args, model_config) -> list[str]:
-    """Log (once, main rank) which seed keys are ignored or disagree with the model; return the messages."""
+def unused_keys(args, model_config, settings: MegatronSettings) -> list[str]:
+    """Which seed keys are ignored or disagree with the model (`model_config`, None when not known)."""
     plugin = dict(args.plugin_args or {})
     megatron = args.megatron_args
     messages = []
@@ -210,7 +211,7 @@ def report_unused_keys(args, model_config) -> list[str]:
             messages.append(f"plugin_args.{key}: covered by {COVERED_KEYS[key]}")
         else:
             messages.append(f"plugin_args.{key}: ignored (a MegatronLMPlugin setting with no counterpart here)")
-    hf = _hf_architecture(model_config)
+    hf = _hf_architecture(model_config) if model_config is not None else {}
     for key, value in megatron.items():
         if key in ENGINE_MEGATRON_KEYS or key in MEGATRON_KEY_TO_FIELD:
             continue
@@ -221,11 +222,8 @@ def report_unused_keys(args, model_config) -> list[str]:
             continue
         reason = IGNORED_REASONS.get(key, "a Megatron-LM setting with no meaning in this engine")
         messages.append(f"other_megatron_args.{key}: ignored, {reason}")
-    tp = plugin.get("tp_degree") or megatron.get("tensor_model_parallel_size") or 1
-    if (plugin.get("sequence_parallelism") or megatron.get("sequence_parallel")) and tp == 1:
+    if (plugin.get("sequence_parallelism") or megatron.get("sequence_parallel")) and settings.tp == 1:
         messages.append("sequence_parallelism: no effect with tp_degree 1")
-    for message in messages:
-        logger.info(message)
     return messages
 
 

@@ -21,7 +21,7 @@ from transformers.masking_utils import create_causal_mask
 from ..batch import targets_for_head
 from ..config import ConfigError
 from . import context_parallel
-from .plans import ModelParts
+from .splits import ModelParts
 
 
 def split_layers(num_layers: int, num_stages: int, explicit: list | None = None) -> list[range]:

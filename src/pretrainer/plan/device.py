@@ -64,13 +64,15 @@ class DeviceSpec:
 
 
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
-                engine: str = "ddp", memory_key: str = "--device-memory", host_memory: str | None = None) -> DeviceSpec:
+                baseline_engine: str = "single", memory_key: str = "--device-memory",
+                host_memory: str | None = None) -> DeviceSpec:
     """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size that
-    replaces the device's (per device; on CPU per machine)."""
+    replaces the device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run
+    measures a CPU process's runtime (the run's engine class says which)."""
     if name is None:
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if name.lower() == "cpu":
-        return _cpu_spec(dtype, ranks_per_node, memory, engine, memory_key)
+        return _cpu_spec(dtype, ranks_per_node, memory, baseline_engine, memory_key)
     peak = rated_peak(name, torch_dtype(dtype))
     if peak is None:
         raise ConfigError(f"--device {name!r}: not a device this planner knows ({_known()}); give --device-memory "
@@ -101,7 +103,8 @@ def _known() -> str:
     return "H200, H100, A100, A100-40GB, L40S, A10, L4, V100, MI300X, ..."
 
 
-def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, engine: str, memory_key: str) -> DeviceSpec:
+def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, baseline_engine: str,
+              memory_key: str) -> DeviceSpec:
     if memory is not None:
         total, source = parse_size(memory, memory_key), memory_key
     else:
@@ -109,7 +112,7 @@ def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, engine: str, 
     per_rank = total // max(ranks_per_node, 1)
     share = f", shared by {ranks_per_node} processes" if ranks_per_node > 1 else ""
     peak = measured_peak(torch.device("cpu"), torch_dtype(dtype))
-    runtime = runtime_baseline(engine)
+    runtime = runtime_baseline(baseline_engine)
     return DeviceSpec(f"cpu ({processor_name(torch.device('cpu'))})", "cpu", per_rank, source + share, peak.tflops,
                       peak.source, runtime, "measured once: a tiny model's run on one process")
 
@@ -144,21 +147,20 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT", "TORCHELASTIC_", "ROLE_", "ACCELERATE_", "CUDA_VISIBLE_DEVICES")
 
 
-def runtime_baseline(engine: str) -> int:
-    """Peak RSS of a training process with a tiny model (`pretrainer.train.baseline_run`: interpreter, torch,
-    transformers, the data pipeline, the engine, one process), measured once per machine and torch version and
-    cached with the GEMM peak."""
-    kind = "deepspeed" if engine == "deepspeed" else "single"
+def runtime_baseline(kind: str) -> int:
+    """Peak RSS of a training process with a tiny model on engine `kind` (`pretrainer.plan.baseline_run`:
+    interpreter, torch, transformers, the data pipeline, the engine, one process), measured once per machine and
+    torch version and cached with the GEMM peak."""
 
     def measure() -> float:
         env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
         env.update(OMP_NUM_THREADS="1", LOCAL_RANK="0")  # a process of its own (DeepSpeed asks for LOCAL_RANK)
         try:
-            out = subprocess.run([sys.executable, "-m", "pretrainer.train.baseline_run", kind], capture_output=True,
+            out = subprocess.run([sys.executable, "-m", "pretrainer.plan.baseline_run", kind], capture_output=True,
                                  text=True, timeout=600, env=env)
             return float(out.stdout.strip().splitlines()[-1])
         except (subprocess.SubprocessError, ValueError, IndexError, OSError):
             return FALLBACK_RUNTIME_BYTES
 
-    key = f"runtime of a tiny run|{kind}|torch={torch.__version__}|python={sys.version[:4]}"
+    key = f"runtime of two tiny steps|{kind}|torch={torch.__version__}|python={sys.version[:4]}"
     return int(cached_measurement(key, measure))

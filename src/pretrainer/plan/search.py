@@ -1,16 +1,15 @@
 """The layouts of the same world that a run could use instead, ranked: those that fit first, fastest first.
 
 Candidates keep the model, the sequence length, the dtype and the global batch (micro-batch x accumulation x
-data-parallel replicas), and vary the engine, ZeRO stage and offload, FSDP resharding and offload, tp/pp/cp
-degrees and recomputation.
+data-parallel replicas), and vary what each engine offers for this world (its `layout_variants`: ZeRO stage and
+offload, FSDP resharding and offload, tp/pp/cp degrees) and recomputation.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
+from ..parallel import Layout, engine_class
+from ..parallel.factory import ENGINES
 from .estimate import Estimate, estimate
-from .layout import Layout
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -29,45 +28,20 @@ def _batch_splits(layout: Layout, dp: int) -> list[tuple[int, int]]:
 
 def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
-    world, per_node = layout.world_size, layout.devices_per_node
-    base = dict(world_size=world, devices_per_node=per_node, seq_length=layout.seq_length, dtype=layout.dtype)
-    shapes: list[dict] = []
-    if world == 1:
-        shapes.append(dict(engine="single"))
-    else:
-        shapes.append(dict(engine="ddp"))
-        for reshard in (True, False):
-            for offload in (False, True):
-                shapes.append(dict(engine="fsdp", fsdp_reshard=reshard, fsdp_offload=offload))
-        if importlib.util.find_spec("deepspeed") is not None or layout.engine == "deepspeed":
-            for stage in (1, 2, 3):
-                shapes.append(dict(engine="deepspeed", zero_stage=stage))
-                shapes.append(dict(engine="deepspeed", zero_stage=stage, offload_optimizer=True))
-            shapes.append(dict(engine="deepspeed", zero_stage=3, offload_optimizer=True, offload_parameters=True))
-        tensor_parallel = [tp for tp in _divisors(min(per_node, 8), 8) if tp > 1 and not (
-            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
-        for tp in [1, *tensor_parallel]:
-            for pp in _divisors(world // tp, 8):
-                if tp * pp == 1 or pp > shape.layers or (pp > 1 and shape.tied):
-                    continue
-                shapes.append(dict(engine="megatron", tp=tp, pp=pp, sequence_parallel=tp > 1))
-        for cp in (2, 4, 8):
-            if world % cp or layout.seq_length % (2 * cp) or layout.seq_length // cp < 1024:
-                continue
-            shapes.append(dict(engine="fsdp", cp=cp))
-            shapes.append(dict(engine="ddp", cp=cp))
-            for tp in tensor_parallel:  # Megatron's long-context layout: tp within a node, cp across
-                if world % (tp * cp) == 0:
-                    shapes.append(dict(engine="megatron", tp=tp, cp=cp, sequence_parallel=True))
+    variants = [{"engine": name, **variant} for name in ENGINES
+                for variant in engine_class(name).layout_variants(layout.world_size, layout.devices_per_node, shape,
+                                                                  layout.seq_length)]
+    variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first
     out = []
-    for parallel in shapes:
-        dp = world // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
-        for micro, accumulation in _batch_splits(layout, dp):
-            if parallel.get("pp", 1) > 1 and accumulation < parallel["pp"]:
+    for variant in variants:
+        dims = variant["dims"]
+        for micro, accumulation in _batch_splits(layout, dims.dp):
+            if dims.pp > 1 and accumulation < dims.pp:
                 continue
             for recompute in RECOMPUTE:
-                out.append(Layout(**base, **parallel, micro_batch=micro, accumulation=accumulation,
-                                  recompute=recompute, loss_chunk=loss_chunk(micro)))
+                fields = {"sequence_parallel": False, "pipeline_schedule": "1f1b", "settings": None, **variant}
+                out.append(layout.replace(**fields, micro_batch=micro, accumulation=accumulation, recompute=recompute,
+                                          loss_chunk=loss_chunk(micro)))
     return out
 
 

@@ -1,8 +1,9 @@
 """`PreTrainer`: the training loop, readable in one sitting.
 
-Construction resolves everything the run needs, cheapest checks first: the engine and the launch, the
-model config and tokenizer (preflight), the run plan (`config.RunPlan`: every derived value, once), the
-data (`data.assemble_data`), then the model, optimizer and schedule. `train()` resumes from the latest
+Construction resolves everything the run needs, cheapest checks first: the launch (`run.launch_world`),
+the resolved run (`run.resolve_run`: the engine's settings and dimensions, the dtype, the model config and
+tokenizer, the sizes, the loss chunk; every derived value, once), the engine built from its part, the data
+(`data.assemble_data`), then the model, optimizer and schedule. `train()` resumes from the latest
 checkpoint and runs optimizer steps of `gradient_accumulation_steps` micro-batches; what happens after a
 step is delegated: the checkpointer says when to save, the validator when to evaluate, the stop rules
 when to leave. At the end it evaluates, saves, exports an HF folder and writes the report.
@@ -21,31 +22,29 @@ import numpy as np
 import torch
 
 from ..batch import count_inputs, count_targets, to_device
-from ..config import ConfigError, PreTrainingArguments, RunPlan, check_writable_folder, resolve_run_plan
+from ..config import ConfigError, PreTrainingArguments, check_writable_folder
 from ..data import DataPlacement, assemble_data
 from ..models import (
     LoadStats,
     build_model,
     count_parameters,
     install_chunked_loss,
-    load_tokenizer,
     pending_checkpoint,
-    preflight,
-    resolve_chunk_size,
     select_trainable,
 )
+from ..optim import build_optimizer, build_scheduler
 from ..parallel import create_engine
 from ..perf import IntervalMeter, StepPhases, device_peak, flops_per_token
 from ..perf.host_memory import reuse_freed_host_memory
 from ..perf.peak import processor_name
 from ..plan import check_memory_before_build
+from ..run import launch_world, resolve_run
 from . import checkpoint as ckpt
 from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
 from .evaluate import Validator
 from .export import export_hf
 from .hooks import Hooks
 from .metrics import MetricsLog, Progress, format_eval_line, format_train_line, setup_logging
-from .optim import build_optimizer, build_scheduler
 from .signals import StopRequests, TrainingInterrupted
 from .spikes import LossSpikeGuard
 from .trackers import open_trackers
@@ -72,10 +71,10 @@ class PreTrainer:
         for key in ("save_dir", "data_cache_path"):
             if getattr(args, key):
                 check_writable_folder(getattr(args, key), f"key {key!r}")
-        self.engine = engine = create_engine(args)
-        if args.host_malloc_reuse and engine.device.type == "cpu":
+        self.world = world = launch_world(args)
+        if args.host_malloc_reuse and world.device.type == "cpu":
             reuse_freed_host_memory()  # before the model and data allocate
-        if not engine.is_main:  # one copy of the info lines; warnings still come from every rank
+        if not world.is_main:  # one copy of the info lines; warnings still come from every rank
             logging.getLogger("pretrainer").setLevel(logging.WARNING)
         self.resume_from = self._resolve_resume()
         seed_everything(args.seed)
@@ -83,17 +82,20 @@ class PreTrainer:
         self.hooks = Hooks(args.plugin_args)
         if model is None and self.hooks.model_provider is not None:
             model = self.hooks.build_model()
-        spec = self._preflight(model, train_dataloader)
-        self.plan = self._resolve_plan(spec, model)
+        self.resolved = run = resolve_run(args, world, model_config=model.config if model is not None else None,
+                                          check_model=model is None or train_dataloader is None)
+        logger.info("run: %s", run.describe())
+        self.engine = engine = create_engine(run.engine, run.options, world)
+        self.tokenizer = run.tokenizer
         # Before the data and the model take any memory; a model passed in is already allocated.
-        self.predicted_memory = check_memory_before_build(args, spec, engine) if model is None else None
+        self.predicted_memory = check_memory_before_build(args, run, world) if model is None else None
         placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
                                   engine.all_gather_object, int(os.environ.get("LOCAL_RANK", "0")))
-        data = assemble_data(args, self.plan, self.tokenizer, placement,
+        data = assemble_data(args, run.sizes, self.tokenizer, placement,
                              datasets_provider=self.hooks.datasets_provider, train_dataloader=train_dataloader,
                              eval_dataloader=eval_dataloader)
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, data.train, data.eval
-        self._setup_model(model, spec, optimizer, lr_scheduler)
+        self._setup_model(model, optimizer, lr_scheduler)
 
         self.completed_steps = 0
         self.tokens_seen = 0
@@ -117,41 +119,20 @@ class PreTrainer:
     def _resolve_resume(self):
         """The checkpoint to resume from, chosen (and verified against its manifest) by the main rank only."""
         outcome = None
-        if self.engine.is_main:
+        if self.world.is_main:
             try:
                 outcome = ("path", ckpt.resolve_resume(self.pretrain_args.resume, self.pretrain_args.save_dir))
             except ConfigError as exc:
                 outcome = ("error", str(exc))
-        kind, value = self.engine.broadcast_object(outcome)
+        kind, value = self.world.broadcast_object(outcome)
         if kind == "error":
             raise ConfigError(value)
         return value
 
-    def _preflight(self, model, train_dataloader):
-        """The model config and tokenizer, checked before anything heavy (None when both model and data are
-        the user's: only a tokenizer is looked for, to export with the model)."""
-        args = self.pretrain_args
-        if model is None or train_dataloader is None:
-            spec = preflight(args, config=model.config if model is not None else None,
-                             model_parallel=self.engine.model_parallel_size)
-            self.tokenizer = spec.tokenizer
-            return spec
-        self.tokenizer = None
-        if args.resolved_tokenizer_path:
-            self.tokenizer = load_tokenizer(args.resolved_tokenizer_path, Path(args.resolved_tokenizer_path))
-        return None
-
-    def _resolve_plan(self, spec, model) -> RunPlan:
-        config, where = (spec.config, spec.config_source) if spec is not None else (model.config, "the model's config")
-        plan = resolve_run_plan(self.pretrain_args, config, where, self.engine.world_size,
-                                self.engine.model_parallel_size)
-        logger.info("run plan: %s", plan.describe())
-        return plan
-
-    def _setup_model(self, model, spec, optimizer, lr_scheduler) -> None:
-        args, engine = self.pretrain_args, self.engine
+    def _setup_model(self, model, optimizer, lr_scheduler) -> None:
+        args, engine, run = self.pretrain_args, self.engine, self.resolved
         if model is None:
-            model = build_model(args, spec, read_slices=engine.reads_weight_slices)
+            model = build_model(args, run.model, read_slices=engine.reads_slices)
         else:
             model.config.use_cache = False
         if optimizer is not None and engine.shards_parameters:
@@ -162,11 +143,13 @@ class PreTrainer:
         checkpoint = pending_checkpoint(model)  # read by the engine as it lays the model out
         self.trainable_parameters = select_trainable(model, args.trainable_parameters)
         self._chunk_loss(model)
-        self.flops = flops_per_token(model, self.plan.seq_length)  # counted before an engine shards the model
+        # what the run trains, read off the model before an engine shards it (the start row records both)
+        self.vocab_rows = model.get_input_embeddings().weight.shape[0]
+        self.loss_chunk_size = getattr(model.get_output_embeddings(), "loss_chunk_size", 0)
+        self.flops = flops_per_token(model, run.sizes.seq_length)
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
-            model, self.plan, optimizer, lr_scheduler,
-            build_optimizer=lambda m: build_optimizer(m, args, engine.device),
-            build_scheduler=lambda o: build_scheduler(o, args))
+            model, optimizer, lr_scheduler, build_optimizer=lambda m: build_optimizer(m, run.optimizer, engine.device),
+            build_scheduler=lambda o: build_scheduler(o, run.schedule))
         self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
 
     def _report_model_memory(self, stats: LoadStats | None) -> dict:
@@ -189,19 +172,11 @@ class PreTrainer:
 
     def _chunk_loss(self, model) -> None:
         """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
-        args, plan = self.pretrain_args, self.plan
-        chunk = resolve_chunk_size(args.loss_chunk_size, plan.micro_batch_size, plan.seq_length,
-                                   model.config.vocab_size)
-        if not chunk:
-            return
-        explicit = args.loss_chunk_size != "auto"
-        blocker = "custom_loss_function needs per-token losses" if self.hooks.loss_function is not None else None
-        if blocker and explicit:
-            raise ConfigError(f"loss_chunk_size: not available here ({blocker}); set loss_chunk_size: 0")
-        if blocker:
-            logger.info("chunked loss not used: %s", blocker)
-            return
-        install_chunked_loss(model, chunk, explicit)
+        chunk = self.resolved.loss_chunk
+        if chunk.reason:
+            logger.info("chunked loss not used: %s", chunk.reason)
+        if chunk.size:
+            install_chunked_loss(model, chunk.size, chunk.explicit)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -347,9 +322,10 @@ class PreTrainer:
                                                               args.peak_tflops))
         metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
                        "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
-                       "device": str(engine.device), "dtype": args.dtype,
+                       "device": str(engine.device), "dtype": self.resolved.dtype,
                        "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
-                       "parameters": self.num_parameters, "flops_per_token": self.flops.per_token,
+                       "parameters": self.num_parameters, "vocab_size": self.vocab_rows,
+                       "loss_chunk_size": self.loss_chunk_size, "flops_per_token": self.flops.per_token,
                        "peak": meter.peak.describe(),
                        **(self.predicted_memory.row() if self.predicted_memory is not None else {}),
                        **self.model_memory})
@@ -454,25 +430,26 @@ class PreTrainer:
         """Write an HF folder (weights streamed from the engine's shards, tokenizer included); the main rank's
         path, None on the others."""
         args = self.pretrain_args
-        out = export_hf(self.engine, self.model, self.tokenizer, out_dir, args.export_dtype or args.dtype,
+        out = export_hf(self.engine, self.model, self.tokenizer, out_dir, args.export_dtype or self.resolved.dtype,
                         args.export_max_shard_size)
         self.engine.barrier()
         return out
 
     def _print_banner(self, meter: IntervalMeter) -> None:
-        args, engine, plan = self.pretrain_args, self.engine, self.plan
+        engine, run = self.engine, self.resolved
+        sizes = run.sizes
         if not engine.is_main:
             return
         for line in ("***** Running training *****",
-                     f"  Num examples = {plan.train_samples}",
-                     f"  Instantaneous batch size per device = {plan.micro_batch_size}",
-                     f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size}",
-                     f"  Gradient Accumulation steps = {plan.gradient_accumulation_steps}",
-                     f"  Total steps = {plan.num_training_steps}",
+                     f"  Num examples = {sizes.train_samples}",
+                     f"  Instantaneous batch size per device = {sizes.micro_batch_size}",
+                     f"  Total train batch size (w. parallel, distributed & accumulation) = {sizes.global_batch_size}",
+                     f"  Gradient Accumulation steps = {sizes.gradient_accumulation_steps}",
+                     f"  Total steps = {sizes.num_training_steps}",
                      f"  {engine.describe()}",
                      f"  Model parameters = {self.num_parameters:,} (trainable {self.trainable_parameters:,})",
-                     f"  LR = {args.lr:g} ({args.lr_decay_style}, warmup {args.warmup_steps_resolved()} steps, "
-                     f"min {args.min_lr:g}), weight decay {args.weight_decay:g}, clip {args.clip_grad}",
+                     f"  LR = {run.schedule.describe()}, weight decay {run.optimizer.weight_decay:g}, clip "
+                     f"{run.optimizer.clip_grad}",
                      f"  MFU = useful tokens/s per device x model FLOPs/token / peak; {meter.flops.describe()}; "
                      f"{meter.peak.describe()}"):
             logger.info(line)

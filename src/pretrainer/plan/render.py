@@ -77,6 +77,8 @@ def as_json(plan: Plan, count: int = 50) -> dict:
     own = plan.estimate
     return {
         "model": plan.shape.describe(),
+        "vocab_size": plan.shape.vocab,  # the rows the run trains (a grown vocabulary padded for tp)
+        "loss_chunk_size": own.layout.loss_chunk,  # 0: the plain loss
         "layout": own.layout.overrides(),
         "per_rank_bytes": own.per_rank_bytes(),
         "pipeline_stage": own.stage or None,  # the stage whose rank peaks highest (first/last), None without pp

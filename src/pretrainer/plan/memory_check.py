@@ -8,14 +8,15 @@ skips it. The prediction is kept so that the run records it next to the measured
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 from dataclasses import dataclass
 
 from ..config import ConfigError
+from ..parallel import World
+from ..run import ResolvedRun
 from .device import device_spec
 from .planner import make_plan
-from .report import size
+from .render import size
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,15 @@ class PredictedMemory:
         return {"predicted_peak_mem_mb": self.peak_bytes / 2**20, "device_memory_mb": self.device_memory_bytes / 2**20}
 
 
-def check_memory_before_build(args, spec, engine) -> PredictedMemory | None:
+def check_memory_before_build(args, run: ResolvedRun, world: World) -> PredictedMemory | None:
+    """`args`: preflight_memory_check and device_memory."""
     mode = args.preflight_memory_check
-    if mode == "off" or spec is None:
+    if mode == "off" or run.model is None:
         return None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", engine.world_size))
     memory = None if args.device_memory is None else str(args.device_memory)
-    device = device_spec(args.dtype, per_node, None if engine.device.type != "cpu" else "cpu", memory, engine.name,
-                         memory_key="key 'device_memory'")
-    plan = make_plan(args, spec, engine.world_size, per_node, device)
+    device = device_spec(run.dtype, world.local_size, None if world.device.type != "cpu" else "cpu", memory,
+                         run.engine_class.baseline_engine, memory_key="key 'device_memory'")
+    plan = make_plan(run, world.local_size, device)
     own = plan.estimate
     logger.info("memory plan: predicted peak %s per rank of %s (%s)", size(own.peak), size(device.memory_bytes),
                 device.memory_source)

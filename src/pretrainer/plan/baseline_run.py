@@ -1,7 +1,8 @@
-"""The memory a training process takes besides its model: a run of a tiny model on one process, whose peak RSS
-the planner uses as the runtime's baseline (plan/device.py measures it once per machine and caches it).
+"""The memory a training process takes besides its model: two steps of a tiny model on one process, through
+what a run assembles (the resolved run, the engine, the tokenized data, the model, the optimizer), whose peak
+RSS the planner uses as the runtime's baseline (plan/device.py measures it once per machine and caches it).
 
-    python -m pretrainer.train.baseline_run ENGINE   # prints the peak RSS in bytes
+    python -m pretrainer.plan.baseline_run ENGINE   # prints the peak RSS in bytes
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def tiny_run(folder: Path, engine: str) -> None:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     from ..config import PreTrainingArguments
-    from . import PreTrainer
+    from ..parallel import engine_class
 
     lines = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 8
     corpus = folder / "corpus.jsonl"
@@ -39,9 +40,34 @@ def tiny_run(folder: Path, engine: str) -> None:
               "model_path": str(folder / "model"), "train_data": str(corpus), "eval_split": 0,
               "data_cache_path": str(folder / "cache"), "engine": engine, "preflight_memory_check": "off",
               "export_hf": False, "write_report": False, "warmup_steps": 0}
-    if engine == "deepspeed":
-        config["deepspeed"] = {"zero_optimization": {"stage": 2}}
-    PreTrainer(PreTrainingArguments.from_dict(config)).train()
+    config.update(engine_class(engine).baseline_overrides)
+    train_steps(PreTrainingArguments.from_dict(config))
+
+
+def train_steps(args) -> None:
+    """`num_training_steps` steps of `args`'s run, as `train` assembles it (without its loop's bookkeeping)."""
+    from ..batch import count_targets, loss_sum, to_device
+    from ..data import DataPlacement, assemble_data
+    from ..models import build_model
+    from ..optim import build_optimizer, build_scheduler
+    from ..parallel import create_engine
+    from ..run import launch_world, resolve_run
+
+    world = launch_world(args)
+    run = resolve_run(args, world)
+    engine = create_engine(run.engine, run.options, world)
+    placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
+                              engine.all_gather_object)
+    data = assemble_data(args, run.sizes, run.tokenizer, placement)
+    model, optimizer, scheduler = engine.setup(
+        build_model(args, run.model, read_slices=engine.reads_slices), None, None,
+        lambda m: build_optimizer(m, run.optimizer, engine.device), lambda o: build_scheduler(o, run.schedule))
+    for _ in range(args.num_training_steps):
+        batch = next(data.train)
+        scale = engine.gradient_average_size / max(int(count_targets(batch)), 1)
+        engine.forward_backward(model, [to_device(batch, engine.device)], loss_sum, scale)
+        engine.step(model, optimizer, args.clip_grad)
+        engine.finish_step(optimizer, scheduler)
 
 
 def main() -> None:

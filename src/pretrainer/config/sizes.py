@@ -1,15 +1,11 @@
-"""The resolved run plan: every value derived from the config, the model's config and the launch, made once.
-
-The config says what the user wrote (`seq_length` may be unset, `dp` is a claim about the launch); the plan
-says what the run does. Data builders, engines and the loop read the plan instead of re-deriving values
-from the config, so each derived value has exactly one definition, here.
-"""
+"""The run's sizes: sequence length, micro-batch, accumulation, replicas, steps, and what follows from them
+(the global batch, the samples a run and an evaluation read). Each has one definition, here; the resolved run
+(`pretrainer.run`) holds them as `BatchSizes`, which the data builders and the loop read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dtypes import torch_dtype
 from .errors import ConfigError
 
 
@@ -45,16 +41,19 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class BatchSizes:
+    """How much each step and the whole run read: sequences, micro-batches, replicas, steps."""
     seq_length: int                  # tokens per sample (inputs; a sample reads seq_length + 1 tokens)
     micro_batch_size: int            # sequences per forward on one replica
     gradient_accumulation_steps: int  # micro-batches per optimizer step
+    data_parallel_size: int          # replicas that read different data
     num_training_steps: int
     eval_iters: int                  # micro-batches one evaluation reads on each replica
-    world_size: int                  # processes
-    model_parallel_size: int         # processes that hold one model replica together (tp x pp)
-    data_parallel_size: int          # replicas that read different data
-    dtype: str                       # compute dtype name: bf16 | fp16 | fp32
+
+    @staticmethod
+    def of(args, seq_length: int, data_parallel_size: int) -> "BatchSizes":
+        return BatchSizes(seq_length, args.micro_batch_size, args.gradient_accumulation_steps, data_parallel_size,
+                          args.num_training_steps, args.eval_iters)
 
     @property
     def global_batch_size(self) -> int:
@@ -70,27 +69,7 @@ class RunPlan:
         """Samples one evaluation reads, over all replicas."""
         return self.eval_iters * self.micro_batch_size * self.data_parallel_size
 
-    @property
-    def torch_dtype(self):
-        return torch_dtype(self.dtype)
-
     def describe(self) -> str:
         return (f"seq_length={self.seq_length} global_batch={self.global_batch_size} "
                 f"({self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation x "
-                f"{self.data_parallel_size} replica(s)) world_size={self.world_size} "
-                f"model_parallel={self.model_parallel_size} dtype={self.dtype}")
-
-
-def resolve_run_plan(args, model_config, where: str, world_size: int, model_parallel_size: int) -> RunPlan:
-    """The plan of a run: the config (`args`), the model's config (`where` names it) and the launch."""
-    return RunPlan(
-        seq_length=resolve_seq_length(args.seq_length, model_config, where),
-        micro_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        num_training_steps=args.num_training_steps,
-        eval_iters=args.eval_iters,
-        world_size=world_size,
-        model_parallel_size=model_parallel_size,
-        data_parallel_size=world_size // model_parallel_size,
-        dtype=args.dtype,
-    )
+                f"{self.data_parallel_size} replica(s))")

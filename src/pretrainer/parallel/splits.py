@@ -1,6 +1,6 @@
-"""Per-architecture parallel plans, kept apart from the model code and the engine.
+"""How each model family is split over ranks, kept apart from the model code and the engine.
 
-A plan knows two things about a model family's module layout:
+A split knows two things about a model family's module layout:
 - `parts(model)`: where its embedding, decoder layers, final norm, output head and rotary embedding live
   (pipeline stages are cut from these);
 - `tensor_parallel(stage, mesh, sequence_parallel)`: the DTensor layouts of its linears, embeddings and
@@ -11,8 +11,9 @@ A plan knows two things about a model family's module layout:
 Activations between modules stay plain local tensors: [batch, seq/tp, hidden] with sequence parallelism,
 [batch, seq, hidden] without; the pipeline sends those.
 
-A model type reaches a plan through its model-config parser (`pretrainer.models.registry`), which names
-the plan in `megatron_lm_default_args["parallel_plan"]`. Add a family with `@register_plan("name")`.
+A model type reaches a split through its model-config parser (`pretrainer.models.registry`), which names
+it in `megatron_lm_default_args["parallel_split"]`. Add a family with `register_split(name, parts,
+tensor_parallel)`.
 """
 
 from __future__ import annotations
@@ -43,25 +44,25 @@ class ModelParts:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ModelSplit:
     name: str
     parts: Callable[[torch.nn.Module], ModelParts]
     tensor_parallel: Callable  # (stage, tp_mesh, sequence_parallel) -> None
 
 
-PLANS: dict[str, ParallelPlan] = {}
+SPLITS: dict[str, ModelSplit] = {}
 
 
-def register_plan(name: str, parts: Callable, tensor_parallel: Callable) -> ParallelPlan:
-    PLANS[name] = ParallelPlan(name, parts, tensor_parallel)
-    return PLANS[name]
+def register_split(name: str, parts: Callable, tensor_parallel: Callable) -> ModelSplit:
+    SPLITS[name] = ModelSplit(name, parts, tensor_parallel)
+    return SPLITS[name]
 
 
-def get_plan(name: str) -> ParallelPlan:
-    if name not in PLANS:
-        raise ConfigError(f"no parallel plan named {name!r} (known: {', '.join(PLANS)}); register one with "
-                          "pretrainer.parallel.plans.register_plan")
-    return PLANS[name]
+def get_split(name: str) -> ModelSplit:
+    if name not in SPLITS:
+        raise ConfigError(f"no model split named {name!r} (known: {', '.join(SPLITS)}); register one with "
+                          "pretrainer.parallel.splits.register_split")
+    return SPLITS[name]
 
 
 # ------------------------------------------------------------------ the Llama family (Llama, Mistral, Qwen2)
@@ -108,4 +109,4 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "_checkpoint_wrapped_module", layer)
 
 
-register_plan("llama", llama_parts, llama_tensor_parallel)
+register_split("llama", llama_parts, llama_tensor_parallel)

@@ -1,0 +1,224 @@
+"""A layout: how a run spreads one model over its processes, and what each engine answers about a layout.
+
+The planner (`pretrainer plan`, train's memory check) describes a run as a `Layout` and asks the engine
+class, never the engine's name, what it does there: the bytes of model state a rank holds (`model_states`),
+whether it autocasts, reads the checkpoint in slices, gathers layers, offloads to the host, which gradient
+collectives a step runs, which other layouts of the same world it could use, and the `key=value` overrides
+that select a layout. `LayoutAnswers` holds the answers of a plain torch engine (whole fp32 weights on every
+rank, autocast, AdamW's two moments); the engines override what they do differently, next to the code that
+does it, and `tests/test_layout_answers.py` holds each answer to what the constructed engine really holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..config import ParallelDims
+
+
+@dataclass(frozen=True)
+class Layout:
+    engine: str                   # single | ddp | fsdp | deepspeed | megatron
+    dims: ParallelDims
+    micro_batch: int              # sequences per forward on one replica
+    accumulation: int             # micro-batches per optimizer step
+    seq_length: int
+    dtype: str                    # bf16 | fp16 | fp32 (compute; master weights are fp32)
+    devices_per_node: int = 1     # processes that share one machine
+    recompute: str = "none"       # none | selective | full
+    settings: object = None       # the engine's own settings (FSDPSettings, DeepSpeedSettings, MegatronSettings)
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    loss_chunk: int = 0           # tokens per chunk of the fused head + loss; 0: full logits
+
+    @property
+    def engine_class(self):
+        from .factory import engine_class  # the engines import this module
+
+        return engine_class(self.engine)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp
+
+    def describe(self) -> str:
+        parts = [f"engine={self.engine}", f"processes={self.world_size}", f"dp={self.dp}"]
+        parts += [f"{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if value > 1]
+        own = self.engine_class.describe_settings(self)
+        parts += [own] if own else []
+        parts += [f"micro_batch={self.micro_batch}", f"accumulation={self.accumulation}", f"seq={self.seq_length}",
+                  f"recompute={self.recompute}", f"dtype={self.dtype}"]
+        if self.loss_chunk:
+            parts.append(f"loss_chunk={self.loss_chunk}")
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that give this layout from any config of the same model and world (command
+        line arguments: `shlex.join` them for a shell)."""
+        cls = self.engine_class
+        keys = [f"engine={self.engine}", f"dp={self.dp}", f"micro_batch_size={self.micro_batch}",
+                f"gradient_accumulation_steps={self.accumulation}", f"activation_checkpointing={self.recompute}"]
+        keys += cls.settings_overrides(self)
+        if cls.supports_context_parallel:
+            keys.append(f"context_parallel_degree={self.cp}")
+        return keys
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds of the model and of the step: its pipeline stage's share, split by tp."""
+    stage: str        # "first", "last", or "" (the whole model: no pipeline)
+    parameters: int
+    matmul: int       # of them, in matmuls (autocast keeps compute-dtype copies of these)
+    trained: int      # of them, trained (gradients and optimizer state)
+    in_flight: int    # micro-batches whose activations the rank holds at once
+    head: bool        # computes the logits and the loss
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """A rank's bytes of model state on a layout, as its engine holds them."""
+    weights: int            # held between steps: fp32 master weights (whole, a shard, a stage) or 16-bit ones
+    working_weights: int    # made to compute: autocast copies, gathered layers, a live ZeRO-3 layer
+    gradients: int
+    optimizer: int
+    communication: int      # gradient buckets and the engine's other buffers
+    host_offload: int = 0   # moved to host memory by offloading (on an accelerator)
+    notes: dict = field(default_factory=dict)  # component -> what it holds
+
+    @property
+    def parameters(self) -> int:
+        return self.weights + self.working_weights
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What a constructed engine really holds on this rank, measured from its tensors and process groups: what
+    `model_states` and the dimensions predict (tests/test_layout_answers.py compares the two)."""
+    weights: int            # bytes of this rank's own weights (local shards, partitions, its stages)
+    optimizer: int          # bytes of its optimizer state (moments, and master weights where kept apart)
+    gradient_ranks: int     # ranks of the group its gradients are reduced over
+    shard_ranks: int        # ranks one copy of its sharded state is split over (1: none)
+    autocasts: bool         # its forward runs under autocast
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the local part of each distinct tensor (a DTensor's own shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for tensor in tensors:
+        if id(tensor) in seen or tensor.numel() <= 1:  # scalars: optimizer step counts
+            continue
+        seen.add(id(tensor))
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A ring collective a step runs: `bytes` over `group` ranks spaced `span` apart, once per step or once per
+    micro-batch."""
+    bytes: float
+    group: int
+    span: int = 1
+    per_micro_batch: bool = False
+
+
+def compute_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+class LayoutAnswers:
+    """The planner's questions, answered for a plain torch engine; engines override what differs."""
+
+    supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
+    baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device.py)
+    baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
+
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        """Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
+        (models/hf_weights.py) instead of loading it whole in every process."""
+        return False
+
+    @classmethod
+    def autocasts(cls, layout: Layout) -> bool:
+        """Forwards run under autocast (fp32 weights, compute-dtype copies made for the matmuls)."""
+        return True
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """`shape`: the planner's ModelShape of the whole model; `on_cpu`: the device is a CPU (offloading
+        moves nothing there)."""
+        c, low = compute_bytes(layout.dtype), layout.dtype != "fp32"
+        t = share.trained
+        notes = {"parameters": "fp32 weights" + (f" + {layout.dtype} copies autocast keeps for backward" if low
+                                                 else "")}
+        communication = 0
+        if layout.dims.gradient_ranks > 1:
+            communication = 4 * t
+            notes["communication"] = "gradient buckets of the data-parallel all-reduce"
+        return ModelStates(4 * share.parameters, c * share.matmul if low else 0, 4 * t, 8 * t, communication,
+                           notes=notes)
+
+    @classmethod
+    def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
+        """Decoder layers held by the first and by the last pipeline rank (the whole model without one)."""
+        per_rank = -(-num_layers // layout.pp)
+        return per_rank, per_rank
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """An all-reduce of the fp32 gradients (each rank's tp/pp share) over the ranks holding the same ones."""
+        dims = layout.dims
+        return [Collective(2 * 4 * trained / (dims.tp * dims.pp), dims.gradient_ranks, dims.tp * dims.pp)]
+
+    @classmethod
+    def cpu_gather_retention(cls, layout: Layout) -> float:
+        """On a CPU: what the heap keeps of per-layer gathers, as a multiple of the fp32 model (measured)."""
+        return 0.0
+
+    @classmethod
+    def offloads_to_host(cls, layout: Layout) -> bool:
+        """The optimizer step runs on the host (states offloaded from an accelerator)."""
+        return False
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        """Other layouts of this engine for the same world: `Layout` fields (dims, settings, ...) each."""
+        return []
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        """The overrides of the engine's own settings in `layout`."""
+        return []
+
+    @classmethod
+    def describe_settings(cls, layout: Layout) -> str:
+        return ""

@@ -1,0 +1,79 @@
+"""Parallelism applied by free functions, in one order that every engine follows (as torchtitan's
+`parallelize`):
+
+    context-parallel attention     the whole model (before pipeline stages are cut from it)
+    pipeline stages                megatron: this rank's stages, each then parallelized on its own
+    tensor parallelism             the family's split (parallel/splits.py) on the tp mesh
+    activation checkpointing       activation_checkpoint.py (full, selective; groups in pipeline stages)
+    compile                        each decoder layer
+    data parallelism               DDP, FSDP2 `fully_shard` or `replicate` (places and materialises the model)
+
+Engines keep the process groups, the step, the collectives and checkpoint I/O; `parallelize` is what turns a
+model (or a stage) into what an engine runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ..models import cpu_attention
+from .activation_checkpoint import RecomputeSettings, apply_activation_checkpointing, decoder_layers
+from .precision import Precision
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What `parallelize` applies to one module, each step optional."""
+    tensor_parallel: Callable[[torch.nn.Module], None] | None = None
+    recompute: RecomputeSettings = RecomputeSettings()
+    compile: Precision | None = None  # compile each decoder layer for this precision
+    data_parallel: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # returns the module to run
+
+
+def parallelize(module: torch.nn.Module, steps: Parallelism) -> torch.nn.Module:
+    """Apply `steps` to `module` in the order above; returns what the engine runs."""
+    if steps.tensor_parallel is not None:
+        steps.tensor_parallel(module)
+    apply_activation_checkpointing(module, steps.recompute)
+    if steps.compile is not None:
+        compile_layers(module, steps.compile)
+    if steps.data_parallel is not None:
+        module = steps.data_parallel(module)
+    return module
+
+
+def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
+    """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
+    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change. In bf16/fp16 on a
+    CPU, `sdpa` attention becomes models/cpu_attention.py's, whose backward the compile fuses."""
+    if precision.device.type == "cpu" and precision.dtype != "fp32":
+        cpu_attention.install(model)
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], precision: Precision | None = None,
+                 reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+    """FSDP2: each decoder layer its own unit (gathered just before use), the root the rest. With `precision`
+    below fp32, compute in it and reduce gradients in fp32 (the shards stay fp32)."""
+    options = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
+    if precision is not None and precision.dtype != "fp32":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+    if cpu_offload:  # pin_memory needs an accelerator; without one it must be off
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(module, **options)
+
+
+def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module]) -> None:
+    """Gradients all-reduced over `mesh` (DDP's semantics on FSDP2's machinery), layer by layer."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for layer in layers:
+        replicate(layer, mesh=mesh)
+    replicate(module, mesh=mesh)

@@ -1,0 +1,165 @@
+"""The resolved run: the loaded arguments, the launch (or a planned world) and the model's config turned into
+frozen, typed parts, once. `train`, `pretrainer plan` and `pretrainer export` all call `resolve_run`, so
+what the planner predicts is what the run does: the engine and its settings, the parallel dimensions, the
+dtype, the padded vocabulary, the sizes, the loss chunk, the optimizer and the schedule.
+
+Nothing writes to the arguments afterwards; each consumer takes its part (`options` for the engine, `sizes`
+for the data builders, `optimizer` and `schedule` for the optimizer builder, `layout()` for the planner).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import BatchSizes, ConfigError, OptimizerSettings, ParallelDims, ScheduleSettings, resolve_seq_length
+from ..models import (
+    LossChunk,
+    ModelSpec,
+    load_tokenizer,
+    model_source,
+    preflight,
+    reads_checkpoint_in_slices,
+    resolve_loss_chunk,
+)
+from ..parallel import EngineOptions, Layout, World, engine_class, join_world, planned_world, select_engine
+from ..parallel.activation_checkpoint import RecomputeSettings
+from .device import resolve_device, resolve_dtype
+
+logger = logging.getLogger("pretrainer")
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    engine: str                       # the engine's name (parallel/factory.py)
+    options: EngineOptions            # the engine's part: dims, dtype, its settings, recompute, compile, seed
+    sizes: BatchSizes
+    model_config: object              # the HF config the model is built from
+    config_source: str                # where it came from, for messages
+    model: ModelSpec | None           # config, tokenizer, weights, vocabulary growth (None: a user's model and data)
+    tokenizer: object | None
+    loss_chunk: LossChunk
+    optimizer: OptimizerSettings
+    schedule: ScheduleSettings
+    dtype_reason: str | None = None   # why `dtype: auto` chose what it did
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    checkpoint: str = "none"          # the weights: none (random init), whole, or slices (readable rank by rank)
+    trainable: str | list = "all"     # trainable_parameters
+    loss_chunk_setting: int | str = "auto"
+    custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.options.dims
+
+    @property
+    def dtype(self) -> str:
+        return self.options.dtype
+
+    @property
+    def recompute(self) -> RecomputeSettings:
+        return self.options.recompute
+
+    @property
+    def engine_class(self):
+        return engine_class(self.engine)
+
+    @property
+    def reads_weight_slices(self) -> bool:
+        return self.engine_class.reads_weight_slices(self.options.settings)
+
+    @property
+    def vocab_size(self) -> int:
+        growth = self.model.growth if self.model is not None else None
+        return growth.new_size if growth is not None else self.model_config.vocab_size
+
+    def layout(self, devices_per_node: int) -> Layout:
+        """The planner's view of this run (`devices_per_node` processes to a machine)."""
+        sizes = self.sizes
+        return Layout(self.engine, self.dims, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
+                      sizes.seq_length, self.dtype, min(devices_per_node, self.dims.world_size),
+                      self.recompute.mode, self.options.settings, self.sequence_parallel, self.pipeline_schedule,
+                      self.loss_chunk.size)
+
+    def loss_chunk_for(self, micro_batch_size: int) -> int:
+        """The loss chunk this run would resolve with another micro-batch (the planner's alternatives)."""
+        return resolve_loss_chunk(self.loss_chunk_setting, micro_batch_size, self.sizes.seq_length, self.model_config,
+                                  self.custom_loss, self.vocab_size).size
+
+    def describe(self) -> str:
+        return (f"{self.sizes.describe()} {self.dims.describe()} dtype={self.dtype}"
+                + (f" loss_chunk={self.loss_chunk.size}" if self.loss_chunk.size else ""))
+
+
+def launch_world(args) -> World:
+    """The processes of this launch: the device from `device`, the process group joined where the engine the
+    config asks for runs over one."""
+    device = resolve_device(args.device)
+    if engine_class(select_engine(args)).joins_process_group:
+        return join_world(device, args.distributed_timeout_minutes)
+    return planned_world(1, 1, device)
+
+
+def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | None = None,
+                check_model: bool = True, check_dp: bool = True) -> ResolvedRun:
+    """The run `args` describes on `world`. `model_config`: the config of a model built by the caller (a
+    custom_model_provider_function, or a model passed to PreTrainer); `check_model` False: the caller brings
+    its own model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: for
+    a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
+    the config's `dp` describes (`pretrainer plan --world-size`)."""
+    name = select_engine(args, world.size)
+    cls = engine_class(name)
+    dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
+    source = model_source(args, model_config) if check_model else None
+    config = source.config if source is not None else model_config
+    settings = cls.read_settings(args, config, world.size, dtype)
+    dims = parallel_dims(args, cls, name, world.size, settings, check_dp)
+    if source is not None:
+        spec = preflight(args, source, vocab_multiple=dims.vocab_multiple)
+        tokenizer, where = spec.tokenizer, spec.config_source
+    else:
+        spec, where = None, "the model's config"
+        path = args.resolved_tokenizer_path
+        tokenizer = load_tokenizer(path, Path(path)) if path else None
+    sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, config, where), dims.dp)
+    custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
+    vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
+    chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
+                               vocab)
+    sequence_parallel, schedule = cls.parallel_style(settings)
+    options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
+                            sizes.seq_length, sizes.micro_batch_size)
+    checkpoint = "none" if spec is None or not spec.has_weights else (
+        "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
+    return ResolvedRun(name, options, sizes, config, where, spec, tokenizer, chunk, OptimizerSettings.of(args),
+                       ScheduleSettings.of(args), reason, sequence_parallel, schedule, checkpoint,
+                       args.trainable_parameters, args.loss_chunk_size, custom_loss)
+
+
+def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: bool = True) -> ParallelDims:
+    """The engine's dimensions for `world_size` processes, checked against `context_parallel_degree` and the
+    config's `dp`."""
+    cp = args.context_parallel_degree
+    if cp > 1 and world_size == 1:
+        raise ConfigError(f"key 'context_parallel_degree': {cp} needs several processes and engine ddp, fsdp or "
+                          "megatron")
+    if cp > 1 and not cls.supports_context_parallel:
+        raise ConfigError(f"key 'context_parallel_degree': engine {name} does not split sequences over ranks; use "
+                          "engine ddp, fsdp or megatron")
+    if cp > 1 and world_size % cp:
+        raise ConfigError(f"key 'context_parallel_degree': {cp} does not divide the {world_size} processes; launch "
+                          f"dp x {cp} processes")
+    dims = cls.parallel_dims(world_size, cp, settings)
+    if check_dp:
+        dims.check_claimed_dp(args.dp)
+    return dims
+
+
+def described_world_size(args) -> int:
+    """The processes a config describes: dp x the ranks of one replica of its engine (tp x pp x cp)."""
+    return args.dp * engine_class(select_engine(args, args.dp)).replica_ranks(args)
+
+
+__all__ = ["ResolvedRun", "described_world_size", "launch_world", "resolve_run"]
