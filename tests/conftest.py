@@ -3,7 +3,9 @@ Helpers that tests import live in helpers.py (and launching commands in launch.p
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -14,8 +16,10 @@ from helpers import small_corpus_file, write_tiny_model
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tokenized stores of train_data go to a cache of this test session (shared by the processes it starts), not
-# to the user's ~/.cache.
-os.environ.setdefault("PRETRAINER_CACHE_DIR", tempfile.mkdtemp(prefix="pretrainer-test-cache-"))
+# to the user's ~/.cache; removed when the session ends.
+if "PRETRAINER_CACHE_DIR" not in os.environ:
+    os.environ["PRETRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="pretrainer-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PRETRAINER_CACHE_DIR"], ignore_errors=True)
 # DeepSpeed's ops are built once into the environment by scripts/build_deepspeed_ops.py (make test).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 

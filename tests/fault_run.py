@@ -1,10 +1,14 @@
 """Train with an injected fault on one rank and record, per rank, the samples each step trains on.
 
-    torchrun ... tests/fault_run.py CONFIG [key=value ...] --record DIR [--fault kill|hang --rank R --step S]
+    torchrun ... tests/fault_run.py CONFIG [key=value ...] --record DIR [--fault kill|hang --rank R --step S
+                                                                       --at step|save|teardown]
 
 A forward pre-hook (training forwards only) writes `{"step", "sample"}` rows (a hash of the input ids) to
 DIR/rank<R>.jsonl, after a `{"start": true}` row per launch. At the fault's step the chosen rank SIGKILLs
-itself in the step's first forward, or hangs while fetching the step's data.
+itself in the step's first forward (`--at step`: its peer waits in the step's collectives), or hangs while
+fetching the step's data; `--at save` kills it as soon as the step's checkpoint has started (an asynchronous
+write under way), `--at teardown` once training has returned (its peer tearing down). A run that fails exits
+with the code `pretrainer train` documents for the error.
 """
 
 import argparse
@@ -12,10 +16,12 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.cli import exit_code
 
 parser = argparse.ArgumentParser()
 parser.add_argument("config")
@@ -24,7 +30,8 @@ parser.add_argument("--record", required=True, type=Path)
 parser.add_argument("--fault", choices=["kill", "hang"])
 parser.add_argument("--rank", type=int, default=1)
 parser.add_argument("--step", type=int, default=3)
-ns = parser.parse_args()
+parser.add_argument("--at", choices=["step", "save", "teardown"], default="step")
+ns = parser.parse_intermixed_args()  # overrides may follow the options
 
 trainer = PreTrainer(PreTrainingArguments.from_yaml(ns.config, ns.overrides))
 rank = trainer.engine.rank
@@ -41,12 +48,18 @@ def fault_now() -> bool:
     return bool(ns.fault) and first_launch and rank == ns.rank and trainer.completed_steps + 1 == ns.step
 
 
+def kill_now(at: str) -> None:
+    if ns.fault == "kill" and ns.at == at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+            and rank == ns.rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def hook(module, args, kwargs):
     """SIGKILL mid-step: in the forward of the step's first micro-batch."""
     if not module.training:
         return
-    if ns.fault == "kill" and fault_now():
-        os.kill(os.getpid(), signal.SIGKILL)
+    if ns.at == "step" and fault_now():
+        kill_now("step")
     step = trainer.completed_steps + 1
     ids = kwargs["input_ids"].cpu().numpy().tobytes()
     record.write(json.dumps({"step": step, "sample": hashlib.sha1(ids).hexdigest()}) + "\n")
@@ -71,4 +84,22 @@ class HangingStream:
 
 
 trainer.train_stream = HangingStream()
-trainer.train()
+if trainer.checkpointer is not None:
+    save = trainer.checkpointer.save
+
+    def save_then_fault(step, **kwargs):
+        saved = save(step, **kwargs)
+        if step == ns.step:
+            kill_now("save")  # the write goes on in the background (async_checkpoint)
+        return saved
+
+    trainer.checkpointer.save = save_then_fault
+try:
+    trainer.train()
+except Exception as exc:
+    code = exit_code(exc)
+    if code is None:
+        raise
+    print(f"fault_run: rank {rank} exits with {code}: {exc}", file=sys.stderr, flush=True)
+    sys.exit(code)
+kill_now("teardown")

@@ -21,6 +21,7 @@ import torch
 
 from helpers import write_layout_check
 from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.parallel.world import destroy_process_group
 
 HOOK_CALLS: Counter = Counter()
 
@@ -104,8 +105,7 @@ def main() -> None:
         except BaseException:
             print(f"{FAILED}{case['name']} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
             raise
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    destroy_process_group(barrier=True)  # once, last, with gloo's workers let finish (parallel/world.py)
 
 
 if __name__ == "__main__":

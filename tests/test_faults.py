@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -246,6 +247,38 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
         got = trained_samples(tmp_path / "faulty-record" / f"rank{rank}.jsonl")
         assert sorted(got) == list(range(1, 9)) and got == want
     assert train_losses(tmp_path / "faulty") == train_losses(root / "straight")
+
+
+ABORTED = ("SIGABRT", "Signal 6", "terminate called", "Fatal Python error", "core dumped")
+# How a rank of a failed job may end: killed (the fault itself), its collective failing (`pretrainer train`'s
+# exit code 5), or stopped by torchrun's SIGTERM once another rank has died.
+FAILED_RANK_CODES = {-9, 5, -15}
+
+
+@pytest.mark.parametrize("at", ["save", "teardown"])
+def test_a_rank_killed_mid_async_save_or_in_teardown_ends_every_rank_cleanly_and_resumes(two_rank_reference,
+                                                                                          tmp_path, at):
+    """SIGKILL of rank 1 while its asynchronous checkpoint of step 4 is being written, or once training has
+    returned while rank 0 tears down: no rank aborts, every rank that fails exits with a documented code, and
+    the same command resumes from the last complete checkpoint (step 2; after teardown the run is complete)
+    with the samples and losses of an uninterrupted run."""
+    config, root = two_rank_reference
+    save_dir, record = tmp_path / "faulty", tmp_path / "faulty-record"
+    failed = fault_run(config, save_dir, record, "async_checkpoint=true", "--fault", "kill", "--at", at,
+                       "--step", "4")
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and not any(sign in output for sign in ABORTED), output[-4000:]
+    codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output)}
+    assert -9 in codes and codes <= FAILED_RANK_CODES, output[-4000:]
+    complete = sorted(p.name for p in (save_dir / "checkpoints").glob("step-*"))
+    assert complete == (["step-2"] if at == "save" else ["step-2", "step-4", "step-6", "step-8"])
+    resumed = fault_run(config, save_dir, record, "async_checkpoint=true")
+    assert resumed.returncode == 0 and not any(sign in resumed.stdout + resumed.stderr for sign in ABORTED), \
+        resumed.stderr[-3000:]
+    for rank in (0, 1):
+        want = trained_samples(root / "straight-record" / f"rank{rank}.jsonl")
+        assert trained_samples(record / f"rank{rank}.jsonl") == want
+    assert train_losses(save_dir) == train_losses(root / "straight")
 
 
 def test_torchrun_restarts_the_job_after_a_rank_dies_and_the_restart_resumes(two_rank_reference, tmp_path):

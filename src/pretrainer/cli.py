@@ -36,13 +36,19 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan_command, "train": train_command, "export": export_command}
     try:
         return commands[ns.command](ns)
-    except (ConfigError, DataError) as exc:
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
         print(f"pretrainer: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (TrainingDiverged, CheckpointError, CollectiveFailure) as exc:
-        print(f"pretrainer: error: {exc}", file=sys.stderr)
-        codes = {TrainingDiverged: EXIT_DIVERGED, CheckpointError: EXIT_CHECKPOINT}
-        return codes.get(type(exc), EXIT_COLLECTIVE)
+        return code
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The documented exit code of an error that ends a run (None: a bug, shown with its traceback)."""
+    codes = {ConfigError: EXIT_USAGE, DataError: EXIT_USAGE, TrainingDiverged: EXIT_DIVERGED,
+             CheckpointError: EXIT_CHECKPOINT, CollectiveFailure: EXIT_COLLECTIVE}
+    return next((code for kind, code in codes.items() if isinstance(exc, kind)), None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +117,8 @@ def add_prepare_command(commands) -> None:
 def train_command(ns) -> int:
     from .train import PreTrainer
 
-    PreTrainer(PreTrainingArguments.from_yaml(ns.config, ns.overrides)).train()
+    with PreTrainer(PreTrainingArguments.from_yaml(ns.config, ns.overrides)) as trainer:
+        trainer.train()
     return 0
 
 

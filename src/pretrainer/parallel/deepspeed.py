@@ -176,6 +176,10 @@ class DeepSpeedEngine(DistributedEngine):
     def unwrap(self, model):
         return self.model_engine.module
 
+    def release(self) -> None:
+        super().release()
+        self.model_engine = None
+
     def held_state(self, model, optimizer) -> HeldState:
         """Weights: the module's (ZeRO-3: each parameter's partition); optimizer: the inner optimizer's moments
         and ZeRO's fp32 master partitions."""

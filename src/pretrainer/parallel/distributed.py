@@ -36,6 +36,10 @@ class DistributedEngine(Engine):
     def shard_batch(self, batch: dict) -> dict:
         return self.context.shard(batch) if self.context else batch
 
+    def release(self) -> None:
+        self.context = None
+        self._checkpoint_group = self._host_group = None
+
     def install_context_parallel(self, model: torch.nn.Module) -> None:
         """Context-parallel attention on the whole model (the first of the parallelize steps)."""
         if self.context:

@@ -341,9 +341,14 @@ class Engine(LayoutAnswers, ABC):
     def shard_group_size(self) -> int:
         return 1
 
-    def close(self) -> None:
-        """Leave the world (the process group is destroyed once, last)."""
-        self.world.close()
+    def release(self) -> None:
+        """Drop this engine's references to process groups and meshes, so that destroying the process group
+        frees them (their worker threads are joined while the interpreter is alive)."""
+
+    def close(self, barrier: bool = True) -> None:
+        """Release the engine and leave the world (the process group is destroyed once, last)."""
+        self.release()
+        self.world.close(barrier)
 
     def describe(self) -> str:
         return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.precision.dtype} "

@@ -104,6 +104,10 @@ class FSDPEngine(DistributedEngine):
 
         return skip_reduce_scatter()
 
+    def release(self) -> None:
+        super().release()
+        self.mesh = None
+
     def gradient_group_size(self, model: torch.nn.Module) -> int:
         return self.mesh.size()  # reduce-scattered over the shards, all-reduced over the replicas
 

@@ -338,6 +338,11 @@ class MegatronEngine(DistributedEngine):
                                           targets if index == s.num_stages - 1 else None)
         return hidden if s.num_stages - 1 in self.stage_ids else None
 
+    def release(self) -> None:
+        super().release()
+        self.mesh = self.data_mesh = self.schedule = None
+        self.stages = []
+
     def gradient_group_size(self, model: torch.nn.Module) -> int:
         return self.data_mesh.size()
 

@@ -3,21 +3,35 @@ environment, or planned (`pretrainer plan`: a world size and no process group).
 
 The world process group is made here, once, before the run is resolved (a `dtype: auto` measured on every
 rank needs rank 0's choice broadcast); engines build their meshes and subgroups on it. It is destroyed once,
-last, by `World.close` (or at exit when a run ends by an exception).
+last (`destroy_process_group`: by `World.close`, or at interpreter exit), while the interpreter is fully
+alive, and then gloo's worker threads are let finish: a gloo worker that drops the last reference to a
+finished collective takes the GIL to free its tensors; if the interpreter is already finalizing, CPython ends
+that thread with a forced unwind through a `noexcept` destructor and the process aborts ("terminate called
+without an active exception", SIGABRT: pytorch/pytorch#190489). Waiting for them first removes that race.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import gc
+import logging
 import os
+import platform
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name of ProcessGroupGloo's worker threads
+FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number
+FUTEX_WAIT_BITSET, FUTEX_CMD_MASK = 9, 0x7F  # how a condition variable waits
 
 
 def launch_world_size() -> int:
@@ -61,11 +75,11 @@ class World:
         if self.joined:
             dist.barrier()
 
-    def close(self) -> None:
-        """Leave the process group: every rank waits for the others, then the group is destroyed (once)."""
-        if self.joined and dist.is_initialized():
-            dist.barrier()
-            destroy_process_group()
+    def close(self, barrier: bool = True) -> None:
+        """Leave the process group: with `barrier`, once every rank has got here (a clean end; after a failure a
+        peer may be gone), then it is destroyed (once)."""
+        if self.joined:
+            destroy_process_group(barrier)
 
 
 def planned_world(size: int, local_size: int, device: torch.device) -> World:
@@ -97,9 +111,63 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
     return World(dist.get_rank(), size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)), device, True)
 
 
-def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_process_group(barrier: bool = False) -> None:
+    """Destroy every process group (a no-op when there is none), free the groups nothing else holds (their
+    destructors join their worker threads), and wait until gloo's remaining workers are idle."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()  # groups held only in reference cycles (meshes, wrapped modules) are freed now, threads joined
+    if not wait_for_idle_gloo_workers():
+        logger.warning("gloo worker threads are still busy after the process group was destroyed")
+
+
+def wait_for_idle_gloo_workers(timeout_s: float = 10.0) -> bool:
+    """Wait, without the GIL, until every gloo worker thread of this process is idle (blocked on its queue's
+    condition variable, untimed) or gone; a worker still freeing a collective (it waits for the GIL with a
+    timeout) or running is busy. Linux only (elsewhere: a short pause). False if still busy at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = _gloo_worker_states()
+        if states is None:
+            time.sleep(0.05)
+            return True
+        if all(_idle(state) for state in states):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)  # releases the GIL for a worker that needs it
+
+
+def _gloo_worker_states() -> list[list[str]] | None:
+    """The `/proc/self/task/*/syscall` lines of this process's gloo workers (None: not readable here)."""
+    if FUTEX is None:
+        return None
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() != GLOO_WORKER:
+                    continue
+            with open(f"/proc/self/task/{task}/syscall") as f:
+                states.append(f.read().split())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return states
+
+
+def _idle(syscall: list[str]) -> bool:
+    try:
+        number, operation, timeout = int(syscall[0]), int(syscall[2], 16), int(syscall[4], 16)
+    except (IndexError, ValueError):  # "running"
+        return False
+    return number == FUTEX and operation & FUTEX_CMD_MASK == FUTEX_WAIT_BITSET and timeout == 0
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:

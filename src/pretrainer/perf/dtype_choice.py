@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..config import torch_dtype
-from .peak import cached_measurement, processor_name
+from .machine_cache import cached_measurement
+from .peak import processor_name
 
 PROBE_SIZE = 512
 MATRIX_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16")

@@ -1,12 +1,17 @@
-"""Model FLOPs per trained token: `6 N + 12 L H Q T` (PaLM appendix B; what torchtitan and Megatron report).
+"""Model FLOPs per trained token: `6 N + 12 L H Q T` (PaLM appendix B; what torchtitan reports), the figure
+MFU is computed with.
 
 N counts the parameters of every matrix multiply a token goes through — all parameters except the input
 embedding table (a lookup), with the output projection counted even when it is tied to the embedding
 (the lm_head matmul is still done). 6 = forward (2) + backward (4) FLOPs per parameter per token. The
 attention term covers the score and value matmuls (L layers, H heads, Q head size, T sequence length),
-counted over the full square as the formula does, also for causal attention. Frozen parameters
-(`trainable_parameters`) get no weight gradient: 4 FLOPs per parameter per token instead of 6 (the
-backward still computes the gradient of their inputs).
+counted over the full square as PaLM's formula does, also for causal attention, which computes half of it:
+MFUs stay comparable with published ones. Recomputation is not counted (model FLOPs, not hardware FLOPs).
+Frozen parameters (`trainable_parameters`) get no weight gradient: 4 FLOPs per parameter per token instead
+of 6 (the backward still computes the gradient of their inputs).
+
+`performed_per_token` is what the hardware does instead: causal attention's half of the square, and a
+recomputed forward; a measured peak is never below it (peak.py's `raise_peak`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ class FlopsCount:
         return (6.0 * trained + 4.0 * self.frozen_matmul_parameters
                 + 12.0 * self.layers * self.heads * self.head_dim * self.seq_length)
 
+    def performed_per_token(self, recompute: str = "none") -> float:
+        """FLOPs the hardware runs per token: causal attention (half the square), and with full recomputation
+        each layer's forward once more (2 per matmul parameter, a third of attention)."""
+        attention = 6.0 * self.layers * self.heads * self.head_dim * self.seq_length
+        performed = self.per_token - attention
+        if recompute == "full":
+            performed += 2.0 * self.matmul_parameters + attention / 3
+        return performed
+
     def describe(self) -> str:
         attention = f"12*{self.layers}*{self.heads}*{self.head_dim}*{self.seq_length}"
         if self.frozen_matmul_parameters:
@@ -38,7 +52,8 @@ class FlopsCount:
             return (f"model FLOPs/token = 6N + 4F + 12*L*H*Q*T = 6*{trained:,} + 4*{self.frozen_matmul_parameters:,}"
                     f" (frozen) + {attention} = {self.per_token / 1e6:,.1f} MFLOP")
         return (f"model FLOPs/token = 6N + 12*L*H*Q*T = 6*{self.matmul_parameters:,} + {attention} = "
-                f"{self.per_token / 1e6:,.1f} MFLOP")
+                f"{self.per_token / 1e6:,.1f} MFLOP (attention over the full square, as PaLM; recompute not "
+                "counted)")
 
 
 def flops_per_token(model: torch.nn.Module, seq_length: int) -> FlopsCount:

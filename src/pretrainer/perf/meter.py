@@ -11,15 +11,17 @@ import logging
 import torch
 
 from .flops import FlopsCount
-from .peak import DevicePeak
+from .peak import DevicePeak, raise_peak
 from .timer import StepPhases
 
 logger = logging.getLogger(__name__)
 
 
 class IntervalMeter:
-    def __init__(self, engine, flops: FlopsCount, peak: DevicePeak):
+    def __init__(self, engine, flops: FlopsCount, peak: DevicePeak, recompute: str = "none"):
         self.engine, self.flops, self.peak = engine, flops, peak
+        self.performed_per_token = flops.performed_per_token(recompute)
+        self._warned = False
         self.phases = StepPhases(engine.device)
         self.pending_targets = torch.zeros((), dtype=torch.int64, device=engine.device)  # not yet in tokens_seen
         self._reset()
@@ -54,6 +56,7 @@ class IntervalMeter:
         tokens_per_s = inputs / self.seconds
         per_device = tokens_per_s / engine.world_size
         phases = {k: v / self.steps for k, v in self.phases.collect().items()}
+        self._check_peak(per_device)
         row = {"loss": loss_sum / max(targets, 1), "tokens_per_s": tokens_per_s,
                "tokens_per_s_per_device": per_device,
                "mfu": per_device * self.flops.per_token / (self.peak.tflops * 1e12),
@@ -61,6 +64,32 @@ class IntervalMeter:
         row.update(memory_row(engine))
         self._reset()
         return row
+
+
+    def _check_peak(self, tokens_per_s_per_device: float) -> None:
+        """A device that did more than its peak says which figure is wrong: a measured peak (taken while the
+        CPU was busy) is raised to what was done, counted as MFU counts it when that is more (MFU then stays at
+        or below 100%); a rated or configured one is reported; MFU above 100% from PaLM's full attention square
+        alone is explained. Every rank decides alike (the rate is global)."""
+        done = tokens_per_s_per_device * self.performed_per_token / 1e12
+        counted = tokens_per_s_per_device * self.flops.per_token / 1e12
+        if max(done, counted) > self.peak.tflops and self.peak.cache_key is not None:
+            raised = max(done, counted)
+            if self.engine.is_main:
+                logger.warning("this run does %.3g TFLOP/s per device (%.3g in model FLOPs), more than the measured "
+                               "peak %.3g (%s): the peak was measured low, on a busy CPU; raised to %.3g and cached",
+                               done, counted, self.peak.tflops, self.peak.source, raised)
+            self.peak = raise_peak(self.peak, raised, write=self.engine.is_main)
+        elif done > self.peak.tflops and not self._warned:
+            self._warned = True
+            logger.warning("this run does %.3g TFLOP/s per device, more than the peak %.3g it is measured against "
+                           "(%s): that peak is too low, so MFU reads above 100%%", done, self.peak.tflops,
+                           self.peak.source)
+        elif counted > self.peak.tflops and not self._warned:
+            self._warned = True
+            logger.warning("MFU above 100%%: model FLOPs count attention over the full square (PaLM's convention), "
+                           "twice what causal attention computes; the device ran at %.0f%% of its peak",
+                           100 * done / self.peak.tflops)
 
 
 def memory_row(engine) -> dict:

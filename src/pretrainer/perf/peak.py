@@ -1,5 +1,6 @@
 """The peak FLOP/s that MFU is measured against: a table of rated dense peaks for common accelerators,
-a short measured GEMM rate (cached) on CPUs and unknown devices, or the config's `peak_tflops`.
+a measured GEMM rate (cached; cpu_peak.py) on CPUs and unknown devices, or the config's `peak_tflops`. A run
+that does more than a measured peak raises it (`raise_peak`): the peak is at least what was done.
 
 Table values are the vendors' dense figures (never the 2:4-sparsity ones) in TFLOP/s per device, for
 bf16/fp16 tensor cores, TF32, and plain fp32.
@@ -7,18 +8,18 @@ bf16/fp16 tensor cores, TF32, and plain fp32.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..config import dtype_name
+from .cpu_peak import cpu_bound, measure_gemm
+from .machine_cache import cache_path, read_entry, write_entry
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,12 @@ RATED_TFLOPS = (
 class DevicePeak:
     tflops: float  # per device, in the run's compute dtype
     source: str
+    cache_key: str | None = None  # a measured peak: where it is cached (a run may raise it)
+    bound: str = ""               # the CPU's own upper bound, as text
 
     def describe(self) -> str:
-        return f"peak {self.tflops:,.3g} TFLOP/s per device ({self.source})"
+        bound = f"; {self.bound}" if self.bound else ""
+        return f"peak {self.tflops:,.3g} TFLOP/s per device ({self.source}{bound})"
 
 
 def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> DevicePeak:
@@ -71,45 +75,32 @@ def rated_peak(name: str, dtype: torch.dtype) -> float | None:
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
-    """The best rate of square matmuls (1024 and 2048) in `dtype`, measured once per machine/threads/dtype."""
+    """The best rate of square matmuls in `dtype` on this machine, its thread count and torch: measured once
+    (again while the cached figure was taken on a busy CPU), never lowered."""
     threads = torch.get_num_threads()
-    key = f"{device.type}|{processor_name(device)}|threads={threads}|{dtype_name(dtype)}|torch={torch.__version__}"
-    tflops = cached_measurement(key, lambda: _measure(device, dtype))
-    return DevicePeak(tflops, f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), cached in {cache_path()}")
+    key = (f"gemm|{device.type}|{processor_name(device)}|threads={threads}|{dtype_name(dtype)}|"
+           f"torch={torch.__version__}")
+    entry = read_entry(key)
+    if not isinstance(entry, dict) or entry.get("busy"):
+        measured = measure_gemm(device, dtype)
+        kept = entry.get("tflops", 0.0) if isinstance(entry, dict) else 0.0
+        entry = {"tflops": max(measured.tflops, kept), "how": measured.describe(), "busy": measured.busy,
+                 "when": time.strftime("%Y-%m-%d %H:%M:%S"), "runnable_tasks": measured.runnable,
+                 "cores": measured.cores, "trials": measured.trials, "spread": round(measured.spread, 3)}
+        write_entry(key, entry)
+    bound = cpu_bound(dtype, threads)[1] if device.type == "cpu" else ""
+    return DevicePeak(entry["tflops"], f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), {entry['how']}, "
+                      f"cached in {cache_path()}", key, bound)
 
 
-def cached_measurement(key: str, measure) -> float:
-    """A measurement of this machine, taken once under `key` and kept in `cache_path()` (measured again
-    where the cache cannot be written)."""
-    path = cache_path()
-    table = _read_json(path)
-    if key not in table:
-        value = measure()
-        table = {**_read_json(path), key: value}  # read again: another process may have added its own
-        _write_json(path, table)
-    return table[key]
-
-
-def _measure(device: torch.device, dtype: torch.dtype) -> float:
-    best = 0.0
-    generator = torch.Generator().manual_seed(0)  # the run's own random state is left alone
-    for n in (1024, 2048):
-        a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
-        b = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
-        torch.mm(a, b)  # warm-up (library start-up, thread pool)
-        _sync(device)
-        reps, start = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - start < 0.3:
-            torch.mm(a, b)
-            reps += 1
-        _sync(device)
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start) / 1e12)
-    return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def raise_peak(peak: DevicePeak, achieved_tflops: float, write: bool = True) -> DevicePeak:
+    """A measured peak that a run exceeded, raised to what it did (written to the cache with `write`)."""
+    how = f"raised to what a run did on {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    if write and peak.cache_key is not None:
+        write_entry(peak.cache_key, {**(read_entry(peak.cache_key) or {}), "tflops": achieved_tflops, "how": how,
+                                     "busy": False})
+    source = ", ".join(peak.source.split(", ")[:2] + [how])  # "measured fp32 GEMM, 2 thread(s), raised ..."
+    return replace(peak, tflops=achieved_tflops, source=source)
 
 
 def processor_name(device: torch.device) -> str:
@@ -124,23 +115,3 @@ def processor_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pretrainer" / "gemm_peak.json"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_json(path: Path, table: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError as exc:  # a read-only home: measure again next time
-        logger.info("could not cache the measured GEMM peak in %s (%s)", path, exc)

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..parallel import SingleEngine
+
 WORDS = ("the model reads every token of the corpus once and learns to predict the next one from those before "
          "it while the optimizer moves each weight a little").split()
 
@@ -73,7 +75,7 @@ def train_steps(args) -> None:
 def main() -> None:
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny_run(Path(tmp), sys.argv[1] if len(sys.argv) > 1 else "single")
+        tiny_run(Path(tmp), sys.argv[1] if len(sys.argv) > 1 else SingleEngine.name)
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, parse_size, torch_dtype
-from ..perf.peak import cached_measurement, measured_peak, processor_name, rated_peak
+from ..parallel import SingleEngine
+from ..perf.machine_cache import cached_measurement
+from ..perf.peak import measured_peak, processor_name, rated_peak
 
 GIB = 2**30
 # name pattern -> memory in GiB (first match wins: specific names first)
@@ -64,7 +66,7 @@ class DeviceSpec:
 
 
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
-                baseline_engine: str = "single", memory_key: str = "--device-memory",
+                baseline_engine: str = SingleEngine.name, memory_key: str = "--device-memory",
                 host_memory: str | None = None) -> DeviceSpec:
     """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size that
     replaces the device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run
@@ -113,8 +115,9 @@ def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, baseline_engi
     share = f", shared by {ranks_per_node} processes" if ranks_per_node > 1 else ""
     peak = measured_peak(torch.device("cpu"), torch_dtype(dtype))
     runtime = runtime_baseline(baseline_engine)
+    peak_source = peak.source + (f"; {peak.bound}" if peak.bound else "")  # the run's own peak (perf/peak.py)
     return DeviceSpec(f"cpu ({processor_name(torch.device('cpu'))})", "cpu", per_rank, source + share, peak.tflops,
-                      peak.source, runtime, "measured once: a tiny model's run on one process")
+                      peak_source, runtime, "measured once: two steps of a tiny model on one process")
 
 
 def available_ram() -> int:

@@ -124,6 +124,16 @@ class Checkpointer:
         future.result()
         self._complete(*rest)
 
+    def abandon(self) -> None:
+        """Leave an asynchronous save under way incomplete (a run that failed or ends at once): its folder is
+        never completed, so it is never resumed from; the background write ends on its own."""
+        if self._pending is None:
+            return
+        _, tmp, final, _, _ = self._pending
+        self._pending = None
+        logger.warning("checkpoint %s abandoned while being written: it stays incomplete (%s) and the run resumes "
+                       "from the one before it", final.name, tmp.name)
+
     def _complete(self, tmp: Path, final: Path, state: dict, config_yaml: str) -> None:
         engine = self.engine
         engine.barrier()  # every rank's shards are on disk

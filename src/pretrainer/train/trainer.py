@@ -11,11 +11,13 @@ when to leave. At the end it evaluates, saves, exports an HF folder and writes t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
 import resource
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -60,18 +62,10 @@ class PreTrainer:
         setup_logging()
         self.pretrain_args = args = pretrain_args
         self.accelerator = accelerator
-        if accelerator is not None:
-            logger.info("an accelerator object was passed; pretrainer places and wraps the model itself, "
-                        "the accelerator is kept only as an attribute")
-        if optimizer is not None and model is None:
-            raise ConfigError("an optimizer was passed without its model; pass model= as well")
-        if lr_scheduler is not None and optimizer is None:
-            raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
-        requested_trackers(args.report_to)  # an unknown name fails before any heavy work
-        for key in ("save_dir", "data_cache_path"):
-            if getattr(args, key):
-                check_writable_folder(getattr(args, key), f"key {key!r}")
+        _check_inputs(args, accelerator, model, optimizer, lr_scheduler)
         self.world = world = launch_world(args)
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
         if args.host_malloc_reuse and world.device.type == "cpu":
             reuse_freed_host_memory()  # before the model and data allocate
         if not world.is_main:  # one copy of the info lines; warnings still come from every rank
@@ -181,11 +175,13 @@ class PreTrainer:
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
         """Train to `num_training_steps` (resuming first). SIGTERM/SIGINT end it after a checkpoint by raising
-        `TrainingInterrupted` (a SystemExit with code 75)."""
+        `TrainingInterrupted` (a SystemExit with code 75). A run that fails leaves an asynchronous checkpoint
+        being written incomplete: it is never resumed from."""
         self.stop_requests.install()
         try:
             return self._train()
         except RuntimeError as exc:
+            self._abandon_checkpoint()
             if self.engine.world_size == 1 or not is_collective_failure(exc):
                 raise
             message = (f"rank {self.engine.rank}: a collective failed at step {self.completed_steps + 1} (after "
@@ -194,8 +190,40 @@ class PreTrainer:
                        f"Cause: {str(exc).splitlines()[0][:300]}")
             logger.error(message)
             raise CollectiveFailure(message) from exc
+        except BaseException as exc:
+            if not isinstance(exc, TrainingInterrupted):  # a stop request's checkpoint is complete
+                self._abandon_checkpoint()
+            raise
         finally:
             self.stop_requests.uninstall()
+
+    def _abandon_checkpoint(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+
+    def close(self, barrier: bool = True) -> None:
+        """End the run's use of the processes: drop the model, optimizer and schedule, release the engine and
+        destroy the process group (once, last; with `barrier`, when every rank has got here). Called by
+        `pretrainer train` at its end, by `with PreTrainer(...) as trainer:`, and otherwise at interpreter
+        exit (without the barrier: a peer may have failed)."""
+        if self._closed:
+            return
+        self._closed = True
+        checkpointer, engine = getattr(self, "checkpointer", None), getattr(self, "engine", None)
+        if checkpointer is not None:
+            checkpointer.abandon()  # a clean end has completed it already
+        self.model = self.optimizer = self.lr_scheduler = None
+        self.train_stream = self.eval_dataloader = self.validator = None
+        if engine is not None:
+            engine.close(barrier)
+        else:  # it failed before the engine was built
+            self.world.close(barrier)
+
+    def __enter__(self) -> "PreTrainer":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.close(barrier=kind is None)
 
     def _train(self) -> dict:
         args, engine = self.pretrain_args, self.engine
@@ -206,7 +234,28 @@ class PreTrainer:
         self._print_banner(meter)
         progress = Progress(args.num_training_steps, self.completed_steps, enabled=engine.is_main)
         watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
-        stop = None  # why the loop left early: "interrupted" or "exit_interval"
+        try:
+            stop = self._steps(metrics, meter, progress, watchdog)
+        finally:  # on every way out: the watchdog thread is stopped and joined, the bar closed
+            progress.close()
+            watchdog.close()
+        self._count_tokens(meter)
+        if stop is None:
+            self._finish(metrics, meter)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        metrics.close()
+        engine.barrier()
+        if stop == "interrupted":
+            name = self.stop_requests.name or "a stop request on another rank"
+            logger.warning("stopped after step %d on %s%s; rerun the same command to continue", self.completed_steps,
+                           name, " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
+            raise TrainingInterrupted(self.completed_steps, name)
+        return {"exited_early": stop == "exit_interval", "step": self.completed_steps, "tokens": self.tokens_seen}
+
+    def _steps(self, metrics: MetricsLog, meter: IntervalMeter, progress: Progress, watchdog) -> str | None:
+        """The step loop; returns why it left early: "interrupted", "exit_interval" or None (the last step)."""
+        args = self.pretrain_args
         self.model.train()
         step_start = time.perf_counter()
         while self.completed_steps < args.num_training_steps:
@@ -226,23 +275,9 @@ class PreTrainer:
             if stop is not None:
                 if self.checkpointer is not None:
                     self._save_checkpoint(meter)
-                break
+                return stop
             step_start = time.perf_counter()  # save/eval time is not part of the next step
-        progress.close()
-        watchdog.close()
-        self._count_tokens(meter)
-        if stop is None:
-            self._finish(metrics, meter)
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-        metrics.close()
-        engine.barrier()
-        if stop == "interrupted":
-            name = self.stop_requests.name or "a stop request on another rank"
-            logger.warning("stopped after step %d on %s%s; rerun the same command to continue", self.completed_steps,
-                           name, " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
-            raise TrainingInterrupted(self.completed_steps, name)
-        return {"exited_early": stop == "exit_interval", "step": self.completed_steps, "tokens": self.tokens_seen}
+        return None
 
     def _train_step(self, phases: StepPhases):
         """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens.
@@ -319,7 +354,7 @@ class PreTrainer:
             if engine.is_main else []
         metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
         meter = IntervalMeter(engine, self.flops, device_peak(engine.device, engine.precision.compute_dtype,
-                                                              args.peak_tflops))
+                                                              args.peak_tflops), self.resolved.recompute.mode)
         metrics.write({"event": "resume" if self.completed_steps else "start", "step": self.completed_steps,
                        "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
                        "device": str(engine.device), "dtype": self.resolved.dtype,
@@ -454,6 +489,27 @@ class PreTrainer:
                      f"{meter.peak.describe()}"):
             logger.info(line)
         logger.info("[before the start of training step] datetime: %s", time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def _check_inputs(args, accelerator, model, optimizer, lr_scheduler) -> None:
+    """What the constructor is given, checked before any heavy work."""
+    if accelerator is not None:
+        logger.info("an accelerator object was passed; pretrainer places and wraps the model itself, "
+                    "the accelerator is kept only as an attribute")
+    if optimizer is not None and model is None:
+        raise ConfigError("an optimizer was passed without its model; pass model= as well")
+    if lr_scheduler is not None and optimizer is None:
+        raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
+    requested_trackers(args.report_to)  # an unknown name fails here
+    for key in ("save_dir", "data_cache_path"):
+        if getattr(args, key):
+            check_writable_folder(getattr(args, key), f"key {key!r}")
+
+
+def _close_at_exit(trainer: "weakref.ref[PreTrainer]") -> None:
+    live = trainer()
+    if live is not None:
+        live.close(barrier=False)
 
 
 def seed_everything(seed: int) -> None:

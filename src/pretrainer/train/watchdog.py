@@ -44,7 +44,9 @@ class StepWatchdog:
             self.disarm()
 
     def close(self) -> None:
+        """Stop the thread and wait for it (it wakes at least every 0.5 s)."""
         self._stop.set()
+        self._thread.join()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(0.5, self.limit / 4)):
