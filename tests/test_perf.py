@@ -93,11 +93,17 @@ def test_a_peak_measured_under_load_gives_no_mfu_above_100_percent(base_config, 
         return [json.loads(line)["mfu"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                 if '"mfu"' in line]
 
+    busy_entry = read_entry(loaded.cache_key)
+    assert busy_entry["busy"]
     assert all(0 < mfu <= 1 + 1e-9 for mfu in mfus("after-load"))
-    unloaded = measure_gemm(torch.device("cpu"), torch.float32).tflops
     entry = read_entry(loaded.cache_key)
-    assert not entry["busy"] and entry["tflops"] >= 0.85 * unloaded  # measured again, on a free CPU
-    write_entry(loaded.cache_key, {**entry, "tflops": 1e-6})  # a figure far too low, not known to be
+    assert entry != busy_entry and entry["tflops"] >= busy_entry["tflops"]  # measured again, never lowered
+    # Whether the CPU is free now depends on what else runs on this machine (another job may): when the run
+    # found it free, its figure is a free CPU's; when not, the entry stays marked for the next run.
+    check = measure_gemm(torch.device("cpu"), torch.float32)
+    if not (entry["busy"] or check.busy):
+        assert entry["tflops"] >= 0.85 * check.tflops
+    write_entry(loaded.cache_key, {**entry, "tflops": 1e-6, "busy": False})  # far too low, not known to be
     assert all(0 < mfu <= 1 + 1e-9 for mfu in mfus("too-low"))  # 100% where the peak was raised
     raised = read_entry(loaded.cache_key)
     assert raised["tflops"] > 1e-6 and "raised to what a run did" in raised["how"], cache_path()
