@@ -19,6 +19,7 @@ from helpers import assert_layout_answers, eval_losses, grad_norms, read_metrics
 from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.config import ConfigError
 
 ENGINES = {
     "ddp": ["engine=ddp"],
@@ -73,6 +74,10 @@ def setup(tmp_path_factory, request):
     single = PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "save_dir": str(single_dir)}))
     single.train()
     write_layout_check(single)
+    muon = PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, "optimizer": "muon",
+                                              "save_dir": str(root / "single-muon")}))
+    muon.train()
+    write_layout_check(muon)
     return root, path, single_dir
 
 
@@ -100,6 +105,8 @@ BF16_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"], "deepspeed-zero2
                 # the 4 rows of the single run's micro-batch on one replica of 2 tensor-parallel ranks
                 "megatron-tp2": ["engine=megatron", "plugin_args.tp_degree=2", "dp=1", "micro_batch_size=4"]}
 BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
+# Muon (hidden matrices) with AdamW (the rest): each engine that trains it, straight and stopped-then-resumed
+MUON_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"]}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,13 @@ def engine_runs(setup) -> None:
     for leg in (["exit_interval=3"], []):
         cases.append({"name": "fsdp-async", "overrides": ["engine=fsdp", "async_checkpoint=true", *leg],
                       "config": {"save_dir": str(root / "fsdp-async")}})
+    for engine, options in MUON_ENGINES.items():
+        for name, leg, folder in (("straight", [], "straight"), ("exit", ["exit_interval=3"], "interrupted"),
+                                  ("rerun", [], "interrupted")):
+            cases.append({"name": f"muon-{engine}-{name}", "overrides": [*options, "optimizer=muon", *leg],
+                          "config": {"save_dir": str(root / f"muon-{engine}-{folder}")}})
+    cases.append({"name": "muon-fsdp-to-single", "overrides": ["engine=fsdp", "optimizer=muon", "exit_interval=3"],
+                  "config": {"save_dir": str(root / "muon-fsdp-to-single")}})
     for engine, options in BF16_ENGINES.items():
         cases.append({"name": f"bf16-{engine}", "overrides": [*(o.format(root=root) for o in options), *BF16_SHORT_RUN],
                       "config": {"save_dir": str(root / f"bf16-{engine}")}})
@@ -169,6 +183,40 @@ def test_fsdp_checkpoint_resumes_on_one_process(setup, engine_runs):
     assert_same_run(save_dir, single_dir, rel=1e-5)
 
 
+@pytest.mark.parametrize("engine", MUON_ENGINES)
+def test_muon_on_two_ranks_matches_one_process_and_resumes_exactly(setup, engine_runs, engine):
+    """Muon's whole-matrix update from FSDP shards (gathered, orthogonalised, each rank keeping its piece) and
+    from DDP replicas equals one process's; its momentum is checkpointed and resumed exactly."""
+    root, config, single_dir = setup
+    straight, interrupted = root / f"muon-{engine}-straight", root / f"muon-{engine}-interrupted"
+    assert_same_run(straight, root / "single-muon", rel=1e-5)
+    assert train_losses(straight) != train_losses(single_dir)  # Muon really took the matrices' steps
+    assert train_losses(interrupted) == train_losses(straight)
+    assert eval_losses(interrupted) == eval_losses(straight)
+    assert_layout_answers(straight, 2)  # one momentum buffer per Muon matrix, as the planner counts
+
+
+def test_muon_fsdp_checkpoint_resumes_on_one_process(setup, engine_runs):
+    root, config, _ = setup
+    save_dir = root / "muon-fsdp-to-single"
+    assert sorted(train_losses(save_dir)) == [1, 2, 3]
+    args = PreTrainingArguments.from_yaml(config, ["dp=1", "micro_batch_size=4", "optimizer=muon",
+                                                   f"save_dir={save_dir}"])
+    PreTrainer(args).train()
+    assert_same_run(save_dir, root / "single-muon", rel=1e-5)
+
+
+def test_deepspeed_refuses_muon_with_the_reason(setup):
+    from pretrainer.parallel import planned_world
+    from pretrainer.run import resolve_run
+
+    root, config, _ = setup
+    args = PreTrainingArguments.from_yaml(config, [f"deepspeed={root}/zero2.json", "optimizer=muon"])
+    with pytest.raises(ConfigError, match="key 'optimizer': optimizer: muon is not available with engine deepspeed: "
+                                          "ZeRO hands its optimizer flat fp32 partitions"):
+        resolve_run(args, planned_world(2, 1, torch.device("cpu")))
+
+
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 def test_bf16_on_two_ranks_tracks_fp32(setup, engine_runs, engine):
     """bf16 (autocast for DDP and megatron, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16)
@@ -185,6 +233,10 @@ def test_one_process_holds_what_the_planner_counts(setup):
     root, _, single_dir = setup
     (check,) = assert_layout_answers(single_dir, 1)
     assert check["held"]["gradient_ranks"] == check["held"]["shard_ranks"] == 1
+    (muon,) = assert_layout_answers(root / "single-muon", 1)
+    # One buffer, not two, per hidden matrix (the planner's own count of it is held equal just above; in this
+    # tiny model the embeddings, which stay on AdamW, hold most of the state).
+    assert muon["held"]["optimizer"] < check["held"]["optimizer"]
 
 
 def test_ddp_accumulation_communicates_once_per_update(base_config):

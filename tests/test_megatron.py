@@ -53,6 +53,12 @@ TWO_RANK = {
     "pp2-chunked-loss": ({"plugin_args": {"pp_degree": 2}, "loss_chunk_size": 24}, "one"),
     # context parallelism: every sequence split over 2 ranks
     "cp2": ({"context_parallel_degree": 2}, "one"),
+    # Muon: tensor-parallel shards gathered whole for the update; whole matrices per stage; FSDP2 shards
+    "muon-tp2-sequence-parallel": ({"optimizer": "muon", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
+                                   "one-muon"),
+    "muon-pp2": ({"optimizer": "muon", "plugin_args": {"pp_degree": 2}}, "one-muon"),
+    "muon-dp2-distributed-optimizer": ({"optimizer": "muon", "dp": 2,
+                                        "plugin_args": {"use_distributed_optimizer": True}}, "one-muon-mbs4"),
 }
 FOUR_RANK = {
     "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
@@ -121,7 +127,8 @@ def references(base, tmp_path_factory) -> dict:
     out = {}
     models = {name: {"model_path": f"{model_root(base)}/{name}"} for name in ("qwen2", "tied", "weights")}
     for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-seq31": {"seq_length": 31},
-                        **models}.items():
+                        "one-muon": {"optimizer": "muon"},
+                        "one-muon-mbs4": {"optimizer": "muon", "micro_batch_size": 4}, **models}.items():
         PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
         out[name] = root / name
     hooks = root / "hooks"
@@ -148,6 +155,10 @@ def two_rank(base, tmp_path_factory) -> Path:
         {"name": "cp-then-tp", "config": {**TWO_RANK["tp2-sequence-parallel"][0],
                                           "save_dir": str(root / "cp-then-tp")}},
         {"name": "hooks", "hooks": True, "config": {"plugin_args": {"tp_degree": 2}, "save_dir": str(root / "hooks")}},
+        {"name": "muon-pp-exit", "config": {**TWO_RANK["muon-pp2"][0], "exit_interval": 3,
+                                            "save_dir": str(root / "muon-pp-then-tp")}},
+        {"name": "muon-pp-then-tp", "config": {**TWO_RANK["muon-tp2-sequence-parallel"][0],
+                                               "save_dir": str(root / "muon-pp-then-tp")}},
     ]
     launch_cases(base, cases, 2, root)
     return root
@@ -227,6 +238,19 @@ def test_pipeline_and_context_parallel_checkpoints_resume_on_other_meshes(two_ra
     config = json.loads((two_rank / "cases.json").read_text())["base"]
     PreTrainer(PreTrainingArguments(**{**config, "engine": "single", "save_dir": str(moved)})).train()
     expected = train_losses(references["one"])
+    assert train_losses(moved) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
+
+
+def test_muon_momentum_resumes_on_another_mesh_and_on_one_process(two_rank, references, tmp_path):
+    """Muon's state written by a pipeline mesh continues on a tensor-parallel one, and on a single process."""
+    assert_same_losses(two_rank / "muon-pp-then-tp", references["one-muon"])
+    assert train_losses(references["one-muon"]) != train_losses(references["one"])
+    moved = tmp_path / "moved"
+    shutil.copytree(two_rank / "muon-pp-then-tp" / "checkpoints" / "step-3", moved / "checkpoints" / "step-3")
+    config = json.loads((two_rank / "cases.json").read_text())["base"]
+    PreTrainer(PreTrainingArguments(**{**config, "engine": "single", "optimizer": "muon",
+                                       "save_dir": str(moved)})).train()
+    expected = train_losses(references["one-muon"])
     assert train_losses(moved) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
 
 

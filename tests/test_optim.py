@@ -1,7 +1,8 @@
-"""Learning-rate schedules and AdamW parameter groups."""
+"""Learning-rate schedules, AdamW parameter groups and Muon."""
 
 from __future__ import annotations
 
+import copy as copy_module
 import math
 
 import pytest
@@ -9,8 +10,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrainer import PreTrainingArguments
-from pretrainer.config import OptimizerSettings, ScheduleSettings
-from pretrainer.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups
+from pretrainer.config import ConfigError, OptimizerSettings, ScheduleSettings
+from pretrainer.optim import (
+    MuonAdamW,
+    build_optimizer,
+    build_scheduler,
+    lr_multiplier,
+    orthogonalize,
+    parameter_groups,
+)
 
 
 def lrs(style: str, total: int = 10, warmup: int = 2, min_ratio: float = 0.1, **kw) -> list[float]:
@@ -59,3 +67,115 @@ def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_model):
     assert "model.layers.0.input_layernorm.weight" in skipped
     assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+# ---- Muon ----
+
+def muon_settings(**keys) -> OptimizerSettings:
+    return OptimizerSettings.of(muon_args(**keys))
+
+
+def muon_args(**keys) -> PreTrainingArguments:
+    return PreTrainingArguments(**{"num_training_steps": 10, "micro_batch_size": 1, "dp": 1, "optimizer": "muon",
+                                   **keys})
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_update_equals_torch_muon_on_a_matrix(adjust, nesterov):
+    """Where torch.optim.Muon applies (a plain 2-D tensor, bf16 iteration) the two take the same steps."""
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Parameter(torch.randn(24, 40)), torch.nn.Parameter(torch.randn(24, 40))
+    theirs.data.copy_(ours.data)
+    mine = MuonAdamW([{"params": [ours], "muon": True}], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                     ns_steps=5, adjust_lr=adjust, ns_dtype="bf16")
+    reference = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                                 adjust_lr_fn=adjust)
+    for _ in range(4):
+        grad = torch.randn(24, 40)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+        torch.testing.assert_close(ours.data, theirs.data, rtol=0, atol=0)
+    assert not torch.equal(ours.data, torch.randn(24, 40))
+
+
+def test_orthogonalize_gives_near_unit_singular_values_per_expert_matrix():
+    torch.manual_seed(0)
+    experts = torch.randn(3, 16, 48) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
+    stacked = orthogonalize(experts, 5, torch.float32)
+    for e in range(3):
+        alone = orthogonalize(experts[e], 5, torch.float32)
+        torch.testing.assert_close(stacked[e], alone, rtol=1e-5, atol=1e-6)  # each expert on its own
+        singular = torch.linalg.svdvals(alone)
+        assert singular.min() > 0.5 and singular.max() < 1.3, singular  # the quintic's band, whatever the scale
+    tall = orthogonalize(experts[1].T, 5, torch.float32)
+    torch.testing.assert_close(tall, orthogonalize(experts[1], 5, torch.float32).T, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_model):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    optimizer = build_optimizer(model, muon_settings(lr=1e-3, muon_lr=2e-3), torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, decay, no_decay = optimizer.param_groups
+    assert muon["muon"] and muon["lr"] == 2e-3 and decay["lr"] == no_decay["lr"] == 1e-3
+    on_muon = {names[id(p)] for p in muon["params"]}
+    assert "model.layers.0.self_attn.q_proj.weight" in on_muon and "model.layers.1.mlp.down_proj.weight" in on_muon
+    assert {names[id(p)] for p in decay["params"]} == {"lm_head.weight"}  # the head: AdamW, decayed
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert "model.embed_tokens.weight" in skipped and "model.norm.weight" in skipped
+    matrices = [n for n, p in model.named_parameters() if p.dim() == 2]
+    assert len(on_muon) == len(matrices) - 2  # every matrix but the embedding and the head
+
+    moved = build_optimizer(model, muon_settings(muon_params=["lm_head.*"], adamw_params=["*.mlp.*"]),
+                            torch.device("cpu"))
+    on_muon = {names[id(p)] for p in moved.param_groups[0]["params"]}
+    assert "lm_head.weight" in on_muon and not any(".mlp." in n for n in on_muon)
+    with pytest.raises(ConfigError, match=r"adamw_params: pattern 'nothing\.\*' matches no trained parameter"):
+        build_optimizer(model, muon_settings(adamw_params=["nothing.*"]), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="muon_params: .*norm.* is not a matrix"):
+        build_optimizer(model, muon_settings(muon_params=["model.norm.*"]), torch.device("cpu"))
+
+
+def test_muon_steps_every_group_and_resumes_from_its_state_dict(tiny_model):
+    """Both halves move the model; a copy loaded from the state dict takes the same next step."""
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny_model)
+    model, copy = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
+    copy.load_state_dict(model.state_dict())
+    settings = muon_settings(lr=1e-3)
+    optimizer = build_optimizer(model, settings, torch.device("cpu"))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == set(before)
+    assert set(optimizer.state[model.model.layers[0].self_attn.q_proj.weight]) == {"momentum_buffer", "step"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(optimizer.state[model.lm_head.weight])
+
+    copy.load_state_dict(model.state_dict())
+    resumed = build_optimizer(copy, settings, torch.device("cpu"))
+    resumed.load_state_dict(copy_module.deepcopy(optimizer.state_dict()))  # a loaded state holds its own tensors
+    for m in (model, copy):
+        m(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    resumed.step()
+    for (name, a), b in zip(model.named_parameters(), copy.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_muon_keys_are_checked():
+    for keys, message in (({"optimizer": "lion"}, "optimizer 'lion' is not one of adamw, muon"),
+                          ({"muon_adjust_lr": "rms"}, "muon_adjust_lr 'rms' is not one of"),
+                          ({"muon_momentum": 1.0}, r"muon_momentum must be in \[0, 1\)"),
+                          ({"muon_ns_steps": 0}, "muon_ns_steps must be in"),
+                          ({"muon_params": "lm_head"}, "key 'muon_params': expected a list"),
+                          ({"adamw_params": [""]}, "adamw_params is a list of glob patterns")):
+        with pytest.raises(ConfigError, match=message):
+            muon_args(**keys)
+    settings = muon_settings(dtype="bf16")
+    assert settings.muon.ns_dtype == "fp32"  # auto follows the resolved dtype, passed by resolve_run
+    assert OptimizerSettings.of(muon_args(), "bf16").muon.ns_dtype == "bf16"

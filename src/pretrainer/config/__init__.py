@@ -9,11 +9,12 @@ from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
-from .optimization import OptimizerSettings, ScheduleSettings
+from .optimization import MUON_ADJUST_LR, OPTIMIZERS, MuonSettings, OptimizerSettings, ScheduleSettings
 from .paths import check_writable_folder
 from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD",
-           "NEW_TOKEN_INITS", "ON_ERROR", "BatchSizes", "ConfigError", "OptimizerSettings", "ParallelDims",
+           "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS", "BatchSizes", "ConfigError", "MuonSettings",
+           "OptimizerSettings", "ParallelDims",
            "PreTrainingArguments", "ScheduleSettings", "check_writable_folder", "dtype_name", "global_batch_size",
            "key_error", "megatron_args", "model_positions", "parse_size", "resolve_seq_length", "torch_dtype"]

@@ -33,6 +33,7 @@ from .loading import (
     top_level_key_lines,
 )
 from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
+from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from .sizes import global_batch_size
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,15 @@ class PreTrainingArguments:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    optimizer: str = "adamw"             # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon_lr: float | None = None         # the Muon groups' peak lr; null: lr
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_ns_dtype: str = "auto"          # auto (bf16 for bf16 runs, else fp32) | bf16 | fp32
+    muon_params: list | None = None      # name globs forced onto Muon
+    adamw_params: list | None = None     # name globs kept on AdamW
     clip_grad: float | None = 1.0
     init_method_std: float | None = None
     seed: int = 42
@@ -329,7 +339,8 @@ class PreTrainingArguments:
             self.export_dtype = self.export_dtype.lower()
         choices = {"lr_decay_style": DECAY_STYLES, "engine": ENGINES, "activation_checkpointing":
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
-                   "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES}
+                   "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
+                   "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -369,6 +380,20 @@ class PreTrainingArguments:
             raise key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
+        self._check_muon()
+
+    def _check_muon(self) -> None:
+        if not 0 <= self.muon_momentum < 1:
+            raise key_error("muon_momentum", f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if not 1 <= self.muon_ns_steps < 100:
+            raise key_error("muon_ns_steps", f"muon_ns_steps must be in [1, 99] (5 is usual), got {self.muon_ns_steps}")
+        if self.muon_lr is not None and self.muon_lr <= 0:
+            raise key_error("muon_lr", f"muon_lr must be > 0 (or null: lr), got {self.muon_lr}")
+        for name in ("muon_params", "adamw_params"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
+                raise key_error(name, f"{name} is a list of glob patterns over parameter names (e.g. "
+                                 f"['model.layers.*.mlp.*']), got {value!r}")
 
     def _check_loop(self) -> None:
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:

@@ -5,6 +5,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "spectral", "original")
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    lr: float                  # the Muon groups' peak (muon_lr, else lr); the schedule scales it as lr's
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    adjust_lr: str             # match_rms_adamw | spectral | original
+    ns_dtype: str              # bf16 | fp32 (auto resolved: bf16 for bf16 runs, fp32 otherwise)
+    muon_params: tuple = ()    # name globs forced onto Muon
+    adamw_params: tuple = ()   # name globs kept on AdamW (these win)
+
+    @staticmethod
+    def of(args, dtype: str) -> "MuonSettings":
+        ns_dtype = args.muon_ns_dtype if args.muon_ns_dtype != "auto" else ("bf16" if dtype == "bf16" else "fp32")
+        return MuonSettings(args.muon_lr if args.muon_lr is not None else args.lr, args.muon_momentum,
+                            args.muon_nesterov, args.muon_ns_steps, args.muon_adjust_lr, ns_dtype,
+                            tuple(args.muon_params or ()), tuple(args.adamw_params or ()))
+
 
 @dataclass(frozen=True)
 class OptimizerSettings:
@@ -13,11 +36,22 @@ class OptimizerSettings:
     eps: float
     weight_decay: float
     clip_grad: float | None
+    name: str = "adamw"                # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon: MuonSettings | None = None   # with name muon
 
     @staticmethod
-    def of(args) -> "OptimizerSettings":
+    def of(args, dtype: str = "fp32") -> "OptimizerSettings":
+        muon = MuonSettings.of(args, dtype) if args.optimizer == "muon" else None
         return OptimizerSettings(args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.weight_decay,
-                                 args.clip_grad)
+                                 args.clip_grad, args.optimizer, muon)
+
+    def describe(self) -> str:
+        if self.muon is None:
+            return f"AdamW (betas {self.betas}, weight decay {self.weight_decay:g})"
+        m = self.muon
+        return (f"Muon for hidden matrices (lr {m.lr:g}, momentum {m.momentum:g}{', nesterov' if m.nesterov else ''}, "
+                f"{m.ns_steps} Newton-Schulz steps in {m.ns_dtype}, lr scale {m.adjust_lr}), AdamW for the rest "
+                f"(lr {self.lr:g}); weight decay {self.weight_decay:g}")
 
 
 @dataclass(frozen=True)

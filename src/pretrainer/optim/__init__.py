@@ -1,6 +1,9 @@
-"""The optimizer and the learning-rate schedule, built from their settings (`config.optimization`)."""
+"""The optimizer (AdamW, or Muon with AdamW) and the learning-rate schedule, built from their settings
+(`config.optimization`)."""
 
-from .adamw import build_optimizer, parameter_groups
+from .build import build_optimizer, muon_parameters, parameter_groups
+from .muon import MuonAdamW, orthogonalize
 from .schedules import build_scheduler, lr_multiplier
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "parameter_groups"]
+__all__ = ["MuonAdamW", "build_optimizer", "build_scheduler", "lr_multiplier", "muon_parameters", "orthogonalize",
+           "parameter_groups"]

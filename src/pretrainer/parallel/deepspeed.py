@@ -48,6 +48,9 @@ class DeepSpeedEngine(DistributedEngine):
     supports_async_save = False
     baseline_engine = "deepspeed"  # DeepSpeed's own imports and buffers are part of every rank's runtime
     baseline_overrides = {"deepspeed": {"zero_optimization": {"stage": 2}}}
+    trains_muon = False
+    muon_refusal = ("ZeRO hands its optimizer flat fp32 partitions, not matrices, so Newton-Schulz cannot see a "
+                    "matrix's shape (DeepSpeed's own Muon trains stage 0 as SGD and skips Muon on its bf16 path).")
 
     def __init__(self, options, world):
         require_deepspeed()
@@ -175,6 +178,9 @@ class DeepSpeedEngine(DistributedEngine):
 
     def unwrap(self, model):
         return self.model_engine.module
+
+    def trained_module(self, model):
+        return model  # the optimizer is built before deepspeed.initialize wraps the module
 
     def release(self) -> None:
         super().release()

@@ -324,6 +324,11 @@ class Engine(LayoutAnswers, ABC):
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module holding the parameters this rank trains, under the HF model's names (the optimizer's
+        groups are built over it)."""
+        return self.unwrap(model)
+
     # ---- what this rank really holds (the planner's answers are checked against it) ----
     def held_state(self, model: torch.nn.Module, optimizer) -> HeldState:
         return HeldState(tensor_bytes(model.parameters()), self.optimizer_state_bytes(optimizer),

@@ -19,7 +19,7 @@ from ..config import ConfigError, ParallelDims
 from .activation_checkpoint import decoder_layers
 from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
-from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes
+from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
 from .parallelize import parallelize, shard_layers
 
 logger = logging.getLogger(__name__)
@@ -136,14 +136,14 @@ class FSDPEngine(DistributedEngine):
         settings, shards = layout.settings, layout.dims.shard
         n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
         root = shape.embedding_parameters + shape.head_parameters + shape.other_parameters
-        notes = {}
+        notes = {"optimizer": optimizer_note(layout, "sharded")}
         if settings.reshard_after_forward:
             gathered = c * max(2 * shape.layer_parameters, root + shape.layer_parameters)
             notes["parameters"] = "fp32 shards + the gathered layers being computed"
         else:
             gathered = c * (n - n // shards)
             notes["parameters"] = "fp32 shards + every layer gathered from forward to backward"
-        weights, grads, optimizer = 4 * n // shards, 4 * t // shards, 8 * t // shards
+        weights, grads, optimizer = 4 * n // shards, 4 * t // shards, optimizer_bytes(share) // shards
         grads += 4 * shape.layer_parameters
         if layout.accumulation > 1:
             grads += 4 * t - 4 * t // shards
@@ -163,6 +163,10 @@ class FSDPEngine(DistributedEngine):
         gathers = 2 if layout.settings.reshard_after_forward else 1
         return [Collective(gathers * c * shape.parameters, shards, per_micro_batch=True),
                 Collective(4 * trained, shards)]
+
+    @classmethod
+    def muon_gather_ranks(cls, layout: Layout) -> int:
+        return layout.dims.shard
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:

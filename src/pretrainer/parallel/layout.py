@@ -31,6 +31,7 @@ class Layout:
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
     loss_chunk: int = 0           # tokens per chunk of the fused head + loss; 0: full logits
+    optimizer: str = "adamw"      # adamw | muon
 
     @property
     def engine_class(self):
@@ -71,6 +72,8 @@ class Layout:
                   f"recompute={self.recompute}", f"dtype={self.dtype}"]
         if self.loss_chunk:
             parts.append(f"loss_chunk={self.loss_chunk}")
+        if self.optimizer != "adamw":
+            parts.append(f"optimizer={self.optimizer}")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -97,6 +100,7 @@ class RankShare:
     trained: int      # of them, trained (gradients and optimizer state)
     in_flight: int    # micro-batches whose activations the rank holds at once
     head: bool        # computes the logits and the loss
+    muon: int = 0     # of the trained, in hidden matrices Muon updates (0 with AdamW)
 
 
 @dataclass(frozen=True)
@@ -154,12 +158,25 @@ def compute_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
+def optimizer_bytes(share: RankShare) -> int:
+    """fp32 optimizer state of a rank's trained parameters, unsharded: AdamW's two moments, Muon's one momentum
+    buffer for the matrices it updates."""
+    return 8 * (share.trained - share.muon) + 4 * share.muon
+
+
+def optimizer_note(layout: Layout, sharded: str = "") -> str:
+    held = "AdamW moments" if layout.optimizer != "muon" else "Muon momentum (hidden matrices) + AdamW moments"
+    return f"{held} (fp32{', ' + sharded if sharded else ''})"
+
+
 class LayoutAnswers:
     """The planner's questions, answered for a plain torch engine; engines override what differs."""
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
     baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
+    trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
+    muon_refusal = ""   # why not, where it does not
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:
@@ -184,8 +201,13 @@ class LayoutAnswers:
         if layout.dims.gradient_ranks > 1:
             communication = 4 * t
             notes["communication"] = "gradient buckets of the data-parallel all-reduce"
-        return ModelStates(4 * share.parameters, c * share.matmul if low else 0, 4 * t, 8 * t, communication,
-                           notes=notes)
+        return ModelStates(4 * share.parameters, c * share.matmul if low else 0, 4 * t, optimizer_bytes(share),
+                           communication, notes={**notes, "optimizer": optimizer_note(layout)})
+
+    @classmethod
+    def muon_gather_ranks(cls, layout: Layout) -> int:
+        """Ranks one matrix is split over, gathered whole for Muon's update (1: every rank holds it whole)."""
+        return layout.tp
 
     @classmethod
     def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:

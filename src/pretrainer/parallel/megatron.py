@@ -39,7 +39,7 @@ from .activation_checkpoint import RecomputeSettings
 from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
 from .engine import to_device_async
-from .layout import Layout, ModelStates, RankShare, compute_bytes
+from .layout import Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
 from .megatron_settings import MegatronSettings, read_settings, unused_keys
 from .parallelize import parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
@@ -72,6 +72,9 @@ class MegatronModel(torch.nn.Module):
 
     def _init_weights(self, module: torch.nn.Module) -> None:  # materialize() initialises through the HF rules
         self.hf_model._init_weights(module)
+
+    def get_output_embeddings(self) -> torch.nn.Module | None:  # the last stage's head (the optimizer's groups)
+        return getattr(self, "lm_head", None)
 
 
 class MegatronEngine(DistributedEngine):
@@ -227,6 +230,9 @@ class MegatronEngine(DistributedEngine):
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.hf_model
+
+    def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # this rank's stages only
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
@@ -402,8 +408,14 @@ class MegatronEngine(DistributedEngine):
         grads = 4 * t // shards + 4 * layer + (4 * t - 4 * t // shards if layout.accumulation > 1 else 0)
         notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
                  + (" + autocast's copies" if copies else ""),
-                 "optimizer": "AdamW moments, sharded (the distributed optimizer)"}
-        return ModelStates(4 * n // shards, 4 * (n - n // shards) + copies, grads, 8 * t // shards, 0, notes=notes)
+                 "optimizer": optimizer_note(layout, "sharded: the distributed optimizer")}
+        return ModelStates(4 * n // shards, 4 * (n - n // shards) + copies, grads, optimizer_bytes(share) // shards, 0,
+                           notes=notes)
+
+    @classmethod
+    def muon_gather_ranks(cls, layout: Layout) -> int:
+        """tp, and dp x cp too with the distributed optimizer (its matrices are FSDP2 shards)."""
+        return layout.tp * (layout.dims.shard if layout.settings.distributed_optimizer else 1)
 
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:

@@ -63,7 +63,8 @@ def train_steps(args) -> None:
     data = assemble_data(args, run.sizes, run.tokenizer, placement)
     model, optimizer, scheduler = engine.setup(
         build_model(args, run.model, read_slices=engine.reads_slices), None, None,
-        lambda m: build_optimizer(m, run.optimizer, engine.device), lambda o: build_scheduler(o, run.schedule))
+        lambda m: build_optimizer(engine.trained_module(m), run.optimizer, engine.device),
+        lambda o: build_scheduler(o, run.schedule))
     for _ in range(args.num_training_steps):
         batch = next(data.train)
         scale = engine.gradient_average_size / max(int(count_targets(batch)), 1)

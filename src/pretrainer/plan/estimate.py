@@ -122,20 +122,23 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
     its first backward; GPipe runs every forward first; the interleaved schedule is counted as 1F1B's first
     stage."""
     tp, share = layout.tp, _trained_share(shape, trainable)
+    muon = layout.optimizer == "muon"
 
-    def part(stage, parameters, matmul, in_flight, head):
-        return RankShare(stage, parameters // tp, matmul // tp, int(parameters // tp * share), in_flight, head)
+    def part(stage, parameters, matmul, in_flight, head, layers):
+        matrices = int(layers * shape.layer_matrix_parameters // tp * share) if muon else 0
+        return RankShare(stage, parameters // tp, matmul // tp, int(parameters // tp * share), in_flight, head,
+                         matrices)
 
     if layout.pp == 1:
-        return [part("", shape.parameters, shape.matmul_parameters, 1, True)]
-    first, last = (count * shape.layer_parameters
-                   for count in layout.engine_class.pipeline_layers(layout, shape.layers))
+        return [part("", shape.parameters, shape.matmul_parameters, 1, True, shape.layers)]
+    first_layers, last_layers = layout.engine_class.pipeline_layers(layout, shape.layers)
+    first, last = first_layers * shape.layer_parameters, last_layers * shape.layer_parameters
     most = min(layout.pp, layout.accumulation)
     in_flight = {"gpipe": (layout.accumulation, layout.accumulation), "1f1b": (most, 1)}.get(
         layout.pipeline_schedule, (most, most))
-    return [part("first", first + shape.embedding_parameters, first, in_flight[0], False),
+    return [part("first", first + shape.embedding_parameters, first, in_flight[0], False, first_layers),
             part("last", last + shape.head_parameters + shape.other_parameters, last + shape.vocab * shape.hidden,
-                 in_flight[1], True)]
+                 in_flight[1], True, last_layers)]
 
 
 def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, checkpoint: str,
@@ -149,10 +152,21 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
     logits = _logits(layout, shape) if part.head else 0
     loading = _loading(layout, shape, checkpoint, notes)
     retained = _heap_retained(layout, shape, device, notes)
+    communication = states.communication + _muon_buffers(layout, shape, part, notes)
     return Estimate(layout, states.parameters, states.gradients, states.optimizer, activations, working, logits,
-                    states.communication, device.runtime_bytes, loading, states.host_offload, retained,
+                    communication, device.runtime_bytes, loading, states.host_offload, retained,
                     _heap_overhead(layout, device), _compute_seconds(layout, shape, device, trainable),
-                    _communication_seconds(layout, shape, device, part.trained), device, notes, part.stage)
+                    _communication_seconds(layout, shape, device, part), device, notes, part.stage)
+
+
+def _muon_buffers(layout: Layout, shape: ModelShape, part: RankShare, notes: dict) -> int:
+    """Muon's step works on one whole matrix at a time: the update gathered whole (fp32), its copy in the
+    iteration's precision, the iterate and its Gram matrix (at most the matrix's size each)."""
+    if not part.muon:
+        return 0
+    notes["communication"] = ", ".join(filter(None, [notes.get("communication"), "Muon's whole-matrix update "
+                                                     "buffers (one matrix at a time)"]))
+    return 4 * 4 * shape.largest_matrix
 
 
 def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes: dict) -> int:
@@ -241,9 +255,9 @@ def _compute_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, trai
     return seconds
 
 
-def _communication_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, trained: int) -> float:
+def _communication_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> float:
     """Bytes each rank sends per step over its groups, over an assumed bandwidth (no overlap): the engine's
-    gradient collectives, then what tp, pp and cp send."""
+    gradient collectives, Muon's gathers of sharded matrices, then what tp, pp and cp send."""
     per_node, c = layout.devices_per_node, compute_bytes(layout.dtype)
 
     def ring(bytes_: float, group: int, span: int) -> float:
@@ -255,7 +269,9 @@ def _communication_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec
     micro = layout.accumulation
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     seconds = sum(ring(x.bytes, x.group, x.span) * (micro if x.per_micro_batch else 1)
-                  for x in layout.engine_class.gradient_traffic(layout, shape, trained))
+                  for x in layout.engine_class.gradient_traffic(layout, shape, part.trained))
+    # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
+    seconds += ring(4 * part.muon * layout.tp, layout.engine_class.muon_gather_ranks(layout), 1)
     layers = -(-shape.layers // layout.pp)
     activation = tokens * shape.hidden * c
     if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer forward, two backward

@@ -30,6 +30,8 @@ class ModelShape:
     embedding_parameters: int   # the input table
     head_parameters: int        # the output head (0 when tied to the input table)
     other_parameters: int       # final norm and anything else outside the layers
+    layer_matrix_parameters: int = 0  # of one decoder layer, in matrices (2-D and up): what Muon updates
+    largest_matrix: int = 0     # elements of the largest matrix in a layer (Muon orthogonalises one at a time)
 
     @property
     def tied(self) -> bool:
@@ -80,7 +82,9 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     head = 0 if output is None or output.weight is embedding else output.weight.numel()
-    layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    layer_params = list(decoder_layers(model)[0].parameters())
+    layer = sum(p.numel() for p in layer_params)
+    matrices = [p.numel() for p in layer_params if p.dim() >= 2]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
@@ -88,4 +92,5 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
         vocab=small.vocab_size, layer_parameters=layer, embedding_parameters=embedding.numel(),
-        head_parameters=head, other_parameters=total - layer - embedding.numel() - head)
+        head_parameters=head, other_parameters=total - layer - embedding.numel() - head,
+        layer_matrix_parameters=sum(matrices), largest_matrix=max(matrices, default=0))

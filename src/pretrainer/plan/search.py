@@ -29,6 +29,7 @@ def _batch_splits(layout: Layout, dp: int) -> list[tuple[int, int]]:
 def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
     variants = [{"engine": name, **variant} for name in ENGINES
+                if layout.optimizer != "muon" or engine_class(name).trains_muon
                 for variant in engine_class(name).layout_variants(layout.world_size, layout.devices_per_node, shape,
                                                                   layout.seq_length)]
     variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first

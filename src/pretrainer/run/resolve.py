@@ -13,7 +13,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import BatchSizes, ConfigError, OptimizerSettings, ParallelDims, ScheduleSettings, resolve_seq_length
+from ..config import (
+    BatchSizes,
+    ConfigError,
+    OptimizerSettings,
+    ParallelDims,
+    ScheduleSettings,
+    key_error,
+    resolve_seq_length,
+)
 from ..models import (
     LossChunk,
     ModelSpec,
@@ -81,7 +89,7 @@ class ResolvedRun:
         return Layout(self.engine, self.dims, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
                       sizes.seq_length, self.dtype, min(devices_per_node, self.dims.world_size),
                       self.recompute.mode, self.options.settings, self.sequence_parallel, self.pipeline_schedule,
-                      self.loss_chunk.size)
+                      self.loss_chunk.size, self.optimizer.name)
 
     def loss_chunk_for(self, micro_batch_size: int) -> int:
         """The loss chunk this run would resolve with another micro-batch (the planner's alternatives)."""
@@ -91,6 +99,14 @@ class ResolvedRun:
     def describe(self) -> str:
         return (f"{self.sizes.describe()} {self.dims.describe()} dtype={self.dtype}"
                 + (f" loss_chunk={self.loss_chunk.size}" if self.loss_chunk.size else ""))
+
+
+def optimizer_settings(args, cls, name: str, dtype: str) -> OptimizerSettings:
+    if args.optimizer == "muon" and not cls.trains_muon:
+        raise key_error("optimizer", f"optimizer: muon is not available with engine {name}: {cls.muon_refusal} Use "
+                         "engine fsdp (ZeRO-3 style) or megatron with use_distributed_optimizer (ZeRO-1/2 style), "
+                         "which train Muon, or optimizer: adamw")
+    return OptimizerSettings.of(args, dtype)
 
 
 def launch_world(args) -> World:
@@ -133,9 +149,10 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
                             sizes.seq_length, sizes.micro_batch_size)
     checkpoint = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
-    return ResolvedRun(name, options, sizes, config, where, spec, tokenizer, chunk, OptimizerSettings.of(args),
-                       ScheduleSettings.of(args), reason, sequence_parallel, schedule, checkpoint,
-                       args.trainable_parameters, args.loss_chunk_size, custom_loss)
+    return ResolvedRun(name, options, sizes, config, where, spec, tokenizer, chunk,
+                       optimizer_settings(args, cls, name, dtype), ScheduleSettings.of(args), reason,
+                       sequence_parallel, schedule, checkpoint, args.trainable_parameters, args.loss_chunk_size,
+                       custom_loss)
 
 
 def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: bool = True) -> ParallelDims:

@@ -141,8 +141,10 @@ class PreTrainer:
         self.vocab_rows = model.get_input_embeddings().weight.shape[0]
         self.loss_chunk_size = getattr(model.get_output_embeddings(), "loss_chunk_size", 0)
         self.flops = flops_per_token(model, run.sizes.seq_length)
+        self.optimizer_given = optimizer is not None
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
-            model, optimizer, lr_scheduler, build_optimizer=lambda m: build_optimizer(m, run.optimizer, engine.device),
+            model, optimizer, lr_scheduler,
+            build_optimizer=lambda m: build_optimizer(engine.trained_module(m), run.optimizer, engine.device),
             build_scheduler=lambda o: build_scheduler(o, run.schedule))
         self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
 
@@ -483,6 +485,8 @@ class PreTrainer:
                      f"  Total steps = {sizes.num_training_steps}",
                      f"  {engine.describe()}",
                      f"  Model parameters = {self.num_parameters:,} (trainable {self.trainable_parameters:,})",
+                     f"  Optimizer = {type(self.optimizer).__name__} (given)" if self.optimizer_given else
+                     f"  Optimizer = {run.optimizer.describe()}",
                      f"  LR = {run.schedule.describe()}, weight decay {run.optimizer.weight_decay:g}, clip "
                      f"{run.optimizer.clip_grad}",
                      f"  MFU = useful tokens/s per device x model FLOPs/token / peak; {meter.flops.describe()}; "

@@ -1,0 +1,80 @@
+"""The optimizer a run builds: AdamW with the usual pretraining parameter groups, or Muon for the hidden
+matrices with AdamW for the rest (`optimizer: muon`)."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+from ..config import ConfigError, OptimizerSettings
+from .muon import MuonAdamW
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float, exclude: frozenset = frozenset()) -> list[dict]:
+    """Decay matrices; never decay biases, norm weights or embeddings (tied heads count as embeddings).
+    `exclude`: ids of parameters another group takes."""
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, no_decay, seen = [], [], set(exclude)
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (no_decay if _dims(param) < 2 or id(param) in embedding_params else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _dims(param: torch.Tensor) -> int:
+    return len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 parameter's own shape, not its empty stub
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the segments wrappers insert (private attributes: `_orig_mod`,
+    `_checkpoint_wrapped_module`, ...), as the name globs are written."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
+
+def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
+    """The trained parameters Muon updates, by id, with their names: every matrix (2-D, or 3-D stacked experts)
+    except the input embedding and the output head; then `muon_params` globs added and `adamw_params` globs
+    removed. `model`: the model as built (unwrapped), whose modules say which are embeddings and the head."""
+    named = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            named.setdefault(id(param), (plain_name(name), param))
+    table = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        table.add(id(head.weight))
+    chosen = {key for key, (_, param) in named.items() if _dims(param) >= 2 and key not in table}
+    for key_name, patterns, add in (("muon_params", settings.muon_params, True),
+                                    ("adamw_params", settings.adamw_params, False)):
+        for pattern in patterns:
+            matched = {key for key, (name, _) in named.items() if fnmatch.fnmatchcase(name, pattern)}
+            if not matched:
+                examples = ", ".join(name for name, _ in list(named.values())[:4])
+                raise ConfigError(f"{key_name}: pattern {pattern!r} matches no trained parameter; names look like "
+                                  f"{examples}")
+            flat = [named[key][0] for key in matched if _dims(named[key][1]) < 2]
+            if add and flat:
+                raise ConfigError(f"muon_params: {pattern!r} matches {flat[0]}, which is not a matrix; Muon "
+                                  "updates matrices only (biases and norms stay on AdamW)")
+            chosen = chosen | matched if add else chosen - matched
+    return {key: named[key][0] for key in chosen}
+
+
+def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.Optimizer:
+    """`model`: the model as built (an engine's wrapper taken off); its parameters are the trained ones."""
+    # The fused kernel is the fastest on GPUs and on CPUs (5x the foreach one for a 5M-parameter model).
+    fused = device.type in ("cuda", "cpu")
+    kernel = {"fused": fused or None, "foreach": None if fused else True}
+    adamw = {"lr": settings.lr, "betas": settings.betas, "eps": settings.eps, **kernel}
+    if settings.muon is None:
+        return torch.optim.AdamW(parameter_groups(model, settings.weight_decay), **adamw)
+    muon = settings.muon
+    chosen = muon_parameters(model, muon)
+    matrices = [p for p in dict.fromkeys(model.parameters()) if id(p) in chosen]
+    groups = [{"params": matrices, "muon": True, "lr": muon.lr, "weight_decay": settings.weight_decay},
+              *parameter_groups(model, settings.weight_decay, frozenset(chosen))]
+    return MuonAdamW(groups, momentum=muon.momentum, nesterov=muon.nesterov, ns_steps=muon.ns_steps,
+                     adjust_lr=muon.adjust_lr, ns_dtype=muon.ns_dtype, **adamw)
