@@ -50,9 +50,18 @@ def run_ok(command: list, **options) -> subprocess.CompletedProcess:
     return done
 
 
+FATAL_MARKS = ("terminate called", "Fatal Python error", "exitcode  : -")
+
+
 def describe(done: subprocess.CompletedProcess, chars: int = 6000) -> str:
+    """The command, its exit code, the lines around any native fault (another rank's long traceback would push
+    them out of a tail), then the tails of stdout and stderr."""
     command = " ".join(str(c) for c in done.args)
-    return (f"`{command}` exited with {done.returncode}\n--- stdout (tail) ---\n{(done.stdout or '')[-chars // 2:]}"
+    lines = (done.stderr or "").splitlines()
+    fatal = [i for i, line in enumerate(lines) if any(mark in line for mark in FATAL_MARKS)]
+    faults = "\n".join("\n".join(lines[i:i + 25]) for i in fatal[:3])
+    return (f"`{command}` exited with {done.returncode}\n--- native faults ---\n{faults or 'none'}"
+            f"\n--- stdout (tail) ---\n{(done.stdout or '')[-chars // 2:]}"
             f"\n--- stderr (tail) ---\n{(done.stderr or '')[-chars:]}")
 
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from helpers import read_metrics, train_losses
-from launch import REPO, pretrainer, run, run_ok, start, torchrun
+from launch import REPO, describe, pretrainer, run, run_ok, start, torchrun
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.train.errors import TrainingDiverged
 from pretrainer.train.signals import EXIT_PREEMPTED
@@ -287,7 +287,7 @@ def test_torchrun_restarts_the_job_after_a_rank_dies_and_the_restart_resumes(two
     config, root = two_rank_reference
     done = fault_run(config, tmp_path / "elastic", tmp_path / "elastic-record", "--fault", "kill", "--step", "5",
                      restarts=1)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, describe(done)
     rows = (tmp_path / "elastic-record" / "rank0.jsonl").read_text().splitlines()
     assert sum(json.loads(row).get("start", False) for row in rows) == 2  # the first launch and the restart
     for rank in (0, 1):

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from helpers import EXAMPLES, assert_layout_answers, eval_losses, grad_norms, train_losses, write_tiny_model
-from launch import BIN, environment, pretrainer, run, run_ok, torchrun
+from launch import BIN, describe, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases, run_case
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 
@@ -374,7 +374,7 @@ def test_seed_megatron_yaml_with_prepared_data_selected_by_the_accelerate_variab
                         "micro_batch_size=1", "dtype=fp32", "num_training_steps=2", "eval_interval=2",
                         "plugin_args.other_megatron_args.eval_iters=1", f"save_dir={tmp_path / 'run'}"),
                env=environment(ACCELERATE_USE_MEGATRON_LM="true"))
-    assert done.returncode == 0, done.stderr[-5000:]
+    assert done.returncode == 0, describe(done)
     output = done.stdout + done.stderr
     assert "mesh=(dp=1 x pp=1 x tp=2)" in output and "recompute=full/block/32" in output
     assert "other_megatron_args.use_flash_attn: ignored" in output

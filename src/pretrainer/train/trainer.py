@@ -12,6 +12,7 @@ when to leave. At the end it evaluates, saves, exports an HF folder and writes t
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import os
 import random
@@ -60,6 +61,8 @@ class PreTrainer:
     def __init__(self, pretrain_args: PreTrainingArguments, accelerator=None, model=None, optimizer=None,
                  lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
         setup_logging()
+        if not faulthandler.is_enabled():  # a rank killed by a native fault (SIGABRT, SIGSEGV) says where it was
+            faulthandler.enable(all_threads=True)
         self.pretrain_args = args = pretrain_args
         self.accelerator = accelerator
         _check_inputs(args, accelerator, model, optimizer, lr_scheduler)
