@@ -9,7 +9,8 @@ its target count, so accumulation and ranks can average over tokens exactly.
 
 An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never
 exist (`models/chunked_loss.py`): `forward_logits` hands it the batch's targets, and its "logits" are then
-`[summed loss, correct predictions]` (`is_head_loss`), which `loss_sum` and evaluation read.
+`[summed loss, correct predictions]` (`is_head_loss`), which `loss_sum` and evaluation read; inside
+`per_token_losses()` (scoring, no backward) they are each token's loss instead, `[batch, seq]`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # The batch being forwarded, for an output head that computes the loss itself (its targets are derived
 # only when such a head asks: the common path pays nothing).
 _forwarded_batch: ContextVar[dict | None] = ContextVar("the batch in forward_logits", default=None)
+_token_losses_wanted: ContextVar[bool] = ContextVar("per-token losses from the head", default=False)
 
 
 def batch_targets(batch: dict) -> torch.Tensor:
@@ -74,6 +76,29 @@ def targets_for_head(targets: torch.Tensor):
         yield
     finally:
         _forwarded_batch.reset(token)
+
+
+@contextlib.contextmanager
+def per_token_losses():
+    """Ask an output head that computes the loss itself for each token's loss rather than the sums."""
+    token = _token_losses_wanted.set(True)
+    try:
+        yield
+    finally:
+        _token_losses_wanted.reset(token)
+
+
+def wants_token_losses() -> bool:
+    return _token_losses_wanted.get()
+
+
+def token_losses(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's negative log-likelihood, `[batch, seq]` in fp32 (0 where ignored), from a forward's
+    logits or from a head's own per-token losses (`per_token_losses`)."""
+    if output.dim() == targets.dim():  # the head computed them
+        return output.float() * (targets != IGNORE)
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="none").view(targets.shape)
 
 
 def is_head_loss(output: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ writes (`paths`). Nothing writes to the loaded arguments after `PreTrainingArgum
 
 from .arguments import ACTIVATION_CHECKPOINTING, DEFAULT_DATA_SPLIT, NEW_TOKEN_INITS, ON_ERROR, PreTrainingArguments
 from .dims import ParallelDims
+from .downstream import TASK_FORMATS, DownstreamTask
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
@@ -14,7 +15,9 @@ from .paths import check_writable_folder
 from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD",
-           "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS", "BatchSizes", "ConfigError", "MuonSettings",
+           "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS", "BatchSizes", "ConfigError",
+           "DownstreamTask", "MuonSettings",
            "OptimizerSettings", "ParallelDims",
-           "PreTrainingArguments", "ScheduleSettings", "check_writable_folder", "dtype_name", "global_batch_size",
+           "PreTrainingArguments", "ScheduleSettings", "TASK_FORMATS", "check_writable_folder", "dtype_name",
+           "global_batch_size",
            "key_error", "megatron_args", "model_positions", "parse_size", "resolve_seq_length", "torch_dtype"]

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import yaml
 
+from .downstream import DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import (
@@ -123,6 +124,7 @@ class PreTrainingArguments:
 
     # --- loop, evaluation, checkpoints ---
     eval_iters: int = 20
+    downstream_evals: list | None = None   # multiple-choice task files scored during training (config/downstream.py)
     log_interval: int = 1
     resume: str = "auto"
     exit_interval: int | None = None
@@ -263,6 +265,10 @@ class PreTrainingArguments:
             return []
         return [self.eval_data] if isinstance(self.eval_data, str) else list(self.eval_data)
 
+    @property
+    def downstream_tasks(self) -> tuple[DownstreamTask, ...]:
+        return read_downstream_tasks(self.downstream_evals)
+
     def warmup_steps_resolved(self) -> int:
         if self.warmup_steps is not None:
             return self.warmup_steps
@@ -318,6 +324,7 @@ class PreTrainingArguments:
         self._check_optimization()
         self._check_loop()
         self._check_ranges()
+        read_downstream_tasks(self.downstream_evals)
 
     def _check_counts(self) -> None:
         for name in ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",

@@ -60,6 +60,11 @@ class BatchSizes:
         return global_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, self.data_parallel_size)
 
     @property
+    def micro_batch_tokens(self) -> int:
+        """Input tokens of one micro-batch on one replica (also what one batch of scoring may hold)."""
+        return self.micro_batch_size * self.seq_length
+
+    @property
     def train_samples(self) -> int:
         """Samples the whole run reads, over all replicas."""
         return self.num_training_steps * self.global_batch_size

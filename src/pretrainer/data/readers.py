@@ -146,6 +146,14 @@ def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "l
             meter.file_done(path)
 
 
+def read_records(path: Path) -> Iterator[tuple[str, object]]:
+    """(file:line, record) of a json, jsonl or parquet file (.gz/.zst too); an unreadable line comes as its
+    DataError."""
+    if record_format(path) not in (".json", ".jsonl", ".parquet"):
+        raise DataError(f"{path}: records are read from .json, .jsonl or .parquet files")
+    return _records(path, "text", "line", None)
+
+
 def _records(path: Path, text_key: str, txt_mode: str, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
     kind = record_format(path)
     if kind == ".txt":

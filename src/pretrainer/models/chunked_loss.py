@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE, head_targets
+from ..batch import IGNORE, head_targets, wants_token_losses
 from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,10 @@ def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tenso
         return F.linear(hidden, self.weight)
     from torch.distributed.tensor import DTensor
 
+    per_token = wants_token_losses()
     if isinstance(self.weight, DTensor):
-        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size)
-    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None)
+        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token)
+    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class VocabShard:
     group: object
 
 
-def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_token: bool) -> torch.Tensor:
     """The chunked loss of a head whose weight is a DTensor sharded by vocabulary rows over a 1-D mesh; the
     input arrives as the layout's replicated DTensor (sequence-parallel slices already gathered)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -129,18 +130,20 @@ def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int) -> t
     _, (offset, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    out = LinearCrossEntropy.apply(hidden, weight.to_local(), targets, chunk, VocabShard(offset, mesh.get_group()))
+    out = LinearCrossEntropy.apply(hidden, weight.to_local(), targets, chunk, VocabShard(offset, mesh.get_group()),
+                                   per_token)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions],
     ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a
-    `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary."""
+    `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary. With
+    `per_token` (scoring, no gradient) the result is each target's loss instead, shaped as `targets`."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                shard: VocabShard | None):
+                shard: VocabShard | None, per_token: bool = False):
         flat = hidden.reshape(-1, hidden.shape[-1])
         labels = targets.reshape(-1).to(flat.device)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -148,6 +151,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         total = torch.zeros((), dtype=torch.float32, device=flat.device)
         correct = torch.zeros((), dtype=torch.float32, device=flat.device)
+        each = torch.zeros(labels.shape, dtype=torch.float32, device=flat.device) if per_token else None
         for start in range(0, flat.shape[0], chunk):
             h, t = flat[start:start + chunk], labels[start:start + chunk]
             logits = F.linear(h, weight).float()
@@ -161,7 +165,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             else:
                 log_norm, target_logit, local, mine, best = _shard_statistics(logits, t, valid, shard)
                 correct += ((target_logit >= best) & valid).sum()  # the target holds the largest logit
-            total += ((log_norm - target_logit) * valid).sum()
+            losses = (log_norm - target_logit) * valid
+            total += losses.sum()
+            if per_token:
+                each[start:start + chunk] = losses
             if want_hidden or want_weight:
                 grad_logits = torch.exp(logits - log_norm[:, None])  # softmax, minus one at the target
                 grad_logits.scatter_add_(1, local[:, None], -mine.to(logits.dtype)[:, None])
@@ -174,7 +181,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         ctx.have = (want_hidden, want_weight)
-        return torch.stack([total, correct])
+        return each.view(targets.shape) if per_token else torch.stack([total, correct])
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -184,7 +191,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
         if grad_hidden is not None:
             grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _shard_statistics(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, shard: VocabShard):

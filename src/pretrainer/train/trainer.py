@@ -43,6 +43,7 @@ from ..perf.peak import processor_name
 from ..plan import check_memory_before_build
 from ..run import launch_world, resolve_run
 from . import checkpoint as ckpt
+from .downstream import DownstreamEvaluator, format_scores
 from .errors import CollectiveFailure, TrainingDiverged, is_collective_failure
 from .evaluate import Validator
 from .export import export_hf
@@ -68,6 +69,7 @@ class PreTrainer:
         _check_inputs(args, accelerator, model, optimizer, lr_scheduler)
         self.world = world = launch_world(args)
         self._closed = False
+        self._started = time.perf_counter()
         atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
         if args.host_malloc_reuse and world.device.type == "cpu":
             reuse_freed_host_memory()  # before the model and data allocate
@@ -106,6 +108,8 @@ class PreTrainer:
         self._pending_rows: list[dict] = []  # rows produced inside a step, written after it
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters)
+        self.downstream = DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, run.sizes,
+                                              args.eval_interval)
         self.checkpointer = ckpt.Checkpointer(args.save_dir, engine, args.async_checkpoint,
                                               keep_last=args.keep_last_checkpoints,
                                               keep_every=args.keep_checkpoints_every,
@@ -276,6 +280,8 @@ class PreTrainer:
                 self._save_checkpoint(meter)
             if self.validator.is_due(step):
                 self._evaluate(metrics)
+            if self.downstream.due(step):
+                self._score_downstream(metrics, meter, self.downstream.due(step))
             stop = self._stop_reason(step)
             if stop is not None:
                 if self.checkpointer is not None:
@@ -393,6 +399,15 @@ class PreTrainer:
         metrics.write(row)
         self.log_history.append(row)
 
+    def _score_downstream(self, metrics: MetricsLog, meter: IntervalMeter, tasks) -> None:
+        self._count_tokens(meter)
+        row, scores = self.downstream.run(self.model, self.completed_steps, tasks)
+        self._record(metrics, {**row, "tokens": self.tokens_seen})
+        if self.engine.is_main:
+            logger.info("downstream step %d (%.1f s): %s", self.completed_steps, row["downstream_seconds"],
+                        format_scores(scores))
+        self.model.train()
+
     def _evaluate(self, metrics: MetricsLog) -> dict:
         row = self.validator.run(self.model, self.completed_steps)
         self._record(metrics, row)
@@ -451,6 +466,13 @@ class PreTrainer:
         args = self.pretrain_args
         if self.validator.is_due_at_end(self.completed_steps):
             self._evaluate(metrics)
+        if self.downstream.due_at_end(self.completed_steps):
+            self._score_downstream(metrics, meter, self.downstream.due_at_end(self.completed_steps))
+        if self.downstream.tasks and self.engine.is_main:
+            elapsed = time.perf_counter() - self._started
+            logger.info("downstream evaluation took %.1f s in all, %.1f%% of the run's %.1f s so far (kept out of "
+                        "step times and tokens/s)", self.downstream.seconds, 100 * self.downstream.seconds / elapsed,
+                        elapsed)
         if self.checkpointer is not None:
             self._save_checkpoint(meter)
         if args.save_dir and args.export_hf:

@@ -1,0 +1,122 @@
+"""Downstream evaluation: multiple-choice tasks scored by log-likelihood, in the loop and from the command
+line (`pretrainer evaluate`).
+
+For each record every choice is scored as the continuation `target_delimiter + choice` of its context
+(`scoring.py`). A task reports, over its records:
+- `acc`: the choice with the highest log-likelihood is the gold one;
+- `acc_norm`: the same with each log-likelihood divided by its choice's length in characters (as
+  lm-evaluation-harness's acc_norm);
+- `bpb`: bits per UTF-8 byte of the gold choice, -log2 p(gold) / bytes (as OLMo's downstream evaluator).
+Files are read and tokenized once, when the run starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import BatchSizes, DownstreamTask
+from ..data.readers import DataError
+from ..data.tasks import ChoiceRecord, read_task
+from .scoring import Request, encode_request, loglikelihoods
+
+logger = logging.getLogger("pretrainer")
+
+
+@dataclass
+class ScoredTask:
+    """A task read and tokenized: its records, and one request per (record, choice) in record order."""
+    task: DownstreamTask
+    records: list[ChoiceRecord]
+    requests: list[Request]
+    choice_chars: np.ndarray   # per request
+    choice_bytes: np.ndarray   # per request
+
+    @staticmethod
+    def load(task: DownstreamTask, tokenizer, max_length: int) -> "ScoredTask":
+        records = read_task(task)
+        requests, chars, sizes = [], [], []
+        for record in records:
+            for choice in record.choices:
+                try:
+                    requests.append(encode_request(tokenizer, record.context, task.target_delimiter + choice,
+                                                   max_length))
+                except ValueError as exc:
+                    raise DataError(f"{record.where}: {exc}") from None
+                chars.append(max(len(choice), 1))
+                sizes.append(max(len(choice.encode("utf-8")), 1))
+        return ScoredTask(task, records, requests, np.array(chars, dtype=np.float64),
+                          np.array(sizes, dtype=np.float64))
+
+    def metrics(self, logliks: np.ndarray) -> dict:
+        """acc, acc_norm and bpb from every request's log-likelihood."""
+        correct = correct_norm = bits = 0.0
+        start = 0
+        for record in self.records:
+            end = start + len(record.choices)
+            scores = logliks[start:end]
+            correct += float(np.argmax(scores) == record.gold)
+            correct_norm += float(np.argmax(scores / self.choice_chars[start:end]) == record.gold)
+            bits += -scores[record.gold] / (math.log(2) * self.choice_bytes[start + record.gold])
+            start = end
+        count = len(self.records)
+        return {"acc": correct / count, "acc_norm": correct_norm / count, "bpb": bits / count}
+
+
+def score_tasks(model, engine, tasks: list[ScoredTask], batch_tokens: int) -> dict[str, dict]:
+    """{task name: {acc, acc_norm, bpb}}: all tasks' requests go through the model in one pass."""
+    requests = [request for task in tasks for request in task.requests]
+    logliks = loglikelihoods(model, engine, requests, batch_tokens)
+    out, start = {}, 0
+    for task in tasks:
+        out[task.task.name] = task.metrics(logliks[start:start + len(task.requests)])
+        start += len(task.requests)
+    return out
+
+
+def metric_row(scores: dict[str, dict]) -> dict:
+    """`eval/<task>/<metric>` keys, as metrics.jsonl and the trackers take them."""
+    return {f"eval/{name}/{key}": value for name, values in scores.items() for key, value in values.items()}
+
+
+def format_scores(scores: dict[str, dict]) -> str:
+    return " | ".join(f"{name} acc {v['acc']:.4f} acc_norm {v['acc_norm']:.4f} bpb {v['bpb']:.4f}"
+                      for name, v in scores.items())
+
+
+class DownstreamEvaluator:
+    """When each task is scored (every `every` steps, default `eval_interval`, and once at the end), the rows
+    it writes and the time it takes (kept apart from the training steps')."""
+
+    def __init__(self, tasks: tuple[DownstreamTask, ...], tokenizer, engine, sizes: BatchSizes,
+                 default_every: int | None):
+        """Scored batches hold as many tokens as a training micro-batch; contexts are cut to seq_length."""
+        self.engine, self.batch_tokens = engine, sizes.micro_batch_tokens
+        started = time.perf_counter()
+        self.tasks = [ScoredTask.load(task, tokenizer, sizes.seq_length) for task in tasks]
+        self.every = {t.task.name: t.task.every or default_every for t in self.tasks}
+        self.last_step: int | None = None
+        self.seconds = time.perf_counter() - started
+        if self.tasks:
+            logger.info("downstream evaluation: %s (%d choices to score each time; read in %.1f s)",
+                        ", ".join(f"{t.task.name} ({len(t.records)} records)" for t in self.tasks),
+                        sum(len(t.requests) for t in self.tasks), self.seconds)
+
+    def due(self, step: int) -> list[ScoredTask]:
+        return [t for t in self.tasks if self.every[t.task.name] and step % self.every[t.task.name] == 0]
+
+    def due_at_end(self, step: int) -> list[ScoredTask]:
+        return self.tasks if self.last_step != step else []
+
+    def run(self, model, step: int, tasks: list[ScoredTask]) -> tuple[dict, dict]:
+        """(the metrics row, the scores by task) after scoring `tasks` at `step`."""
+        started = time.perf_counter()
+        scores = score_tasks(model, self.engine, tasks, self.batch_tokens)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        self.last_step = step
+        return {"step": step, **metric_row(scores), "downstream_seconds": seconds}, scores
