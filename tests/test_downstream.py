@@ -54,9 +54,11 @@ def independent_scores(hf_folder, records) -> dict:
     return {"acc": acc / n, "acc_norm": acc_norm / n, "bpb": bpb / n}
 
 
-def test_in_loop_scores_equal_an_independent_scoring_of_the_export(base_config, tmp_path):
+@pytest.mark.parametrize("loss_chunk_size", [0, 16])  # 16: the head hands back per-token losses in chunks
+def test_in_loop_scores_equal_an_independent_scoring_of_the_export(base_config, tmp_path, loss_chunk_size):
     task = write_task(tmp_path / "tiny_task.jsonl", RECORDS)
-    config = {**base_config, "downstream_evals": [task], "micro_batch_size": 1}  # small scoring batches
+    config = {**base_config, "downstream_evals": [task], "micro_batch_size": 1,  # small scoring batches
+              "loss_chunk_size": loss_chunk_size}
     with PreTrainer(PreTrainingArguments.from_dict(config)) as trainer:
         trainer.train()
     rows = [r for r in read_metrics(config["save_dir"]) if "eval/tiny_task/acc" in r]

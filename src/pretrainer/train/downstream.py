@@ -1,5 +1,4 @@
-"""Downstream evaluation: multiple-choice tasks scored by log-likelihood, in the loop and from the command
-line (`pretrainer evaluate`).
+"""Downstream evaluation: multiple-choice tasks scored by log-likelihood in the training loop.
 
 For each record every choice is scored as the continuation `target_delimiter + choice` of its context
 (`scoring.py`). A task reports, over its records:
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import BatchSizes, DownstreamTask
+from ..config import BatchSizes, ConfigError, DownstreamTask
 from ..data.readers import DataError
 from ..data.tasks import ChoiceRecord, read_task
 from .scoring import Request, encode_request, loglikelihoods
@@ -95,6 +94,9 @@ class DownstreamEvaluator:
     def __init__(self, tasks: tuple[DownstreamTask, ...], tokenizer, engine, sizes: BatchSizes,
                  default_every: int | None):
         """Scored batches hold as many tokens as a training micro-batch; contexts are cut to seq_length."""
+        if tasks and tokenizer is None:
+            raise ConfigError("downstream_evals: scoring tasks needs the tokenizer; set tokenizer_path (or "
+                              "model_path to a folder with one)")
         self.engine, self.batch_tokens = engine, sizes.micro_batch_tokens
         started = time.perf_counter()
         self.tasks = [ScoredTask.load(task, tokenizer, sizes.seq_length) for task in tasks]

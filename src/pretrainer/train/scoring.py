@@ -28,8 +28,8 @@ class Request:
 
 
 def encode_request(tokenizer, context: str, continuation: str, max_length: int) -> Request:
-    """The request's tokens, the continuation kept whole and the context cut from the left to fit
-    `max_length` inputs."""
+    """The request's tokens, cut from the left to fit `max_length` inputs: the context goes first (a
+    continuation longer than `max_length` keeps its last tokens, as lm-evaluation-harness does)."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation

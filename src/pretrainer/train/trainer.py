@@ -280,8 +280,8 @@ class PreTrainer:
                 self._save_checkpoint(meter)
             if self.validator.is_due(step):
                 self._evaluate(metrics)
-            if self.downstream.due(step):
-                self._score_downstream(metrics, meter, self.downstream.due(step))
+            if tasks := self.downstream.due(step):
+                self._score_downstream(metrics, meter, tasks)
             stop = self._stop_reason(step)
             if stop is not None:
                 if self.checkpointer is not None:
@@ -466,8 +466,8 @@ class PreTrainer:
         args = self.pretrain_args
         if self.validator.is_due_at_end(self.completed_steps):
             self._evaluate(metrics)
-        if self.downstream.due_at_end(self.completed_steps):
-            self._score_downstream(metrics, meter, self.downstream.due_at_end(self.completed_steps))
+        if tasks := self.downstream.due_at_end(self.completed_steps):
+            self._score_downstream(metrics, meter, tasks)
         if self.downstream.tasks and self.engine.is_main:
             elapsed = time.perf_counter() - self._started
             logger.info("downstream evaluation took %.1f s in all, %.1f%% of the run's %.1f s so far (kept out of "
