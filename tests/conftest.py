@@ -36,10 +36,14 @@ def small_corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def base_config(tiny_model, small_corpus, tmp_path) -> dict:
-    """A fast native config: fp32, seq 32, 2 x 2 micro-batches."""
+    return fast_config(tiny_model, small_corpus, tmp_path / "run")
+
+
+def fast_config(model: Path, corpus: Path, save_dir: Path) -> dict:
+    """A fast native config: fp32, seq 32, 2 x 2 micro-batches, 6 steps."""
     return {
         "num_training_steps": 6, "micro_batch_size": 2, "dp": 1, "gradient_accumulation_steps": 2,
-        "seq_length": 32, "dtype": "fp32", "model_path": str(tiny_model), "train_data": str(small_corpus),
-        "save_dir": str(tmp_path / "run"), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
+        "seq_length": 32, "dtype": "fp32", "model_path": str(model), "train_data": str(corpus),
+        "save_dir": str(save_dir), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
         "save_interval": 3, "seed": 7, "write_report": False,  # the report has its own tests
     }

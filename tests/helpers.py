@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from launch import REPO
 
 EXAMPLES = REPO / "examples"
@@ -55,6 +57,36 @@ def grad_norms(save_dir) -> dict[int, float]:
 
 def eval_losses(save_dir) -> dict[int, float]:
     return {row["step"]: row["eval_loss"] for row in read_metrics(save_dir) if "eval_loss" in row}
+
+
+# a small multiple-choice task (tests/test_downstream.py, and scored by every engine's and mesh's runs)
+TASK_RECORDS = [
+    {"context": "def f(x):", "choices": ["return x + 1", "print the", "import os"], "gold": 0},
+    {"context": "The for statement", "choices": ["is used to iterate", "banana split", "x = 2"], "gold": 0},
+    {"context": "Return the", "choices": ["value of x ", "the the the", "list"], "gold": 2},
+    {"context": "", "choices": ["A module is a file", "zzz"], "gold": 0},
+]
+
+
+def write_task(path: Path, records=TASK_RECORDS) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def downstream_scores(save_dir) -> dict[int, dict]:
+    """{step: {eval/<task>/<metric>: value}} from a run's metrics.jsonl."""
+    return {row["step"]: {k: v for k, v in row.items() if k.startswith("eval/")}
+            for row in read_metrics(save_dir) if any(k.startswith("eval/") for k in row)}
+
+
+def assert_same_downstream_scores(got, expected, rel: float) -> None:
+    """The same tasks scored at the same steps: accuracies equal, bits per byte to `rel`."""
+    have, want = downstream_scores(got), downstream_scores(expected)
+    assert sorted(have) == sorted(want) and want, (sorted(have), sorted(want))
+    for step, scores in want.items():
+        assert have[step].keys() == scores.keys()
+        for key, value in scores.items():
+            assert have[step][key] == (value if "/acc" in key else pytest.approx(value, rel=rel)), (step, key)
 
 
 def assert_resume_reproduces(config: dict, folder: Path) -> None:

@@ -75,6 +75,9 @@ def test_quickstart_as_documented(tmp_path):
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
     assert [r["step"] for r in read_metrics(save_dir) if "loss" in r][-1] == 240
+    # the shipped multiple-choice task, scored every eval_interval: the gold choices' bits per byte fall
+    bpb = {r["step"]: r["eval/python_docs_choices/bpb"] for r in read_metrics(save_dir) if "downstream_seconds" in r}
+    assert sorted(bpb) == [40, 80, 120, 160, 200, 240] and bpb[240] < bpb[40] - 0.2, bpb
     assert_report_renders(save_dir / "report" / "report.html", tmp_path / "shot.png")
 
 
@@ -84,7 +87,7 @@ def assert_report_renders(report, shot) -> None:
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is not installed (scripts/setup_system.sh installs it)"
-    assert report.read_text().count("<svg") == 5
+    assert report.read_text().count("<svg") == 6  # loss, lr, tokens/s, MFU, memory, the downstream task
     run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
          "--window-size=1280,1400", report.as_uri()], timeout=120)
     image = Image.open(shot).convert("RGB")

@@ -15,7 +15,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import assert_layout_answers, eval_losses, grad_norms, read_metrics, train_losses, write_layout_check
+from helpers import (
+    assert_layout_answers,
+    assert_same_downstream_scores,
+    eval_losses,
+    grad_norms,
+    read_metrics,
+    train_losses,
+    write_layout_check,
+    write_task,
+)
 from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
@@ -64,7 +73,8 @@ def setup(tmp_path_factory, request):
     config = {"num_training_steps": 6, "micro_batch_size": 2, "dp": 2, "gradient_accumulation_steps": 2,
               "seq_length": 32, "dtype": "fp32", "model_path": str(write_tiny_model(root / "model")),
               "train_data": str(corpus), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
-              "save_interval": 3, "seed": 7, "write_report": False}
+              "save_interval": 3, "seed": 7, "write_report": False,
+              "downstream_evals": [write_task(root / "tiny_task.jsonl")]}  # scored by each engine's forward
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     for name, content in DEEPSPEED_JSON.items():
@@ -93,6 +103,7 @@ def assert_same_run(got: Path, expected: Path, rel: float) -> None:
     assert sorted(have_norms) == sorted(want_norms) and want_norms
     assert [have_norms[s] for s in sorted(have_norms)] == pytest.approx([want_norms[s] for s in sorted(want_norms)],
                                                                         rel=max(rel, 1e-4))
+    assert_same_downstream_scores(got, expected, rel=max(rel, 1e-5))
 
 
 # Variants of an engine whose checkpoint path is the base engine's: equality and export only, to keep the

@@ -18,7 +18,16 @@ import pytest
 import torch
 import yaml
 
-from helpers import EXAMPLES, assert_layout_answers, eval_losses, grad_norms, train_losses, write_tiny_model
+from helpers import (
+    EXAMPLES,
+    assert_layout_answers,
+    assert_same_downstream_scores,
+    eval_losses,
+    grad_norms,
+    train_losses,
+    write_task,
+    write_tiny_model,
+)
 from launch import BIN, describe, environment, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases, run_case
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
@@ -85,6 +94,8 @@ def base(tmp_path_factory, small_corpus) -> dict:
             "seq_length": 32, "dtype": "fp32", "model_path": str(model), "train_data": str(small_corpus),
             "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2, "save_interval": 3, "seed": 7,
             "write_report": False, "engine": "megatron", "save_dir": str(root / "unused"),
+            # scored through each mesh's forward (tp's vocab-parallel head, pipeline stages, cp's shards)
+            "downstream_evals": [write_task(root / "tiny_task.jsonl")],
             # With Adam's default eps 1e-8, an element whose gradient is itself ~1e-8 gets an update set by the
             # last bits of that gradient, which a mesh sums in another order than one process: on some CPUs one
             # embedding element in 262,144 then ends 0.4 lr away. eps 1e-6 keeps every update well-determined.
@@ -191,6 +202,7 @@ def assert_same_losses(got: Path, expected: Path) -> None:
     assert eval_losses(got) == pytest.approx(eval_losses(expected), rel=1e-5)
     # the gradient norm (the clipping's input) sums each shard once over the mesh
     assert grad_norms(got) and grad_norms(got) == pytest.approx(grad_norms(expected), rel=1e-4)
+    assert_same_downstream_scores(got, expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", TWO_RANK)

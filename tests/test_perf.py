@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUICKSTART_MODEL, read_metrics, train_losses
+from helpers import QUICKSTART_MODEL, read_metrics, train_losses, write_task
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.perf import device_peak, flops_per_token
 from pretrainer.perf.peak import rated_peak
@@ -72,7 +72,6 @@ def test_a_peak_measured_under_load_gives_no_mfu_above_100_percent(base_config, 
     import json
 
     from pretrainer import PreTrainer, PreTrainingArguments
-    from pretrainer.perf.cpu_peak import measure_gemm
     from pretrainer.perf.machine_cache import cache_path, read_entry, write_entry
     from pretrainer.perf.peak import measured_peak
 
@@ -98,11 +97,9 @@ def test_a_peak_measured_under_load_gives_no_mfu_above_100_percent(base_config, 
     assert all(0 < mfu <= 1 + 1e-9 for mfu in mfus("after-load"))
     entry = read_entry(loaded.cache_key)
     assert entry != busy_entry and entry["tflops"] >= busy_entry["tflops"]  # measured again, never lowered
-    # Whether the CPU is free now depends on what else runs on this machine (another job may): when the run
-    # found it free, its figure is a free CPU's; when not, the entry stays marked for the next run.
-    check = measure_gemm(torch.device("cpu"), torch.float32)
-    if not (entry["busy"] or check.busy):
-        assert entry["tflops"] >= 0.85 * check.tflops
+    # Whether the CPU was free for the new measurement depends on what else runs on this machine; how fast a
+    # free CPU is, is not compared here (two timings on a shared machine differ by more than any fixed margin:
+    # 0.076 against 0.090 TFLOP/s, both judged free, with a docs build running beside): bench/ measures that.
     write_entry(loaded.cache_key, {**entry, "tflops": 1e-6, "busy": False})  # far too low, not known to be
     assert all(0 < mfu <= 1 + 1e-9 for mfu in mfus("too-low"))  # 100% where the peak was raised
     raised = read_entry(loaded.cache_key)
@@ -139,13 +136,18 @@ def test_compile_trains_like_eager(base_config, tmp_path):
 def test_report_to_tensorboard_writes_real_event_files(base_config, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = {**base_config, "report_to": "tensorboard", "save_dir": str(tmp_path / "run")}
+    config = {**base_config, "report_to": "tensorboard", "save_dir": str(tmp_path / "run"),
+              "downstream_evals": [write_task(tmp_path / "tiny_task.jsonl")]}
     PreTrainer(PreTrainingArguments(**config)).train()
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu", "train/peak_mem_mb",
-            "eval/loss", "eval/ppl", "eval/acc"} <= tags
+            "eval/loss", "eval/ppl", "eval/acc", "eval/tiny_task/acc", "eval/tiny_task/acc_norm",
+            "eval/tiny_task/bpb", "eval/downstream_seconds"} <= tags
+    assert not any(tag.startswith("train/eval") or tag.startswith("train/downstream") for tag in tags)
+    bpb = {r["step"]: r["eval/tiny_task/bpb"] for r in read_metrics(tmp_path / "run") if "downstream_seconds" in r}
+    assert {e.step: e.value for e in events.Scalars("eval/tiny_task/bpb")} == pytest.approx(bpb, rel=1e-6)
     losses = {e.step: e.value for e in events.Scalars("train/loss")}
     assert losses == pytest.approx(train_losses(tmp_path / "run"), rel=1e-6)  # float32 in the event file
     assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]

@@ -1,4 +1,4 @@
-"""`pretrainer` command line: `train`, `plan`, `prepare`, `export`, `report` and `tokenizer`."""
+"""`pretrainer` command line: `train`, `plan`, `prepare`, `export`, `evaluate`, `report` and `tokenizer`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         ns.overrides = [*ns.overrides, *extra]
     commands = {"prepare": prepare_command, "tokenizer": tokenizer_command, "report": report_command,
-                "plan": plan_command, "train": train_command, "export": export_command}
+                "plan": plan_command, "train": train_command, "export": export_command,
+                "evaluate": evaluate_command}
     try:
         return commands[ns.command](ns)
     except Exception as exc:
@@ -79,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", help="checkpoint folder (default: the latest in save_dir)")
     export.add_argument("--output", help="output folder (default: save_dir/hf)")
 
+    evaluate = commands.add_parser("evaluate", help="score multiple-choice tasks on a run's newest checkpoint or an "
+                                   "HF folder")
+    evaluate.add_argument("target", help="a run's save_dir (its newest checkpoint and config) or an HF model folder")
+    evaluate.add_argument("overrides", nargs="*", help="key=value overrides (seq_length, micro_batch_size, dtype, ...)")
+    evaluate.add_argument("--tasks", action="append", metavar="FILE[,FILE...]",
+                          help="task files, comma-separated or the flag repeated (default: the run's "
+                          "downstream_evals); see docs/downstream-eval.md")
+    evaluate.add_argument("--limit", type=at_least(1), help="score at most this many records of each task")
+    evaluate.add_argument("--num-fewshot", type=at_least(0), help="solved examples before each context")
+    evaluate.add_argument("--output", help="also write the scores to this JSON file")
+
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
     report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
 
@@ -88,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_command(commands)
     add_tokenizer_commands(commands)
     return parser
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
 
 
 def add_prepare_command(commands) -> None:
@@ -123,7 +148,27 @@ def train_command(ns) -> int:
 
 
 def export_command(ns) -> int:
+    from .train.metrics import setup_logging
+    from .train.offline import export_checkpoint
+
+    setup_logging()
     export_checkpoint(PreTrainingArguments.from_yaml(ns.config, ns.overrides), ns.checkpoint, ns.output)
+    return 0
+
+
+def evaluate_command(ns) -> int:
+    from .train.metrics import setup_logging
+    from .train.offline import evaluate, write_scores
+
+    setup_logging()
+    tasks = [path for item in ns.tasks or [] for path in item.split(",") if path]
+    scores = evaluate(ns.target, tasks, ns.overrides, ns.limit, ns.num_fewshot)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for name, values in scores.items():
+            print(f"{name}: acc {values['acc']:.4f}  acc_norm {values['acc_norm']:.4f}  bpb {values['bpb']:.4f}  "
+                  f"({values['records']} records)")
+        if ns.output:
+            print(f"scores: {write_scores(scores, ns.output)}")
     return 0
 
 
@@ -171,36 +216,6 @@ def report_command(ns) -> int:
     except ReportError as exc:
         raise DataError(str(exc)) from None
     return 0
-
-
-def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
-    """Load a checkpoint's weights into the configured model and export it."""
-    from .models import build_model
-    from .parallel import create_engine
-    from .run import launch_world, resolve_run
-    from .train import checkpoint as ckpt
-    from .train.export import export_hf
-    from .train.metrics import setup_logging
-
-    setup_logging()
-    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir) if (checkpoint or args.save_dir) else None
-    if path is None:
-        raise ConfigError("no checkpoint to export: pass --checkpoint or set save_dir to a run with checkpoints")
-    out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)
-    if out is None:
-        raise ConfigError("no output folder: pass --output or set save_dir")
-    check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
-    if ckpt.checkpoint_format(ckpt.read_trainer_state(path)) == "deepspeed":
-        raise ConfigError(f"{path} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end; to rebuild "
-                          "weights from ZeRO shards use DeepSpeed's zero_to_fp32.py on it")
-    world = launch_world(args)
-    run = resolve_run(args, world)
-    engine = create_engine(run.engine, run.options, world)
-    model = engine.place(build_model(args, run.model, read_slices=engine.reads_slices))
-    ckpt.load_model_weights(path, engine=engine, model=model)
-    export_hf(engine, model, run.tokenizer, out, args.export_dtype or run.dtype, args.export_max_shard_size)
-    engine.close()
-    return out
 
 
 def run() -> None:

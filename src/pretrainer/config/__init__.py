@@ -5,7 +5,7 @@ writes (`paths`). Nothing writes to the loaded arguments after `PreTrainingArgum
 
 from .arguments import ACTIVATION_CHECKPOINTING, DEFAULT_DATA_SPLIT, NEW_TOKEN_INITS, ON_ERROR, PreTrainingArguments
 from .dims import ParallelDims
-from .downstream import TASK_FORMATS, DownstreamTask
+from .downstream import TASK_FORMATS, DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
@@ -20,4 +20,5 @@ __all__ = ["ACTIVATION_CHECKPOINTING", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEY
            "OptimizerSettings", "ParallelDims",
            "PreTrainingArguments", "ScheduleSettings", "TASK_FORMATS", "check_writable_folder", "dtype_name",
            "global_batch_size",
-           "key_error", "megatron_args", "model_positions", "parse_size", "resolve_seq_length", "torch_dtype"]
+           "key_error", "megatron_args", "model_positions", "parse_size", "read_downstream_tasks", "resolve_seq_length",
+           "torch_dtype"]

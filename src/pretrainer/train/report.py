@@ -2,15 +2,17 @@
 
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
-learning rate, tokens/s, MFU and peak memory over steps; a table gives the config, engine, hardware and
-final figures. The plots are SVG drawn by `svg_plot` (no plotting library to import: the report is
-written in milliseconds at the end of every run).
+learning rate, tokens/s, MFU and peak memory over steps, and each downstream task's accuracy against the
+tokens trained on; a table gives the config, engine, hardware and final figures. The plots are SVG drawn
+by `svg_plot` (no plotting library to import: the report is written in milliseconds at the end of every
+run).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
 import time
 from pathlib import Path
 
@@ -54,12 +56,38 @@ def write_report(save_dir: str | Path) -> Path:
             points = [(r["step"], r[key] * (100 if key == "mfu" else 1)) for r in source if key in r]
             if points:
                 lines.append((legend, points))
-        chart = line_chart(title, ylabel, lines)
+        charts.append((name, line_chart(title, ylabel, lines)))
+    tasks = downstream_rows(rows)
+    charts += downstream_charts(tasks, train)
+    for name, chart in charts:
         (out / name).write_text(chart, encoding="utf-8")
-        charts.append(chart)
     page = out / "report.html"
-    page.write_text(render_html(save_dir, rows, train, evals, charts), encoding="utf-8")
+    page.write_text(render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts]),
+                    encoding="utf-8")
     return page
+
+
+def downstream_rows(rows: list[dict]) -> dict[str, list[dict]]:
+    """{task: its scored rows, one per step}, tasks in the order they were first scored."""
+    tasks: dict[str, list[dict]] = {}
+    for row in rows:
+        for key in row:
+            if key.startswith("eval/") and key.endswith("/acc"):
+                tasks.setdefault(key[len("eval/"):-len("/acc")], []).append(row)
+    return {task: latest_per_step(scored) for task, scored in tasks.items()}
+
+
+def downstream_charts(tasks: dict[str, list[dict]], train: list[dict]) -> list[tuple[str, str]]:
+    """(file name, chart) per task: acc and acc_norm (%) against the tokens trained on when it was scored."""
+    tokens = {r["step"]: r.get("tokens", 0) for r in train}
+    charts = []
+    for task, scored in tasks.items():
+        lines = [(metric, [(tokens[r["step"]], 100 * r[f"eval/{task}/{metric}"]) for r in scored
+                           if r["step"] in tokens and f"eval/{task}/{metric}" in r])
+                 for metric in ("acc", "acc_norm")]
+        name = "downstream_" + re.sub(r"[^A-Za-z0-9_.-]", "_", task) + ".svg"
+        charts.append((name, line_chart(f"Downstream: {task}", "accuracy (%)", lines, xlabel="tokens trained on")))
+    return charts
 
 
 def latest_per_step(rows: list[dict]) -> list[dict]:
@@ -68,7 +96,8 @@ def latest_per_step(rows: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
+def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dict],
+            tasks: dict[str, list[dict]]) -> list[tuple[str, str]]:
     start = next((r for r in reversed(rows) if r.get("event") in ("start", "resume") and "engine" in r), {})
     last = train[-1]
     steady = train[len(train) // 4:] or train
@@ -86,6 +115,13 @@ def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dic
     if evals:
         items.append(("final eval loss / ppl / acc", f"{evals[-1]['eval_loss']:.4f} / {evals[-1]['eval_ppl']:.2f} / "
                                                      f"{evals[-1]['eval_acc']:.4f}"))
+    for task, scored in tasks.items():
+        final = scored[-1]
+        values = (final.get(f"eval/{task}/{metric}", float("nan")) for metric in ("acc", "acc_norm", "bpb"))
+        items.append((f"{task} at step {final['step']:,}: acc / acc_norm / bpb",
+                      " / ".join(f"{value:.4f}" for value in values)))
+    if tasks:
+        items.append(("downstream evaluation time", f"{sum(r.get('downstream_seconds', 0) for r in rows):,.1f} s"))
     items += [
         ("useful tokens/s (last 3/4 of the run)", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f}"),
         ("MFU (last 3/4 of the run)", f"{100 * sum(r.get('mfu', 0) for r in steady) / len(steady):.1f}%"),
@@ -104,9 +140,9 @@ def peak_memory_line(measured_mb: float, predicted_mb: float | None) -> str:
     return f"{measured_mb:,.0f} MB measured, {predicted_mb:,.0f} MB predicted before launch ({error:+.0%})"
 
 
-def render_html(save_dir: Path, rows, train, evals, charts: list[str]) -> str:
+def render_html(save_dir: Path, rows, train, evals, tasks, charts: list[str]) -> str:
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                      for k, v in summary(save_dir, rows, train, evals))
+                      for k, v in summary(save_dir, rows, train, evals, tasks))
     figures = "\n".join(f"<figure>{chart}</figure>" for chart in charts)
     config = config_text(save_dir)
     return f"""<!DOCTYPE html>

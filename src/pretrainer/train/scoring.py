@@ -87,12 +87,21 @@ STAND_IN = {"input_ids": torch.zeros((1, 8), dtype=torch.long), "shift_labels": 
 @torch.no_grad()
 def loglikelihoods(model: torch.nn.Module, engine, requests: list[Request], batch_tokens: int) -> np.ndarray:
     """Every request's continuation log-likelihood (float64), the same on every rank."""
+    return score_requests(model, engine, requests, batch_tokens, greedy=False)[0]
+
+
+@torch.no_grad()
+def score_requests(model: torch.nn.Module, engine, requests: list[Request], batch_tokens: int,
+                   greedy: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(log-likelihoods, whether greedy decoding yields each continuation or None) of every request, the same
+    on every rank. `greedy` needs the forward's logits (a model without a chunked loss head)."""
     was_training = model.training
     model.eval()
     batches = plan_batches(requests, batch_tokens)
     replicas, mine = engine.data_world_size, engine.data_rank
     rounds = -(-len(batches) // replicas)
-    sums = torch.zeros(len(requests), dtype=torch.float64, device=engine.device)
+    # row 0: each continuation's log-likelihood; row 1: its tokens that are not the argmax (greedy: none)
+    sums = torch.zeros((2, len(requests)), dtype=torch.float64, device=engine.device)
     for number in range(rounds):
         position = number * replicas + mine
         indices = batches[position] if position < len(batches) else None
@@ -102,7 +111,14 @@ def loglikelihoods(model: torch.nn.Module, engine, requests: list[Request], batc
         if output is None or indices is None:  # a pipeline rank without the last stage, or a stand-in
             continue
         output = output.full_tensor() if hasattr(output, "full_tensor") else output
-        per_row = token_losses(output, batch_targets(batch)).double().sum(dim=1)
-        sums[torch.tensor(indices, device=engine.device)] -= per_row
+        targets = batch_targets(batch)
+        rows = torch.tensor(indices, device=engine.device)
+        sums[0, rows] -= token_losses(output, targets).double().sum(dim=1)
+        if greedy:
+            if output.dim() == targets.dim():
+                raise ValueError("greedy matches need the model's logits: set loss_chunk_size=0")
+            missed = (output.argmax(dim=-1) != targets) & (targets != IGNORE)
+            sums[1, rows] += missed.sum(dim=1).double()
     model.train(was_training)
-    return engine.reduce_sum(sums).cpu().numpy()
+    totals = engine.reduce_sum(sums).cpu().numpy()
+    return totals[0], (totals[1] == 0) if greedy else None

@@ -26,12 +26,16 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def tick_label(value: float) -> str:
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e5, "k")):  # token counts: 200k, 1.5M, 3B
+        if abs(value) >= scale:
+            return f"{round(value / (scale if suffix != 'k' else 1e3), 6):g}{suffix}"
+    if value != 0 and abs(value) < 1e-3:
         return f"{value:.1e}"
     return f"{value:,.6g}" if abs(value) >= 1000 else f"{round(value, 10):g}"
 
 
-def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float, float]]]]) -> str:
+def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float, float]]]],
+               xlabel: str = "step") -> str:
     """An SVG document: each series is (legend, points); a legend is drawn when there are several."""
     series = [(name, [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)])
               for name, points in series]
@@ -59,7 +63,7 @@ def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float
         parts.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + plot_w}" y2="{py(y):.1f}" stroke="#e4e4e4"/>'
                      f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{tick_label(y)}</text>')
     parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>'
-                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">step</text>'
+                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">{escape(xlabel)}</text>'
                  f'<text transform="translate(14 {TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">'
                  f'{escape(ylabel)}</text>')
     for index, (name, points) in enumerate(series):

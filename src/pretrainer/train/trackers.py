@@ -1,8 +1,9 @@
 """Where metric rows go besides `metrics.jsonl`: TensorBoard event files and Weights & Biases.
 
 `report_to` names them (`tensorboard`, `wandb`, several comma-separated or as a list; `jsonl`/`none`
-add nothing: metrics.jsonl is always written). Train rows become `train/<name>` scalars and eval rows
-`eval/<name>`, at the row's step; event rows (start, resume) are not plotted.
+add nothing: metrics.jsonl is always written). Train rows become `train/<name>` scalars, eval rows
+`eval/<name>` and downstream rows keep their `eval/<task>/<metric>` names (with `eval/downstream_seconds`),
+at the row's step; event rows (start, resume) are not plotted.
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ def scalars(row: dict) -> tuple[str, dict[str, float]] | None:
     """(prefix, numeric fields) of a train or eval row; None for event rows."""
     if "event" in row or "step" not in row:
         return None
-    prefix = "eval" if any(k.startswith("eval_") for k in row) else "train"
+    downstream = "downstream_seconds" in row
+    prefix = "eval" if downstream or any(k.startswith("eval_") for k in row) else "train"
     values = {}
     for key, value in row.items():
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            values[key.removeprefix("eval_")] = float(value)
+        if key in ("step", "tokens") if downstream else key == "step":
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values[key.removeprefix("eval/") if downstream else key.removeprefix("eval_")] = float(value)
     return prefix, values
 
 

@@ -1,0 +1,123 @@
+"""A trained model outside the training loop: an HF folder's, or a checkpoint's weights in the model its run
+configured, placed by an engine. `pretrainer export` writes it out, `pretrainer evaluate` scores tasks on it.
+
+`pretrainer evaluate` takes a run's save_dir or an HF folder. A save_dir's model is rebuilt from the
+`config.yaml` its newest checkpoint holds; in a single process (not under torchrun) the run's layout is
+replaced by the single engine, so a checkpoint written by many ranks is read by one (DCP reshards it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError, PreTrainingArguments, check_writable_folder, read_downstream_tasks
+from ..models import build_model
+from ..parallel import create_engine
+from ..run import launch_world, resolve_run
+from . import checkpoint as ckpt
+from .downstream import ScoredTask, format_scores, score_tasks
+from .export import export_hf
+
+logger = logging.getLogger("pretrainer")
+
+# A checkpoint's run layout, replaced when one process evaluates it.
+SINGLE_PROCESS_LAYOUT = ("engine=single", "dp=1", "context_parallel_degree=1", "deepspeed=null",
+                         "plugin_args=null", "fsdp_shard_size=null")
+
+
+@dataclass
+class LoadedModel:
+    engine: object
+    run: object
+    model: object
+    args: PreTrainingArguments
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedModel:
+    """The model `args` configures on this launch's engine, with a checkpoint's weights when one is given
+    (else those of `model_path`)."""
+    world = launch_world(args)
+    run = resolve_run(args, world)
+    engine = create_engine(run.engine, run.options, world)
+    model = engine.place(build_model(args, run.model, read_slices=engine.reads_slices))
+    if checkpoint is not None:
+        if ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) == "deepspeed":
+            raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
+                              "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
+                              "zero_to_fp32.py on it")
+        ckpt.load_model_weights(checkpoint, engine=engine, model=model)
+    return LoadedModel(engine, run, model, args)
+
+
+def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
+    """Load a checkpoint's weights into the configured model and write it as an HF folder."""
+    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir) if (checkpoint or args.save_dir) else None
+    if path is None:
+        raise ConfigError("no checkpoint to export: pass --checkpoint or set save_dir to a run with checkpoints")
+    out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)
+    if out is None:
+        raise ConfigError("no output folder: pass --output or set save_dir")
+    check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
+    loaded = load_model(args, path)
+    export_hf(loaded.engine, loaded.model, loaded.run.tokenizer, out, args.export_dtype or loaded.run.dtype,
+              args.export_max_shard_size)
+    loaded.close()
+    return out
+
+
+def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTrainingArguments, Path | None]:
+    """The run to evaluate and the checkpoint holding its weights (None: an HF folder's own weights)."""
+    target = Path(target)
+    layout = [] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else list(SINGLE_PROCESS_LAYOUT)
+    if ckpt.checkpoints_root(target).is_dir():
+        checkpoint = ckpt.find_latest(target)
+        if checkpoint is None:
+            raise ConfigError(f"{target}: no complete checkpoint in {ckpt.checkpoints_root(target)}; evaluate its "
+                              "HF folder (save_dir/hf) instead")
+        args = PreTrainingArguments.from_yaml(checkpoint / "config.yaml", [*layout, *overrides])
+        return args, checkpoint
+    if (target / "config.json").is_file():
+        base = {"model_path": str(target), "num_training_steps": 1, "micro_batch_size": 1, "dp": 1,
+                "dtype": "auto", "write_report": False, "export_hf": False}
+        return PreTrainingArguments.from_dict(base, [*layout, *overrides], source="evaluate"), None
+    raise ConfigError(f"{target}: neither a run's save_dir (with checkpoints/) nor an HF model folder (with "
+                      "config.json)")
+
+
+def evaluate(target: str | Path, task_paths: list[str], overrides: list[str], limit: int | None = None,
+             num_fewshot: int | None = None) -> dict[str, dict]:
+    """{task: {acc, acc_norm, bpb, records}} of a save_dir's newest checkpoint or an HF folder. Tasks: the
+    files given, else the run's own `downstream_evals`."""
+    args, checkpoint = evaluation_args(target, overrides)
+    entries = [{"path": path} for path in task_paths] or [dataclasses.asdict(t) for t in args.downstream_tasks]
+    if not entries:
+        raise ConfigError("no tasks to score: pass --tasks FILE ... (the run configured no downstream_evals)")
+    changes = {k: v for k, v in (("limit", limit), ("num_fewshot", num_fewshot)) if v is not None}
+    tasks = read_downstream_tasks([{**entry, **changes} for entry in entries])
+    loaded = load_model(args, checkpoint)
+    run = loaded.run
+    if run.tokenizer is None:
+        raise ConfigError("pretrainer evaluate needs the model's tokenizer: set tokenizer_path=FOLDER")
+    scored = [ScoredTask.load(task, run.tokenizer, run.sizes.seq_length) for task in tasks]
+    scores = score_tasks(loaded.model, loaded.engine, scored, run.sizes.micro_batch_tokens)
+    for task in scored:
+        scores[task.task.name]["records"] = len(task.records)
+    if loaded.engine.is_main:
+        logger.info("evaluated %s: %s", checkpoint or target, format_scores(scores))
+    loaded.close()
+    return scores
+
+
+def write_scores(scores: dict[str, dict], path: str | Path) -> Path:
+    path = Path(path)
+    check_writable_folder(path.parent, "--output")
+    path.write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
+    return path
