@@ -105,13 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 def at_least(low: int):
     """An argparse type: an integer >= low."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
+        if not text.lstrip("-").isdigit() or int(text) < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
+        return int(text)
     return parse
 
 

@@ -35,7 +35,6 @@ class LoadedModel:
     engine: object
     run: object
     model: object
-    args: PreTrainingArguments
 
     def close(self) -> None:
         self.engine.close()
@@ -47,14 +46,15 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedMod
     world = launch_world(args)
     run = resolve_run(args, world)
     engine = create_engine(run.engine, run.options, world)
+    if checkpoint is not None and ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) == "deepspeed":
+        engine.close()
+        raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
+                          "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
+                          "zero_to_fp32.py on it")
     model = engine.place(build_model(args, run.model, read_slices=engine.reads_slices))
     if checkpoint is not None:
-        if ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) == "deepspeed":
-            raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
-                              "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
-                              "zero_to_fp32.py on it")
         ckpt.load_model_weights(checkpoint, engine=engine, model=model)
-    return LoadedModel(engine, run, model, args)
+    return LoadedModel(engine, run, model)
 
 
 def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
@@ -67,9 +67,11 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
         raise ConfigError("no output folder: pass --output or set save_dir")
     check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
     loaded = load_model(args, path)
-    export_hf(loaded.engine, loaded.model, loaded.run.tokenizer, out, args.export_dtype or loaded.run.dtype,
-              args.export_max_shard_size)
-    loaded.close()
+    try:
+        export_hf(loaded.engine, loaded.model, loaded.run.tokenizer, out, args.export_dtype or loaded.run.dtype,
+                  args.export_max_shard_size)
+    finally:  # the engine (and its process group) ends on every path
+        loaded.close()
     return out
 
 
@@ -103,16 +105,18 @@ def evaluate(target: str | Path, task_paths: list[str], overrides: list[str], li
     changes = {k: v for k, v in (("limit", limit), ("num_fewshot", num_fewshot)) if v is not None}
     tasks = read_downstream_tasks([{**entry, **changes} for entry in entries])
     loaded = load_model(args, checkpoint)
-    run = loaded.run
-    if run.tokenizer is None:
-        raise ConfigError("pretrainer evaluate needs the model's tokenizer: set tokenizer_path=FOLDER")
-    scored = [ScoredTask.load(task, run.tokenizer, run.sizes.seq_length) for task in tasks]
-    scores = score_tasks(loaded.model, loaded.engine, scored, run.sizes.micro_batch_tokens)
+    try:
+        run = loaded.run
+        if run.tokenizer is None:
+            raise ConfigError("pretrainer evaluate needs the model's tokenizer: set tokenizer_path=FOLDER")
+        scored = [ScoredTask.load(task, run.tokenizer, run.sizes.seq_length) for task in tasks]
+        scores = score_tasks(loaded.model, loaded.engine, scored, run.sizes.micro_batch_tokens)
+        if loaded.engine.is_main:
+            logger.info("evaluated %s: %s", checkpoint or target, format_scores(scores))
+    finally:  # the engine (and its process group) ends on every path, a bad task file included
+        loaded.close()
     for task in scored:
         scores[task.task.name]["records"] = len(task.records)
-    if loaded.engine.is_main:
-        logger.info("evaluated %s: %s", checkpoint or target, format_scores(scores))
-    loaded.close()
     return scores
 
 

@@ -38,15 +38,11 @@ def scalars(row: dict) -> tuple[str, dict[str, float]] | None:
     """(prefix, numeric fields) of a train or eval row; None for event rows."""
     if "event" in row or "step" not in row:
         return None
-    downstream = "downstream_seconds" in row
+    downstream = "downstream_seconds" in row  # its `tokens` is the train rows' figure: not plotted twice
     prefix = "eval" if downstream or any(k.startswith("eval_") for k in row) else "train"
-    values = {}
-    for key, value in row.items():
-        if key in ("step", "tokens") if downstream else key == "step":
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            values[key.removeprefix("eval/") if downstream else key.removeprefix("eval_")] = float(value)
-    return prefix, values
+    skipped, marker = (("step", "tokens"), "eval/") if downstream else (("step",), "eval_")
+    return prefix, {key.removeprefix(marker): float(value) for key, value in row.items()
+                    if key not in skipped and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 class TensorBoardTracker:
