@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check: bf16 MFU of a ~1B Llama at seq 4096 in one process, tokens/s/GPU and peak memory, with and
-# without `compile: true`, plus bf16-vs-fp32 loss agreement on a small model. Installs nothing: it runs the
+# without `compile: true`, plus bf16-vs-fp32 loss agreement on a small model, and the MoE experts'
+# implementations (bench/moe.py). Installs nothing: it runs the
 # working tree (PYTHONPATH=src) with the python, torch and transformers the machine already has, and
 # finishes in well under 8 minutes on an H100/H200.
 #
@@ -63,3 +64,6 @@ PY
   run eager
   run compiled compile=true
 } | tee "$OUT/summary.txt"
+
+# Mixture-of-Experts: the experts' implementations of transformers (eager loop, batched_mm, grouped_mm) on one GPU.
+"$PY" bench/moe.py --steps 12 --seq 1024 --micro 16 --engines '' --dtype bf16 | tee "$OUT/moe.txt"

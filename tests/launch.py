@@ -69,3 +69,16 @@ def start(command: list, log: Path, *, threads: int | None = 1) -> subprocess.Po
     """Start in the background in its own session (so a test can signal the whole group), output to `log`."""
     return subprocess.Popen([str(c) for c in command], cwd=REPO, env=environment(threads), stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def cli_in_process(capsys, *args) -> tuple[int, str]:
+    """`pretrainer ARGS` run by its `main` in this process (no interpreter start-up): the exit code and what it
+    wrote to stderr. For usage errors; the console entry itself is tested through processes (test_cli.py)."""
+    from pretrainer.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    return code, capsys.readouterr().err

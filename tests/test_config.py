@@ -243,3 +243,11 @@ def test_seed_style_keys_for_long_contexts_and_vocabularies_reach_the_native_one
     with pytest.raises(ConfigError, match="context_parallel_degree=2 conflicts with plugin_args.other_megatron_args"):
         PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, context_parallel_degree=2,
                              plugin_args={"other_megatron_args": {"context_parallel_size": 4}})
+
+
+def test_every_key_is_documented_in_the_configuration_page():
+    import dataclasses
+
+    page = (EXAMPLES.parent / "docs" / "configuration.md").read_text()
+    missing = [f.name for f in dataclasses.fields(PreTrainingArguments) if f"`{f.name}`" not in page]
+    assert not missing, f"keys without a row in docs/configuration.md: {missing}"

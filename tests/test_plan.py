@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from helpers import QUICKSTART_MODEL, read_metrics
-from launch import BIN, REPO, describe, pretrainer, run, run_ok
+from launch import BIN, REPO, cli_in_process, describe, pretrainer, run, run_ok
 
 PLAN_7B = REPO / "examples" / "plan" / "llama-2-7b.yaml"
 
@@ -180,12 +180,13 @@ def test_the_memory_check_stops_warns_or_stays_silent_as_configured(base_config,
     ("seq_lenght=8", "unknown key 'seq_lenght'; did you mean 'seq_length'?"),
     ("preflight_memory_check=maybe", "preflight_memory_check 'maybe' is not one of error, warn, off"),
 ])
-def test_plan_gives_the_same_errors_as_train(base_config, tmp_path, override, message):
+def test_plan_gives_the_same_errors_as_train(base_config, tmp_path, capsys, override, message):
     config = write_config(tmp_path / "c.yaml", base_config)
-    plan, train = run(pretrainer("plan", config, override)), run(pretrainer("train", config, override))
-    assert plan.returncode == train.returncode == 2
-    assert message in plan.stderr and plan.stderr.strip().splitlines()[-1] == train.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in plan.stderr
+    (plan_code, plan), (train_code, train) = (cli_in_process(capsys, command, config, override)
+                                              for command in ("plan", "train"))
+    assert plan_code == train_code == 2
+    assert message in plan and plan.strip().splitlines()[-1] == train.strip().splitlines()[-1]
+    assert "Traceback" not in plan
 
 
 def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
@@ -209,11 +210,11 @@ def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
     (["device_memory=lots"], "key 'device_memory': device_memory 'lots': give a size such as 80GB"),
     (["--world-size", "1", "--bogus"], "unrecognized arguments: --bogus"),
 ])
-def test_bad_plan_arguments_are_one_line_errors(base_config, tmp_path, args, message):
+def test_bad_plan_arguments_are_one_line_errors(base_config, tmp_path, capsys, args, message):
     config = write_config(tmp_path / "c.yaml", base_config)
-    done = run(pretrainer("plan", config, *args))
-    assert done.returncode == 2 and message in done.stderr, describe(done)
-    assert "Traceback" not in done.stderr
+    code, stderr = cli_in_process(capsys, "plan", config, *args)
+    assert code == 2 and message in stderr, stderr
+    assert "Traceback" not in stderr
 
 
 def test_overrides_may_follow_the_options(base_config, tmp_path):

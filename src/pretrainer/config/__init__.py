@@ -1,7 +1,8 @@
 """The run's configuration: the schema and its loading (`arguments`), the openMind compatibility layer
 (`openmind`), the dtype table (`dtypes`), and the typed parts a run is resolved into: its parallel dimensions
-(`dims`), sizes (`sizes`) and optimizer and schedule settings (`optimization`); the check of the folders a run
-writes (`paths`). Nothing writes to the loaded arguments after `PreTrainingArguments` has checked them."""
+(`dims`), sizes (`sizes`), optimizer and schedule settings (`optimization`) and Mixture-of-Experts settings
+(`moe`); the check of the folders a run writes (`paths`). Nothing writes to the loaded arguments after
+`PreTrainingArguments` has checked them."""
 
 from .arguments import ACTIVATION_CHECKPOINTING, DEFAULT_DATA_SPLIT, NEW_TOKEN_INITS, ON_ERROR, PreTrainingArguments
 from .dims import ParallelDims
@@ -9,16 +10,15 @@ from .downstream import TASK_FORMATS, DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
+from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shape
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
 from .optimization import MUON_ADJUST_LR, OPTIMIZERS, MuonSettings, OptimizerSettings, ScheduleSettings
 from .paths import check_writable_folder
 from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD",
-           "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS", "BatchSizes", "ConfigError",
-           "DownstreamTask", "MuonSettings",
-           "OptimizerSettings", "ParallelDims",
-           "PreTrainingArguments", "ScheduleSettings", "TASK_FORMATS", "check_writable_folder", "dtype_name",
-           "global_batch_size",
-           "key_error", "megatron_args", "model_positions", "parse_size", "read_downstream_tasks", "resolve_seq_length",
-           "torch_dtype"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS",
+           "MEGATRON_KEY_TO_FIELD", "MOE_KEYS", "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS",
+           "BatchSizes", "ConfigError", "DownstreamTask", "ExpertShape", "MoeSettings", "MuonSettings",
+           "OptimizerSettings", "ParallelDims", "PreTrainingArguments", "ScheduleSettings", "TASK_FORMATS",
+           "check_writable_folder", "dtype_name", "expert_shape", "global_batch_size", "key_error", "megatron_args",
+           "model_positions", "parse_size", "read_downstream_tasks", "resolve_seq_length", "torch_dtype"]

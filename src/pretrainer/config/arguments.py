@@ -33,6 +33,7 @@ from .loading import (
     suggestion,
     top_level_key_lines,
 )
+from .moe import check_moe_keys
 from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from .sizes import global_batch_size
@@ -97,6 +98,13 @@ class PreTrainingArguments:
     rope_theta: float | None = None
     loss_chunk_size: int | str = "auto"
     context_parallel_degree: int = 1
+
+    # --- Mixture-of-Experts (config/moe.py; only for a model with experts) ---
+    moe_aux_loss_coeff: float | None = None          # load-balancing loss weight; null: router_aux_loss_coef
+    moe_aux_loss_type: str | None = None             # seq (default) | micro_batch
+    moe_z_loss_coeff: float | None = None            # router z-loss weight; null: 0 (off)
+    moe_expert_bias_update_rate: float | None = None  # aux-loss-free balancing step; null: 0 (off)
+    moe_experts_implementation: str | None = None    # auto (default) | eager | batched_mm | grouped_mm
 
     # --- optimisation ---
     lr: float = 3e-4
@@ -388,6 +396,7 @@ class PreTrainingArguments:
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
         self._check_muon()
+        check_moe_keys(self)
 
     def _check_muon(self) -> None:
         if not 0 <= self.muon_momentum < 1:

@@ -180,10 +180,12 @@ class Engine(LayoutAnswers, ABC):
         return forward_logits(model, batch)
 
     def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
-                         scale: float) -> torch.Tensor:
+                         scale: float, extra_losses=None) -> torch.Tensor:
         """Forward and backward over one accumulation window; gradients of sum(loss_fn) * scale.
 
-        `loss_fn(logits, targets)` returns a micro-batch's summed token loss. Returns this rank's summed
+        `loss_fn(logits, targets)` returns a micro-batch's summed token loss. `extra_losses()`, called after
+        each forward, returns what that forward adds to the backward as it is (already weighted; None: nothing),
+        e.g. an MoE model's balancing losses; it is not part of the returned loss. Returns this rank's summed
         loss over the window (a device tensor). Only the last micro-batch communicates gradients.
         """
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -193,7 +195,8 @@ class Engine(LayoutAnswers, ABC):
                 with self.autocast():
                     logits = self.forward(model, batch)
                 summed = loss_fn(logits, batch_targets(batch))
-                self.backward(summed * scale)
+                extra = extra_losses() if extra_losses is not None else None
+                self.backward(summed * scale if extra is None else summed * scale + extra)
             local += summed.detach().double()
         return local
 

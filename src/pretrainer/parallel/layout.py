@@ -177,6 +177,8 @@ class LayoutAnswers:
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
     muon_refusal = ""   # why not, where it does not
+    trains_moe = True   # models with experts train here (each rank holds every expert: no expert parallelism)
+    moe_refusal = ""
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:

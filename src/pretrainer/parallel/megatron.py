@@ -80,6 +80,9 @@ class MegatronModel(torch.nn.Module):
 class MegatronEngine(DistributedEngine):
     name = "megatron"
     supports_context_parallel = True
+    trains_moe = False
+    moe_refusal = ("its tensor-parallel plan and pipeline stages are written for dense MLPs (expert parallelism "
+                   "is not there yet).")
 
     def __init__(self, options, world):
         super().__init__(options, world)
@@ -288,7 +291,10 @@ class MegatronEngine(DistributedEngine):
                 output = self._pipeline_forward_only(input_ids, targets)
         return output if output is None or is_head_loss(output) else output[:, :length]
 
-    def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float) -> torch.Tensor:
+    def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float,
+                         extra_losses=None) -> torch.Tensor:
+        if extra_losses is not None:  # MoE models do not train here yet (trains_moe)
+            raise NotImplementedError("extra losses on the megatron engine")
         if self.settings.pp == 1:
             return super().forward_backward(model, micro_batches, loss_fn, scale)
         for batch in micro_batches:

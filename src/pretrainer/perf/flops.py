@@ -29,6 +29,7 @@ class FlopsCount:
     head_dim: int
     seq_length: int
     frozen_matmul_parameters: int = 0  # of N, those without a weight gradient
+    idle_expert_parameters: int = 0    # routed experts' parameters a token does not go through (not in N)
 
     @property
     def per_token(self) -> float:
@@ -51,13 +52,18 @@ class FlopsCount:
             trained = self.matmul_parameters - self.frozen_matmul_parameters
             return (f"model FLOPs/token = 6N + 4F + 12*L*H*Q*T = 6*{trained:,} + 4*{self.frozen_matmul_parameters:,}"
                     f" (frozen) + {attention} = {self.per_token / 1e6:,.1f} MFLOP")
-        return (f"model FLOPs/token = 6N + 12*L*H*Q*T = 6*{self.matmul_parameters:,} + {attention} = "
+        active = f" (active parameters only; {self.idle_expert_parameters:,} expert parameters idle per token)" \
+            if self.idle_expert_parameters else ""
+        return (f"model FLOPs/token = 6N + 12*L*H*Q*T = 6*{self.matmul_parameters:,}{active} + {attention} = "
                 f"{self.per_token / 1e6:,.1f} MFLOP (attention over the full square, as PaLM; recompute not "
                 "counted)")
 
 
-def flops_per_token(model: torch.nn.Module, seq_length: int) -> FlopsCount:
-    """Count from the model itself (before sharding) and its HF config."""
+def flops_per_token(model: torch.nn.Module, seq_length: int, expert_parameters: int = 0,
+                    active_expert_fraction: float = 1.0) -> FlopsCount:
+    """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its
+    active parameters: of `expert_parameters` (the routed experts'), a token uses `active_expert_fraction`
+    (top_k / experts)."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
@@ -70,4 +76,5 @@ def flops_per_token(model: torch.nn.Module, seq_length: int) -> FlopsCount:
     frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
     if tied and not embedding.requires_grad:
         frozen += embedding.numel()  # the head's matmul, through the tied table
-    return FlopsCount(matmul, config.num_hidden_layers, heads, head_dim, seq_length, frozen)
+    idle = round(expert_parameters * (1 - active_expert_fraction))
+    return FlopsCount(matmul - idle, config.num_hidden_layers, heads, head_dim, seq_length, frozen, idle)

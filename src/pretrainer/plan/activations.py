@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config import expert_shape
 from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS
 from .model_shape import one_layer_config
 
@@ -128,6 +129,10 @@ def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_n
 
     config = _with_plain_rope(AutoConfig.for_model(**json.loads(config_json)))
     autocast_dtype = torch_dtype(autocast_name) if autocast_name else None
+    if expert_shape(config, "the model config") is not None:  # routing reads token values: no fake-tensor run
+        logger.info("activations of %s estimated by formula (a Mixture-of-Experts layer's tokens per expert are "
+                    "known only on real data; counted at an even load)", config.model_type)
+        return _formula(config, seq_length, autocast_name or param_name, param_name)
     try:
         one = _saved_bytes(one_layer_config(config, 1), seq_length, autocast_dtype, torch_dtype(param_name))
         two = _saved_bytes(one_layer_config(config, 2), seq_length, autocast_dtype, torch_dtype(param_name))
@@ -154,13 +159,21 @@ def _with_plain_rope(config):
 
 def _formula(config, seq_length: int, compute: str, param: str) -> ActivationProfile:
     """Saved bytes of a Llama-like layer per sequence when the probe cannot run: the residual stream and norms
-    (10 x hidden), the gated MLP (4 x ffn) and keys/values (2 x kv width), in the compute dtype."""
+    (10 x hidden), the gated MLP (4 x ffn; an MoE layer's top_k experts and shared experts) and keys/values
+    (2 x kv width), and an MoE router's outputs, in the compute dtype."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
                                                                             or hidden // heads)
     ffn = getattr(config, "intermediate_size", None) or 4 * hidden
-    per_token = 10 * hidden + 4 * ffn + 2 * kv_width
+    shape = expert_shape(config, "the model config")
+    if shape is not None:  # each token goes through top_k experts (and the shared ones), at an even load
+        expert_ffn = getattr(config, "moe_intermediate_size", None) or ffn
+        shared = (getattr(config, "n_shared_experts", None) or 0) * expert_ffn \
+            + (getattr(config, "shared_expert_intermediate_size", None) or 0)
+        ffn = shape.top_k * expert_ffn + shared
+    routing = 0 if shape is None else 2 * shape.experts + 2 * shape.top_k  # logits, probabilities, top-k
+    per_token = 10 * hidden + 4 * ffn + 2 * kv_width + routing
     size = 4 if compute == "fp32" else 2
     layer_input = seq_length * hidden * (4 if param == "fp32" else 2)
     per_layer = seq_length * per_token * size

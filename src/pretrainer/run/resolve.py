@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import (
     BatchSizes,
     ConfigError,
+    MoeSettings,
     OptimizerSettings,
     ParallelDims,
     ScheduleSettings,
@@ -57,6 +58,7 @@ class ResolvedRun:
     trainable: str | list = "all"     # trainable_parameters
     loss_chunk_setting: int | str = "auto"
     custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
+    moe: MoeSettings | None = None    # a model with experts: its shape and how its routing is balanced
 
     @property
     def dims(self) -> ParallelDims:
@@ -98,7 +100,8 @@ class ResolvedRun:
 
     def describe(self) -> str:
         return (f"{self.sizes.describe()} {self.dims.describe()} dtype={self.dtype}"
-                + (f" loss_chunk={self.loss_chunk.size}" if self.loss_chunk.size else ""))
+                + (f" loss_chunk={self.loss_chunk.size}" if self.loss_chunk.size else "")
+                + (f" moe=({self.moe.describe()})" if self.moe is not None else ""))
 
 
 def optimizer_settings(args, cls, name: str, dtype: str) -> OptimizerSettings:
@@ -107,6 +110,20 @@ def optimizer_settings(args, cls, name: str, dtype: str) -> OptimizerSettings:
                          "engine fsdp (ZeRO-3 style) or megatron with use_distributed_optimizer (ZeRO-1/2 style), "
                          "which train Muon, or optimizer: adamw")
     return OptimizerSettings.of(args, dtype)
+
+
+def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -> MoeSettings | None:
+    """The MoE part of a model with experts, refused where this engine or layout cannot train it yet."""
+    moe = MoeSettings.of(args, config, where)
+    if moe is None:
+        return None
+    if not cls.trains_moe:
+        raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {name} does not train: "
+                          f"{cls.moe_refusal} Use engine single, ddp, fsdp or deepspeed")
+    if dims.cp > 1:
+        raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
+                          "sequences on each rank (its balancing losses are per sequence); set it to 1")
+    return moe
 
 
 def launch_world(args) -> World:
@@ -144,6 +161,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
                                vocab)
+    moe = moe_settings(args, cls, name, config, where, dims)
     sequence_parallel, schedule = cls.parallel_style(settings)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
                             sizes.seq_length, sizes.micro_batch_size)
@@ -152,7 +170,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     return ResolvedRun(name, options, sizes, config, where, spec, tokenizer, chunk,
                        optimizer_settings(args, cls, name, dtype), ScheduleSettings.of(args), reason,
                        sequence_parallel, schedule, checkpoint, args.trainable_parameters, args.loss_chunk_size,
-                       custom_loss)
+                       custom_loss, moe)
 
 
 def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: bool = True) -> ParallelDims:

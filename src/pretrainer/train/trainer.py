@@ -29,8 +29,10 @@ from ..config import ConfigError, PreTrainingArguments, check_writable_folder
 from ..data import DataPlacement, assemble_data
 from ..models import (
     LoadStats,
+    MoeRouting,
     build_model,
     count_parameters,
+    expert_parameters,
     install_chunked_loss,
     pending_checkpoint,
     select_trainable,
@@ -147,7 +149,10 @@ class PreTrainer:
         # what the run trains, read off the model before an engine shards it (the start row records both)
         self.vocab_rows = model.get_input_embeddings().weight.shape[0]
         self.loss_chunk_size = getattr(model.get_output_embeddings(), "loss_chunk_size", 0)
-        self.flops = flops_per_token(model, run.sizes.seq_length)
+        self.moe = MoeRouting(model, run.moe) if run.moe is not None else None  # hooks its routers
+        shape = run.moe.shape if run.moe is not None else None
+        self.flops = flops_per_token(model, run.sizes.seq_length, *(
+            (expert_parameters(model, shape.experts), shape.top_k / shape.experts) if shape else ()))
         self.optimizer_given = optimizer is not None
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
             model, optimizer, lr_scheduler,
@@ -301,7 +306,8 @@ class PreTrainer:
             host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
                             for _ in range(args.gradient_accumulation_steps)]
             local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
-                                         sum(count_inputs(b) for b in host_batches)], dtype=torch.int64)
+                                         sum(count_inputs(b) for b in host_batches),
+                                         sum(len(b["input_ids"]) for b in host_batches)], dtype=torch.int64)
             micro_batches = [to_device(b, engine.device) for b in host_batches]
         # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. The counts
         # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
@@ -310,8 +316,11 @@ class PreTrainer:
         # Engines average gradients over ranks; scaling by their number makes the result the gradient of
         # (sum of token losses on all ranks) / (tokens on all ranks).
         scale = engine.gradient_average_size / counts[0].clamp(min=1)
+        if self.moe is not None:
+            self.moe.begin_step(self._moe_unit_weight(counts[2]))
         with phases.device("compute"):
-            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale)
+            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale,
+                                                 self.moe.take_losses if self.moe is not None else None)
         spike = False
         if self.spike_guard is not None:  # reads the loss each step: one sync, only with the rule on
             step_loss = engine.reduce_sum(local_loss).item() / max(float(counts[0].item()), 1.0)
@@ -324,8 +333,18 @@ class PreTrainer:
                 engine.finish_step(self.optimizer, self.lr_scheduler)
             else:
                 self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
+            if self.moe is not None:
+                self.moe.end_step(engine.reduce_sum, applied)
         self._count_skipped_update(applied, grad_norm, "loss spike" if spike else "non-finite gradient norm")
-        return local_loss, counts, grad_norm, lr
+        return local_loss, counts[:2], grad_norm, lr
+
+    def _moe_unit_weight(self, global_rows: torch.Tensor):
+        """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
+        units (sequences, or micro-batches), after the engine's average over gradient_average_size ranks."""
+        engine = self.engine
+        if self.resolved.moe.aux_loss_type == "seq":
+            return engine.gradient_average_size / global_rows.clamp(min=1).double()
+        return engine.gradient_average_size / (self.pretrain_args.gradient_accumulation_steps * engine.data_world_size)
 
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
@@ -372,6 +391,8 @@ class PreTrainer:
                        "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
                        "parameters": self.num_parameters, "vocab_size": self.vocab_rows,
                        "loss_chunk_size": self.loss_chunk_size, "flops_per_token": self.flops.per_token,
+                       **({"moe": self.resolved.moe.describe(), "experts_implementation":
+                           self.moe.experts_implementation} if self.moe is not None else {}),
                        "peak": meter.peak.describe(),
                        **(self.predicted_memory.row() if self.predicted_memory is not None else {}),
                        **self.model_memory})
@@ -385,7 +406,8 @@ class PreTrainer:
         self._count_tokens(meter)
         step = self.completed_steps
         row = {"step": step, **meter.row(), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
-               "epoch": self.train_stream.epoch}
+               "epoch": self.train_stream.epoch,
+               **(self.moe.interval_row(self.engine.reduce_sum) if self.moe is not None else {})}
         self._record(metrics, row)
         if self.engine.is_main:
             progress.log(format_train_line(row, progress.eta(step)))
@@ -509,7 +531,9 @@ class PreTrainer:
                      f"  Gradient Accumulation steps = {sizes.gradient_accumulation_steps}",
                      f"  Total steps = {sizes.num_training_steps}",
                      f"  {engine.describe()}",
-                     f"  Model parameters = {self.num_parameters:,} (trainable {self.trainable_parameters:,})",
+                     f"  Model parameters = {self.num_parameters:,} (trainable {self.trainable_parameters:,})"
+                     + (f"; Mixture-of-Experts: {run.moe.describe()}; experts computed by "
+                        f"{self.moe.experts_implementation}" if self.moe is not None else ""),
                      f"  Optimizer = {type(self.optimizer).__name__} (given)" if self.optimizer_given else
                      f"  Optimizer = {run.optimizer.describe()}",
                      f"  LR = {run.schedule.describe()}, weight decay {run.optimizer.weight_decay:g}, clip "

@@ -1,0 +1,92 @@
+"""Mixture-of-Experts settings, read once from the config and the model's HF config (no torch here).
+
+The model's config says whether it routes tokens to experts (`num_local_experts` / `num_experts` /
+`n_routed_experts` with `num_experts_per_tok`); the run's `moe_*` keys say how the routing is balanced.
+A `moe_*` key on a dense model is an error, not ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError, key_error
+
+MOE_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_type", "moe_z_loss_coeff", "moe_expert_bias_update_rate",
+            "moe_experts_implementation")
+# how the local experts compute (transformers' experts interface): auto = transformers' choice (grouped_mm where
+# torch dispatches it, else eager); eager = one matmul pair per expert hit; batched_mm; grouped_mm
+EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "batched_mm", "grouped_mm")
+# seq: per sequence, averaged over the global batch's sequences: the same whatever the split over ranks and
+# micro-batches (DeepSeek-V3's sequence-wise loss). micro_batch: over each micro-batch's tokens (HF's and
+# Megatron's aux_loss), which depends on how the global batch is cut into micro-batches.
+AUX_LOSS_TYPES = ("seq", "micro_batch")
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the model's config says about its experts."""
+    experts: int   # routed experts per MoE layer
+    top_k: int     # experts each token goes to
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    shape: ExpertShape
+    aux_loss_coeff: float       # load-balancing loss weight (0: off); null key: the model config's router_aux_loss_coef
+    aux_loss_type: str          # seq | micro_batch
+    z_loss_coeff: float         # router z-loss weight (ST-MoE); 0: off
+    expert_bias_update_rate: float  # aux-loss-free balancing: the per-expert bias step per optimizer step; 0: off
+    experts_implementation: str = "auto"  # EXPERTS_IMPLEMENTATIONS
+
+    @staticmethod
+    def of(args, model_config, where: str) -> "MoeSettings | None":
+        """The settings for a model with experts, None for a dense one (whose config must set no moe_* key)."""
+        shape = expert_shape(model_config, where)
+        if shape is None:
+            given = [key for key in MOE_KEYS if getattr(args, key) is not None]
+            if given:
+                raise key_error(given[0], f"{given[0]} is set but {where} describes a dense model (no experts: none "
+                                          f"of {', '.join(_EXPERT_COUNT_KEYS)}); remove the moe_* keys")
+            return None
+        coeff = args.moe_aux_loss_coeff
+        if coeff is None:
+            coeff = float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+        return MoeSettings(shape, coeff, args.moe_aux_loss_type or "seq", args.moe_z_loss_coeff or 0.0,
+                           args.moe_expert_bias_update_rate or 0.0, args.moe_experts_implementation or "auto")
+
+    def describe(self) -> str:
+        parts = [f"{self.shape.experts} experts, top-{self.shape.top_k}",
+                 f"aux loss {self.aux_loss_coeff:g} ({self.aux_loss_type})" if self.aux_loss_coeff else "no aux loss"]
+        if self.z_loss_coeff:
+            parts.append(f"z-loss {self.z_loss_coeff:g}")
+        if self.expert_bias_update_rate:
+            parts.append(f"expert bias update rate {self.expert_bias_update_rate:g}")
+        return ", ".join(parts)
+
+
+def expert_shape(model_config, where: str) -> ExpertShape | None:
+    """The experts a model config declares, None for a dense model; a top-k above the experts is an error."""
+    experts = next((getattr(model_config, key) for key in _EXPERT_COUNT_KEYS
+                    if isinstance(getattr(model_config, key, None), int) and getattr(model_config, key) > 0), None)
+    if experts is None:
+        return None
+    top_k = getattr(model_config, "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: num_experts_per_tok {top_k!r} must be between 1 and the {experts} experts")
+    return ExpertShape(experts, top_k)
+
+
+def check_moe_keys(args) -> None:
+    """Cheap checks of the moe_* keys, before any model config is read."""
+    if args.moe_aux_loss_type is not None and args.moe_aux_loss_type not in AUX_LOSS_TYPES:
+        raise key_error("moe_aux_loss_type", f"moe_aux_loss_type {args.moe_aux_loss_type!r} is not one of "
+                                             f"{', '.join(AUX_LOSS_TYPES)}")
+    implementation = args.moe_experts_implementation
+    if implementation is not None and implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise key_error("moe_experts_implementation", f"moe_experts_implementation {implementation!r} is not one of "
+                                                      f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_update_rate"):
+        value = getattr(args, key)
+        if value is not None and value < 0:
+            raise key_error(key, f"{key} must be >= 0 (0 turns it off), got {value}")

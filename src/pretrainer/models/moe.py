@@ -1,0 +1,200 @@
+"""Mixture-of-Experts routing as the loop sees it: balancing losses, expert bias updates and routing counts.
+
+An HF MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) routes with a router module that
+returns `(router_logits, weights, expert_indices)`; the model names that class for its `router_logits`
+output. `MoeRouting` hooks every router of a model, so it needs no per-family code and works through any
+engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
+
+- balancing losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`) are computed from each router's logits in
+  training forwards and handed to the engine, which adds them to the scaled loss of the same micro-batch;
+  each unit (a sequence, or a micro-batch) carries the weight the loop gives it, so the gradient is that of
+  the mean over the global batch's units, whatever the split over ranks and micro-batches;
+- aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every
+  router's `e_score_correction_bias` moves by the rate towards the mean load, from the step's token counts
+  summed over ranks;
+- routing counts per layer and expert are kept over the logging interval for the metrics.
+
+Forwards of evaluation (eval mode or no grad) and recomputation (activation checkpointing replays a layer
+inside backward, after the engine has taken the micro-batch's losses) are not counted; a recomputation
+still computes the losses (and drops them), since the checkpoint checks that it saves what the forward did.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..config import ConfigError, MoeSettings, key_error
+
+
+class MoeRouting:
+    def __init__(self, model: torch.nn.Module, settings: MoeSettings):
+        self.settings = settings
+        self.experts_implementation = select_experts_implementation(model, settings.experts_implementation)
+        self.routers = find_routers(model)
+        self.sigmoid_scores = [hasattr(router, "e_score_correction_bias") for router in self.routers]
+        if settings.expert_bias_update_rate and not all(self.sigmoid_scores):
+            raise key_error("moe_expert_bias_update_rate", f"{type(self.routers[0]).__name__} has no per-expert "
+                            "routing bias (e_score_correction_bias, as DeepSeek-V3's router) for aux-loss-free "
+                            "balancing to move; use moe_aux_loss_coeff with this model")
+        self._weight: torch.Tensor | float = 0.0  # of one unit's balancing losses in the step's gradient
+        self._rows = 0                            # sequences of the micro-batch being run
+        self._recording = False
+        self._pending: list[torch.Tensor] = []
+        self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
+        self._interval_counts: torch.Tensor | None = None  # the same, over the logging interval
+        self._interval_losses: torch.Tensor | None = None  # [aux sum, z sum, units] over layers and the interval
+        model.register_forward_pre_hook(self._start_forward, with_kwargs=True)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(functools.partial(self._routed, layer))
+
+    @property
+    def layers(self) -> int:
+        return len(self.routers)
+
+    @property
+    def trains_balancing_losses(self) -> bool:
+        return bool(self.settings.aux_loss_coeff or self.settings.z_loss_coeff)
+
+    def begin_step(self, unit_weight: torch.Tensor | float) -> None:
+        """`unit_weight`: the factor of one unit's losses (gradient_average_size / units in the global batch)."""
+        self._weight = unit_weight
+
+    def take_losses(self) -> torch.Tensor | None:
+        """The balancing losses of the forward just run (weighted, to add to its scaled loss); ends recording."""
+        self._recording = False
+        if not self._pending:
+            return None
+        total = torch.stack(self._pending).sum()
+        self._pending = []
+        return total
+
+    # -------------------------------------------------------------- hooks
+    def _start_forward(self, module, args, kwargs) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self._rows = int(input_ids.shape[0]) if input_ids is not None else 1
+        self._recording = module.training and torch.is_grad_enabled()
+        self._pending = []
+
+    def _routed(self, layer: int, module, args, output) -> None:
+        if not (module.training and torch.is_grad_enabled()):  # evaluation
+            return
+        logits, indices = output[0], output[2]
+        experts, top_k = self.settings.shape.experts, self.settings.shape.top_k
+        tokens = logits.shape[0]
+        units = self._rows if self.settings.aux_loss_type == "seq" else 1
+        # A recomputation (activation checkpointing, inside backward) runs the same operations, as the
+        # checkpoint requires, and keeps nothing.
+        s = self.settings
+        with torch.set_grad_enabled(self.trains_balancing_losses):  # else for the metrics only
+            aux, z = balancing_losses(logits.float().reshape(units, tokens // units, experts),
+                                      indices.reshape(units, -1), top_k, self.sigmoid_scores[layer])
+            weighted = (s.aux_loss_coeff * aux.sum() + s.z_loss_coeff * z.sum()) * self._weight
+        if not self._recording:
+            return
+        if self.trains_balancing_losses:
+            self._pending.append(weighted)
+        self._counts(logits.device)[layer] += torch.bincount(indices.reshape(-1), minlength=experts)
+        self._losses(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(),
+                                                      aux.new_tensor(float(units))]).double())
+
+    def _counts(self, device) -> torch.Tensor:
+        if self._step_counts is None:
+            self._step_counts = torch.zeros(self.layers, self.settings.shape.experts, dtype=torch.int64, device=device)
+            self._interval_counts = torch.zeros_like(self._step_counts)
+        return self._step_counts
+
+    def _losses(self, device) -> torch.Tensor:
+        if self._interval_losses is None:
+            self._interval_losses = torch.zeros(3, dtype=torch.float64, device=device)
+        return self._interval_losses
+
+    # --------------------------------------------------- after the step
+    @torch.no_grad()
+    def end_step(self, reduce_sum, applied: bool) -> None:
+        """Move the step's counts into the interval's; with bias updates (and the update applied), step each
+        router's bias from the counts summed over ranks (`reduce_sum`: the engine's all-reduce)."""
+        if self._step_counts is None:
+            return
+        rate = self.settings.expert_bias_update_rate
+        if rate and applied:
+            load = reduce_sum(self._step_counts.double())
+            for router, layer_load in zip(self.routers, load):
+                bias = router.e_score_correction_bias
+                bias += (rate * torch.sign(layer_load.mean() - layer_load)).to(bias.dtype)
+        self._interval_counts += self._step_counts
+        self._step_counts.zero_()
+
+    def interval_row(self, reduce_sum) -> dict:
+        """The routing metrics of the interval since the last call, over all ranks (one all-reduce)."""
+        if self._interval_counts is None:
+            return {}
+        both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_losses]))
+        self._interval_counts.zero_()
+        self._interval_losses.zero_()
+        counts = both[:-3].view(self.layers, -1)
+        aux, z, units = both[-3:].tolist()
+        row = routing_balance(counts)
+        row.update({"moe_aux_loss": aux / max(units, 1.0), "moe_z_loss": z / max(units, 1.0)})
+        return row
+
+
+def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool):
+    """Per unit (the rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k] the experts
+    picked): the load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the
+    load is even, gradient through the probabilities only) and the z-loss mean_t logsumexp(logits)^2
+    (ST-MoE). Sigmoid routers (DeepSeek-V3) take their scores normalised per token as p."""
+    units, tokens, experts = logits.shape
+    if sigmoid_scores:
+        scores = logits.sigmoid()
+        probs = scores / scores.sum(-1, keepdim=True)
+    else:
+        probs = logits.softmax(-1)
+    counts = torch.zeros(units, experts, device=logits.device).scatter_add_(
+        1, chosen, torch.ones(chosen.shape, device=logits.device))
+    aux = experts / (top_k * tokens * tokens) * (counts * probs.sum(1)).sum(-1)
+    z = torch.logsumexp(logits, dim=-1).square().mean(-1)
+    return aux, z
+
+
+def routing_balance(counts: torch.Tensor) -> dict:
+    """`moe_load_imbalance`: the largest over layers of (max / mean tokens per expert), 1.0 when even;
+    `moe_dead_experts`: (layer, expert) pairs that got no token."""
+    routed = counts[counts.sum(-1) > 0]
+    if routed.numel() == 0:
+        return {}
+    imbalance = (routed.max(-1).values / routed.mean(-1)).max()
+    return {"moe_load_imbalance": float(imbalance), "moe_dead_experts": int((routed == 0).sum())}
+
+
+def select_experts_implementation(model: torch.nn.Module, requested: str) -> str:
+    """Set how the model's experts compute (`auto`: transformers' choice, kept); returns the one that runs."""
+    if requested != "auto":
+        try:
+            model.set_experts_implementation(requested)
+        except (ValueError, ImportError, RuntimeError) as exc:
+            raise key_error("moe_experts_implementation", f"{requested} cannot run here: {exc}") from None
+    return str(getattr(model.config, "_experts_implementation", None) or "eager")
+
+
+def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every router of an HF MoE model, in layer order: the class the model records `router_logits` from."""
+    recorder = getattr(model, "_can_record_outputs", None) or {}
+    target = recorder.get("router_logits")
+    router_class = getattr(target, "target_class", None)
+    if router_class is None:
+        raise ConfigError(f"{type(model).__name__} declares experts but names no router module (its "
+                          "_can_record_outputs has no router_logits entry); pretrainer trains the transformers MoE "
+                          "models that do (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...)")
+    routers = [module for module in model.modules() if isinstance(module, router_class)]
+    if not routers:
+        raise ConfigError(f"{type(model).__name__} has no {router_class.__name__} module")
+    return routers
+
+
+def expert_parameters(model: torch.nn.Module, experts: int) -> int:
+    """Parameters of the routed experts (3-D tensors whose first dimension is the experts)."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if ".experts." in name and p.dim() >= 2 and p.shape[0] == experts)
+

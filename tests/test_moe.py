@@ -1,0 +1,252 @@
+"""Mixture-of-Experts models (Mixtral, Qwen3-MoE, DeepSeek-V3 shapes: 8 experts, top-2, fp32): routing counts and
+balancing losses against an outside computation, every data-parallel engine equal to one process (losses,
+gradient norms, routing metrics), exact resume, the export, aux-loss-free balancing, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import fast_config
+from helpers import grad_norms, read_metrics, small_corpus_file, train_losses, write_tiny_model, write_tiny_moe
+from launch import pretrainer, run
+from multi_run import launch_cases
+from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.config import ConfigError, MoeSettings
+from pretrainer.models import MoeRouting
+
+MOE_KEYS = ("moe_load_imbalance", "moe_dead_experts", "moe_aux_loss", "moe_z_loss")
+BALANCED = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+
+
+def moe_rows(save_dir) -> dict[int, dict]:
+    return {r["step"]: {k: r[k] for k in MOE_KEYS} for r in read_metrics(save_dir) if "loss" in r}
+
+
+def assert_same_moe_run(got, expected, rel: float = 1e-5) -> None:
+    want, have = train_losses(expected), train_losses(got)
+    assert sorted(have) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    assert [have[s] for s in want] == pytest.approx([want[s] for s in want], rel=rel)
+    want_norms, have_norms = grad_norms(expected), grad_norms(got)
+    assert [have_norms[s] for s in want_norms] == pytest.approx([want_norms[s] for s in want_norms], rel=1e-4)
+    want_moe, have_moe = moe_rows(expected), moe_rows(got)
+    for step, row in want_moe.items():  # the same tokens went to the same experts; the losses to float precision
+        assert have_moe[step]["moe_dead_experts"] == row["moe_dead_experts"]
+        assert have_moe[step] == pytest.approx(row, rel=1e-5), step
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Tiny MoE models, one process's runs (micro-batch 4) and every 2-rank run (micro-batch 2) in one job."""
+    root = tmp_path_factory.mktemp("moe")
+    corpus = small_corpus_file(root / "docs.jsonl")
+    models = {family: write_tiny_moe(root / family, family) for family in ("mixtral", "qwen3_moe", "deepseek_v3")}
+    base = {**fast_config(models["qwen3_moe"], corpus, root / "unused"), "dp": 2, "eval_interval": 0, **BALANCED}
+    (root / "zero3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    variants = {  # name: (config changes, overrides)
+        "qwen3": ({}, []),
+        "mixtral": ({"model_path": str(models["mixtral"]), "moe_aux_loss_type": "micro_batch"}, []),
+        "deepseek-bias": ({"model_path": str(models["deepseek_v3"]), "moe_expert_bias_update_rate": 0.01}, []),
+    }
+    torch.set_num_threads(1)
+    for name, (changes, _) in variants.items():
+        single = {**base, **changes, "dp": 1, "micro_batch_size": 4, "save_dir": str(root / f"single-{name}")}
+        if name == "mixtral":  # micro_batch balancing: the same micro-batches as the 2 ranks' (2 x 2 x 2 rows)
+            single.update(micro_batch_size=2, gradient_accumulation_steps=4)
+        trainer = PreTrainer(PreTrainingArguments(**single))
+        trainer.train()
+        if name == "qwen3":
+            ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+            trainer.model.eval()
+            with torch.no_grad():
+                torch.save(trainer.model(input_ids=ids).logits, root / "single-qwen3-logits.pt")
+            torch.save(ids, root / "ids.pt")
+        trainer.close()
+    trained = root / "single-qwen3" / "hf"  # HF in: a folder with per-expert weights, on one process and on fsdp
+    from_hf = {"model_path": str(trained), "num_training_steps": 2, "warmup_steps": 1, "export_hf": False,
+               "save_interval": 0}
+    with PreTrainer(PreTrainingArguments(**{**base, **from_hf, "dp": 1, "micro_batch_size": 4,
+                                            "save_dir": str(root / "single-from-hf")})) as trainer:
+        trainer.train()
+    cases = [{"name": "qwen3-fsdp-from-hf", "overrides": ["engine=fsdp"],
+              "config": {**from_hf, "save_dir": str(root / "fsdp-from-hf")}},
+             {"name": "qwen3-ddp", "overrides": ["engine=ddp"], "config": {"save_dir": str(root / "ddp")}},
+             {"name": "qwen3-fsdp", "overrides": ["engine=fsdp"], "config": {"save_dir": str(root / "fsdp")}},
+             {"name": "qwen3-fsdp-recompute", "overrides": ["engine=fsdp", "activation_checkpointing=full"],
+              "config": {"save_dir": str(root / "fsdp-recompute")}},
+             {"name": "qwen3-zero3", "overrides": [f"deepspeed={root}/zero3.json"],
+              "config": {"save_dir": str(root / "zero3")}},
+             {"name": "qwen3-ddp-exit", "overrides": ["engine=ddp", "exit_interval=3"],
+              "config": {"save_dir": str(root / "ddp-resumed")}},
+             {"name": "qwen3-ddp-rerun", "overrides": ["engine=ddp"],
+              "config": {"save_dir": str(root / "ddp-resumed")}},
+             {"name": "mixtral-ddp", "overrides": ["engine=ddp"],
+              "config": {**variants["mixtral"][0], "save_dir": str(root / "mixtral-ddp")}},
+             {"name": "deepseek-bias-exit", "overrides": ["engine=fsdp", "exit_interval=3"],
+              "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-fsdp")}},
+             {"name": "deepseek-bias-rerun", "overrides": ["engine=fsdp"],
+              "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-fsdp")}}]
+    launch_cases(base, cases, 2, root)
+    return root, models
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_routing_counts_and_balancing_losses_equal_a_computation_from_hf_router_logits(tmp_path, family):
+    """One training forward: the hooked counts are the top-k of the router logits transformers returns, and
+    the per-sequence balance loss is transformers' load_balancing_loss_func on each sequence over top_k (ours is
+    1.0 when even, HF's top_k); the z-loss is the mean squared logsumexp."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config_folder = write_tiny_moe(tmp_path / family, family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(json_config(config_folder)).train()
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=2, dp=1, model_path=str(config_folder),
+                                **BALANCED)
+    settings = MoeSettings.of(args, model.config, "config.json")
+    routing = MoeRouting(model, settings)
+    routing.begin_step(1.0)
+    ids = torch.randint(3, 4096, (3, 16), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, output_router_logits=True)
+    added = routing.take_losses()
+    routing.end_step(lambda t: t, applied=True)
+    row = routing.interval_row(lambda t: t)
+
+    layers = [logits.detach() for logits in out.router_logits]
+    assert len(layers) == 2 and routing.layers == 2
+    counts = torch.stack([torch.bincount(logits.softmax(-1).topk(2, dim=-1).indices.flatten(), minlength=8)
+                          for logits in layers]).double()
+    assert row["moe_load_imbalance"] == pytest.approx(float((counts.max(-1).values / counts.mean(-1)).max()))
+    assert row["moe_dead_experts"] == int((counts == 0).sum())
+    aux = [float(load_balancing_loss_func((logits[s * 16:(s + 1) * 16],), 8, 2)) / 2 for logits in layers
+           for s in range(3)]
+    z = [float(torch.logsumexp(logits[s * 16:(s + 1) * 16].float(), -1).square().mean()) for logits in layers
+         for s in range(3)]
+    assert row["moe_aux_loss"] == pytest.approx(sum(aux) / 6, rel=1e-6)
+    assert row["moe_z_loss"] == pytest.approx(sum(z) / 6, rel=1e-6)
+    assert float(added) == pytest.approx(0.01 * sum(aux) + 0.001 * sum(z), rel=1e-6)  # unit weight 1
+
+
+def json_config(folder):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-recompute", "zero3"])
+def test_qwen3_moe_on_two_ranks_matches_one_process(moe, name):
+    """Losses, gradient norms and routing metrics of every engine equal one process's; recomputation
+    (activation checkpointing) replays the routers without counting them twice."""
+    root, _ = moe
+    assert_same_moe_run(root / name, root / "single-qwen3")
+
+
+def test_a_trained_moe_folder_continues_on_fsdp_as_on_one_process(moe):
+    root, _ = moe
+    want, have = train_losses(root / "single-from-hf"), train_losses(root / "fsdp-from-hf")
+    assert sorted(have) == sorted(want) == [1, 2]
+    assert [have[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
+    assert want[1] < train_losses(root / "single-qwen3")[1] - 0.01  # it starts from the trained weights
+
+
+def test_a_stopped_moe_run_resumes_exactly(moe):
+    root, _ = moe
+    events = [(r["event"], r["step"]) for r in read_metrics(root / "ddp-resumed") if "event" in r]
+    assert events == [("start", 0), ("resume", 3)]
+    assert train_losses(root / "ddp-resumed") == train_losses(root / "ddp")
+    assert moe_rows(root / "ddp-resumed") == moe_rows(root / "ddp")
+
+
+def test_mixtral_micro_batch_balancing_matches_one_process_with_the_same_micro_batches(moe):
+    root, _ = moe
+    assert_same_moe_run(root / "mixtral-ddp", root / "single-mixtral")
+
+
+def test_expert_bias_updates_match_one_process_and_resume_with_the_bias(moe):
+    """DeepSeek-V3's aux-loss-free balancing on fsdp, stopped at step 3 and resumed: the bias moves from the
+    counts of both ranks (as one process's), and the checkpoint carries it."""
+    root, _ = moe
+    assert_same_moe_run(root / "deepseek-bias-fsdp", root / "single-deepseek-bias")
+    single = load_file(root / "single-deepseek-bias" / "hf" / "model.safetensors")
+    fsdp = load_file(root / "deepseek-bias-fsdp" / "hf" / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert bias in single and single[bias].abs().max() > 0  # 6 updates of 0.01 moved it
+    torch.testing.assert_close(fsdp[bias], single[bias])
+
+
+def test_the_export_loads_in_transformers_with_the_trained_logits(moe):
+    """The per-expert keys transformers writes for hub checkpoints; from_pretrained gives the loop's logits."""
+    from transformers import AutoModelForCausalLM
+
+    root, _ = moe
+    keys = load_file(root / "fsdp" / "hf" / "model.safetensors").keys()
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in keys
+    model = AutoModelForCausalLM.from_pretrained(root / "single-qwen3" / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.load(root / "ids.pt")).logits
+    torch.testing.assert_close(logits, torch.load(root / "single-qwen3-logits.pt"), rtol=1e-5, atol=1e-5)
+    exported = load_file(root / "fsdp" / "hf" / "model.safetensors")
+    for key, value in load_file(root / "single-qwen3" / "hf" / "model.safetensors").items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_bias_updates_lower_the_load_imbalance_of_a_skewed_router(tmp_path):
+    """A DeepSeek-V3 router whose bias sends nearly every token to experts 0 and 1: after 100 steps, the last
+    interval's imbalance with bias updates is far below the one without."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_moe(tmp_path / "skewed", "deepseek_v3")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(json_config(folder))
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias[:2] = 0.5
+    model.save_pretrained(folder)
+    corpus = small_corpus_file(tmp_path / "docs.jsonl")
+    imbalance = {}
+    for rate in (0.0, 0.01):
+        config = {**fast_config(folder, corpus, tmp_path / f"rate-{rate}"), "num_training_steps": 100,
+                  "micro_batch_size": 4, "gradient_accumulation_steps": 1, "eval_interval": 0, "save_interval": 0,
+                  "export_hf": False, "log_interval": 10, "moe_aux_loss_coeff": 0.0,
+                  "moe_expert_bias_update_rate": rate}
+        trainer = PreTrainer(PreTrainingArguments(**config))
+        trainer.train()
+        trainer.close()
+        imbalance[rate] = [r["moe_load_imbalance"] for r in read_metrics(tmp_path / f"rate-{rate}") if "loss" in r]
+    print("moe_load_imbalance per interval of 10 steps:", imbalance)
+    assert imbalance[0.0][0] > 3.5  # 8 experts, top-2: 4.0 when every token picks experts 0 and 1
+    assert imbalance[0.01][-1] < 2.0 < imbalance[0.0][-1]
+
+
+def test_bad_moe_input_is_one_line_with_exit_2(tmp_path):
+    """A moe_* key on a dense model, bias updates for a router without a bias, an engine that does not train
+    experts, a top-k above the experts: one line naming the key or file (exit 2 from the command line)."""
+    corpus = small_corpus_file(tmp_path / "docs.jsonl")
+    dense = fast_config(write_tiny_model(tmp_path / "dense"), corpus, tmp_path / "run")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dense))
+    qwen = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
+    for overrides, message in {
+        ("moe_aux_loss_coeff=0.01",): "moe_aux_loss_coeff is set but",
+        (f"model_path={qwen}", "engine=megatron"): "describes a Mixture-of-Experts model, which engine megatron "
+                                                   "does not train",
+    }.items():
+        done = run(pretrainer("train", path, *overrides))
+        assert done.returncode == 2 and message in done.stderr, (overrides, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+    too_many = write_tiny_moe(tmp_path / "topk", "qwen3_moe", num_experts_per_tok=9)
+    with pytest.raises(ConfigError, match="num_experts_per_tok 9 must be between 1 and the 8 experts"):
+        PreTrainer(PreTrainingArguments(**{**dense, "model_path": str(too_many)}))
+    with pytest.raises(ConfigError, match="Qwen3MoeTopKRouter has no per-expert routing bias"):
+        PreTrainer(PreTrainingArguments(**{**dense, "model_path": str(qwen), "moe_expert_bias_update_rate": 0.01}))
+
+
+def test_key_checks_refuse_bad_values_before_any_model_is_read():
+    base = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1}
+    with pytest.raises(ConfigError, match="moe_aux_loss_type 'global' is not one of seq, micro_batch"):
+        PreTrainingArguments(**base, moe_aux_loss_type="global")
+    with pytest.raises(ConfigError, match="moe_z_loss_coeff must be >= 0"):
+        PreTrainingArguments(**base, moe_z_loss_coeff=-1.0)
