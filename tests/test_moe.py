@@ -211,7 +211,7 @@ def test_expert_bias_updates_lower_the_load_imbalance_of_a_skewed_router(tmp_pat
         config = {**fast_config(folder, corpus, tmp_path / f"rate-{rate}"), "num_training_steps": 100,
                   "micro_batch_size": 4, "gradient_accumulation_steps": 1, "eval_interval": 0, "save_interval": 0,
                   "export_hf": False, "log_interval": 10, "moe_aux_loss_coeff": 0.0,
-                  "moe_expert_bias_update_rate": rate}
+                  "moe_expert_bias_update_rate": rate, "write_report": bool(rate)}
         trainer = PreTrainer(PreTrainingArguments(**config))
         trainer.train()
         trainer.close()
@@ -219,6 +219,9 @@ def test_expert_bias_updates_lower_the_load_imbalance_of_a_skewed_router(tmp_pat
     print("moe_load_imbalance per interval of 10 steps:", imbalance)
     assert imbalance[0.0][0] > 3.5  # 8 experts, top-2: 4.0 when every token picks experts 0 and 1
     assert imbalance[0.01][-1] < 2.0 < imbalance[0.0][-1]
+    report = tmp_path / "rate-0.01" / "report"  # the routing charts: one heatmap column per logged step
+    assert {"moe_imbalance.svg", "moe_dead_experts.svg", "moe_layers.svg"} <= {p.name for p in report.iterdir()}
+    assert (report / "moe_layers.svg").read_text().count("<rect x=") == 10 + 1  # 10 rows x 1 MoE layer + frame
 
 
 def test_bad_moe_input_is_one_line_with_exit_2(tmp_path):

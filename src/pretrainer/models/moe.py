@@ -160,12 +160,13 @@ def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sig
 
 def routing_balance(counts: torch.Tensor) -> dict:
     """`moe_load_imbalance`: the largest over layers of (max / mean tokens per expert), 1.0 when even;
-    `moe_dead_experts`: (layer, expert) pairs that got no token."""
+    `moe_dead_experts`: (layer, expert) pairs that got no token; `moe_layer_imbalance`: each layer's ratio."""
     routed = counts[counts.sum(-1) > 0]
     if routed.numel() == 0:
         return {}
-    imbalance = (routed.max(-1).values / routed.mean(-1)).max()
-    return {"moe_load_imbalance": float(imbalance), "moe_dead_experts": int((routed == 0).sum())}
+    per_layer = routed.max(-1).values / routed.mean(-1)
+    return {"moe_load_imbalance": float(per_layer.max()), "moe_dead_experts": int((routed == 0).sum()),
+            "moe_layer_imbalance": [round(float(v), 4) for v in per_layer]}
 
 
 def select_experts_implementation(model: torch.nn.Module, requested: str) -> str:

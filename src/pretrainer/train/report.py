@@ -2,10 +2,10 @@
 
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
-learning rate, tokens/s, MFU and peak memory over steps, and each downstream task's accuracy against the
-tokens trained on; a table gives the config, engine, hardware and final figures. The plots are SVG drawn
-by `svg_plot` (no plotting library to import: the report is written in milliseconds at the end of every
-run).
+learning rate, tokens/s, MFU and peak memory over steps, each downstream task's accuracy against the
+tokens trained on, and a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer
+heatmap); a table gives the config, engine, hardware and final figures. The plots are SVG drawn by
+`svg_plot` (no plotting library to import: the report is written in milliseconds at the end of every run).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from .svg_plot import line_chart
+from .svg_plot import heatmap, line_chart
 
 # (file name, title, y label, [(row key, legend, row filter)])
 PLOTS = (
@@ -58,7 +58,7 @@ def write_report(save_dir: str | Path) -> Path:
                 lines.append((legend, points))
         charts.append((name, line_chart(title, ylabel, lines)))
     tasks = downstream_rows(rows)
-    charts += downstream_charts(tasks, train)
+    charts += downstream_charts(tasks, train) + moe_charts(train)
     for name, chart in charts:
         (out / name).write_text(chart, encoding="utf-8")
     page = out / "report.html"
@@ -88,6 +88,20 @@ def downstream_charts(tasks: dict[str, list[dict]], train: list[dict]) -> list[t
         name = "downstream_" + re.sub(r"[^A-Za-z0-9_.-]", "_", task) + ".svg"
         charts.append((name, line_chart(f"Downstream: {task}", "accuracy (%)", lines, xlabel="tokens trained on")))
     return charts
+
+
+def moe_charts(train: list[dict]) -> list[tuple[str, str]]:
+    """A Mixture-of-Experts run's routing: the imbalance and dead experts over steps, and a heatmap of each
+    layer's imbalance (busiest expert / mean) over steps."""
+    routed = [r for r in train if "moe_load_imbalance" in r]
+    if not routed:
+        return []
+    lines = [("max over layers", [(r["step"], r["moe_load_imbalance"]) for r in routed])]
+    dead = [("dead (layer, expert) pairs", [(r["step"], r["moe_dead_experts"]) for r in routed])]
+    layers = [(r["step"], r["moe_layer_imbalance"]) for r in routed if r.get("moe_layer_imbalance")]
+    return [("moe_imbalance.svg", line_chart("Expert load imbalance", "busiest expert / mean", lines)),
+            ("moe_dead_experts.svg", line_chart("Experts that got no token", "count", dead)),
+            ("moe_layers.svg", heatmap("Load imbalance per MoE layer", "MoE layer", layers))]
 
 
 def latest_per_step(rows: list[dict]) -> list[dict]:

@@ -1,7 +1,8 @@
-"""Line charts as SVG text: what the run report needs, without a plotting library.
+"""Line charts and heatmaps as SVG text: what the run report needs, without a plotting library.
 
 A chart is a title, an axis label and one or more series of (step, value) points; the axes get
-"nice" ticks (1, 2 or 5 times a power of ten), non-finite values are left out.
+"nice" ticks (1, 2 or 5 times a power of ten), non-finite values are left out. A heatmap is columns of
+values (one per step), shaded by value.
 """
 
 from __future__ import annotations
@@ -78,4 +79,39 @@ def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float
                          f'stroke="{colour}" stroke-width="2"/><text x="{LEFT + plot_w - 45}" y="{top}">'
                          f'{escape(name)}</text>')
     parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def heatmap(title: str, ylabel: str, columns: list[tuple[float, list[float]]], xlabel: str = "step",
+            low: float = 1.0) -> str:
+    """An SVG document: one column of cells per (x, values) (row i = values[i], row 0 at the top), shaded
+    from white at `low` to dark red at the largest value; the scale's ends are written beside the title."""
+    columns = [(x, values) for x, values in columns if values]
+    rows = max((len(values) for _, values in columns), default=0)
+    finite = [v for _, values in columns for v in values if math.isfinite(v)]
+    high = max(finite, default=low)
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+             f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
+             f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+             f'<text x="{LEFT + plot_w / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)} '
+             f'(white {tick_label(low)}, dark {tick_label(high)})</text>']
+    if columns and rows:
+        cell_w, cell_h = plot_w / len(columns), plot_h / rows
+        for index, (_, values) in enumerate(columns):
+            for row, value in enumerate(values):
+                share = 0.0 if not math.isfinite(value) or high <= low else min(max((value - low) / (high - low), 0), 1)
+                shade = f"rgb({255 - round(116 * share)},{255 - round(255 * share)},{255 - round(255 * share)})"
+                parts.append(f'<rect x="{LEFT + index * cell_w:.1f}" y="{TOP + row * cell_h:.1f}" '
+                             f'width="{cell_w + 0.5:.1f}" height="{cell_h + 0.5:.1f}" fill="{shade}"/>')
+        for index in sorted({0, len(columns) // 2, len(columns) - 1}):
+            parts.append(f'<text x="{LEFT + (index + 0.5) * cell_w:.1f}" y="{TOP + plot_h + 15}" '
+                         f'text-anchor="middle">{tick_label(columns[index][0])}</text>')
+        for row in sorted({0, rows - 1}):
+            parts.append(f'<text x="{LEFT - 5}" y="{TOP + (row + 0.5) * cell_h + 4:.1f}" '
+                         f'text-anchor="end">{row}</text>')
+    parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>'
+                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">{escape(xlabel)}</text>'
+                 f'<text transform="translate(14 {TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">'
+                 f'{escape(ylabel)}</text></svg>')
     return "\n".join(parts)
