@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from helpers import CORPUS, QUICKSTART_MODEL, eval_losses, read_metrics, train_losses
-from launch import BIN, REPO, pretrainer, run, run_ok, torchrun
+from launch import BIN, REPO, cli_in_process, pretrainer, run, run_ok, torchrun
 
 
 def write_config(path: Path, config: dict) -> Path:
@@ -98,7 +98,7 @@ def assert_report_renders(report, shot) -> None:
     assert blue > 500 and orange > 50, (blue, orange)
 
 
-def test_output_folders_that_cannot_be_written_are_one_line_errors(base_config, tmp_path):
+def test_output_folders_that_cannot_be_written_are_one_line_errors(base_config, tmp_path, capsys):
     from pretrainer import PreTrainer, PreTrainingArguments
 
     save_dir = tmp_path / "run"
@@ -107,20 +107,19 @@ def test_output_folders_that_cannot_be_written_are_one_line_errors(base_config, 
     config = write_config(tmp_path / "c.yaml", base_config)
     (save_dir / "report").write_text("a file where the report folder goes")
     for command, message in [
-            (pretrainer("export", config, "--output", "/proc/nope/hf"), "--output: /proc/nope cannot be created"),
-            (pretrainer("report", save_dir), f"SAVE_DIR: {save_dir / 'report'} cannot be created or written"),
-            (pretrainer("prepare", "--input", CORPUS, "--tokenizer", QUICKSTART_MODEL, "--output-prefix",
-                        "/proc/nope/docs"), "--output-prefix: /proc/nope cannot be created")]:
-        done = run(command)
-        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
-        assert message in done.stderr
+            (("export", config, "--output", "/proc/nope/hf"), "--output: /proc/nope cannot be created"),
+            (("report", save_dir), f"SAVE_DIR: {save_dir / 'report'} cannot be created or written"),
+            (("prepare", "--input", CORPUS, "--tokenizer", QUICKSTART_MODEL, "--output-prefix", "/proc/nope/docs"),
+             "--output-prefix: /proc/nope cannot be created")]:
+        code, stderr = cli_in_process(capsys, *command)
+        assert code == 2 and "Traceback" not in stderr and message in stderr, stderr[-2000:]
 
 
-def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path):
+def test_export_of_a_missing_checkpoint_is_a_clear_error(base_config, tmp_path, capsys):
     config = write_config(tmp_path / "c.yaml", base_config)
-    done = run(pretrainer("export", config, "--checkpoint", tmp_path / "nowhere"))
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "is not a complete checkpoint folder" in done.stderr
+    code, stderr = cli_in_process(capsys, "export", config, "--checkpoint", tmp_path / "nowhere")
+    assert code == 2 and "Traceback" not in stderr
+    assert "is not a complete checkpoint folder" in stderr
 
 
 # `main` stand-ins for the console entry: a thread pool left running (torch.compile leaves one), a

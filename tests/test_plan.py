@@ -33,7 +33,17 @@ def layout_of(engine: str, world: int, per_node: int, micro: int, accumulation: 
                   settings=settings, sequence_parallel=sequence_parallel, pipeline_schedule=schedule, **fields)
 
 def plan_json(*args) -> dict:
-    return json.loads(run_ok(pretrainer("plan", *args, "--json")).stdout)
+    """`pretrainer plan ARGS --json`, run by the command's `main` in this process."""
+    import contextlib
+    import io
+
+    from pretrainer.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", *(str(a) for a in args), "--json"])
+    assert code == 0, out.getvalue()[-2000:]
+    return json.loads(out.getvalue())
 
 
 def test_the_probe_counts_what_a_real_forward_saves_for_backward():
@@ -189,12 +199,12 @@ def test_plan_gives_the_same_errors_as_train(base_config, tmp_path, capsys, over
     assert "Traceback" not in plan
 
 
-def test_plan_for_a_named_device_and_sizes(base_config, tmp_path):
+def test_plan_for_a_named_device_and_sizes(base_config, tmp_path, capsys):
     config = write_config(tmp_path / "c.yaml", base_config)
-    done = run(pretrainer("plan", config, "--device", "TPU-9000"))
-    assert done.returncode == 2 and "--device 'TPU-9000': not a device this planner knows" in done.stderr
-    done = run(pretrainer("plan", config, "--device", "cpu", "--device-memory", "lots"))
-    assert done.returncode == 2 and "--device-memory 'lots': give a size such as 80GB" in done.stderr
+    code, stderr = cli_in_process(capsys, "plan", config, "--device", "TPU-9000")
+    assert code == 2 and "--device 'TPU-9000': not a device this planner knows" in stderr
+    code, stderr = cli_in_process(capsys, "plan", config, "--device", "cpu", "--device-memory", "lots")
+    assert code == 2 and "--device-memory 'lots': give a size such as 80GB" in stderr
     small = plan_json(config, "--device", "cpu", "--device-memory", "300MB")
     assert small["device_memory_bytes"] == 300 * 2**20 and not small["fits"]
     assert BIN.exists()
@@ -217,12 +227,12 @@ def test_bad_plan_arguments_are_one_line_errors(base_config, tmp_path, capsys, a
     assert "Traceback" not in stderr
 
 
-def test_overrides_may_follow_the_options(base_config, tmp_path):
+def test_overrides_may_follow_the_options(base_config, tmp_path, capsys):
     config = write_config(tmp_path / "c.yaml", base_config)
     plan = plan_json(config, "--world-size", "2", "engine=fsdp", "micro_batch_size=1")
     assert plan["layout"][:3] == ["engine=fsdp", "dp=2", "micro_batch_size=1"]
-    done = run(pretrainer("train", config, "device_memory=lots"))  # train reads the key at load too
-    assert done.returncode == 2 and "c.yaml: key 'device_memory': device_memory 'lots'" in done.stderr
+    code, stderr = cli_in_process(capsys, "train", config, "device_memory=lots")  # train reads it at load too
+    assert code == 2 and "c.yaml: key 'device_memory': device_memory 'lots'" in stderr
 
 
 def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_formula(monkeypatch, caplog):
