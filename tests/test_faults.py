@@ -228,6 +228,12 @@ def two_rank_reference(tmp_path_factory):
     return config, root
 
 
+ABORTED = ("SIGABRT", "Signal 6", "terminate called", "Fatal Python error", "core dumped")
+# How a rank of a failed job may end: killed (the fault itself), its collective failing (`pretrainer train`'s
+# exit code 5), or stopped by torchrun's SIGTERM once another rank has died.
+FAILED_RANK_CODES = {-9, 5, -15}
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_sample(two_rank_reference, tmp_path,
                                                                                      fault):
@@ -236,7 +242,10 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
     trains on exactly the samples of an uninterrupted run."""
     config, root = two_rank_reference
     failed = fault_run(config, tmp_path / "faulty", tmp_path / "faulty-record", "--fault", fault, "--step", "5")
-    assert failed.returncode != 0
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and not any(sign in output for sign in ABORTED), output[-4000:]
+    codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output)}
+    assert codes and codes <= FAILED_RANK_CODES, output[-4000:]  # every rank ends with a documented code
     if fault == "hang":  # the waiting rank names itself and the step (its collective then fails, or the job ends)
         assert "rank 0: step 5 has run for 14 s, 90% of distributed_timeout_minutes" in failed.stdout + failed.stderr
     assert sorted(p.name for p in (tmp_path / "faulty" / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
@@ -247,12 +256,6 @@ def test_a_rank_killed_or_hung_mid_step_then_a_restart_loses_and_repeats_no_samp
         got = trained_samples(tmp_path / "faulty-record" / f"rank{rank}.jsonl")
         assert sorted(got) == list(range(1, 9)) and got == want
     assert train_losses(tmp_path / "faulty") == train_losses(root / "straight")
-
-
-ABORTED = ("SIGABRT", "Signal 6", "terminate called", "Fatal Python error", "core dumped")
-# How a rank of a failed job may end: killed (the fault itself), its collective failing (`pretrainer train`'s
-# exit code 5), or stopped by torchrun's SIGTERM once another rank has died.
-FAILED_RANK_CODES = {-9, 5, -15}
 
 
 @pytest.mark.parametrize("at", ["save", "teardown"])
