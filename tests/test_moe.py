@@ -49,7 +49,8 @@ def moe(tmp_path_factory):
     (root / "zero3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     variants = {  # name: (config changes, overrides)
         "qwen3": ({}, []),
-        "mixtral": ({"model_path": str(models["mixtral"]), "moe_aux_loss_type": "micro_batch"}, []),
+        "mixtral": ({"model_path": str(models["mixtral"]), "moe_aux_loss_type": "micro_batch",
+                     "moe_capacity_factor": 1.0, "moe_token_drop_policy": "position"}, []),
         "deepseek-bias": ({"model_path": str(models["deepseek_v3"]), "moe_expert_bias_update_rate": 0.01}, []),
     }
     torch.set_num_threads(1)
@@ -131,6 +132,52 @@ def test_routing_counts_and_balancing_losses_equal_a_computation_from_hf_router_
     assert float(added) == pytest.approx(0.01 * sum(aux) + 0.001 * sum(z), rel=1e-6)  # unit weight 1
 
 
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_a_capacity_factor_drops_what_a_count_outside_the_model_says(tmp_path, policy):
+    """Capacity 1.0 of 3 x 16 tokens, top-2 of 8: each expert takes 12 assignments per micro-batch. The dropped
+    fraction equals the overflow counted from transformers' router logits, the kept assignments are the first
+    12 of each expert in the policy's order (a plain loop), and the logits change; a capacity of E / k drops
+    nothing and leaves the logits as dropless."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from pretrainer.models.moe import capacity_mask
+
+    folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
+    ids = torch.randint(3, 4096, (3, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for factor in (None, 1.0, 4.0):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(json_config(folder)).train()
+        args = PreTrainingArguments(num_training_steps=1, micro_batch_size=3, dp=1, moe_capacity_factor=factor,
+                                    moe_token_drop_policy=policy if factor else None)
+        routing = MoeRouting(model, MoeSettings.of(args, model.config, "config.json"))
+        routing.begin_step(1.0)
+        out = model(input_ids=ids, output_router_logits=True)
+        routing.take_losses()
+        routing.end_step(lambda t: t, applied=True)
+        results[factor] = out.logits.detach(), routing.interval_row(lambda t: t), out.router_logits
+    _, row, router_logits = results[1.0]
+    overflow = 0
+    for logits in router_logits:
+        weights, chosen = logits.detach().softmax(-1).topk(2, dim=-1)
+        counts = torch.bincount(chosen.flatten(), minlength=8)
+        overflow += int((counts - 12).clamp(min=0).sum())
+        order = sorted(range(96), key=lambda a: -float(weights.flatten()[a])) if policy == "probs" else range(96)
+        taken, expected = [0] * 8, torch.zeros(96, dtype=torch.bool)
+        for a in order:
+            expert = int(chosen.flatten()[a])
+            expected[a] = taken[expert] < 12
+            taken[expert] += 1
+        assert torch.equal(capacity_mask(weights, chosen, 8, 1.0, policy).flatten(), expected)
+    assert overflow > 0 and row["moe_dropped_fraction"] == pytest.approx(overflow / (2 * 96))
+    assert not torch.allclose(results[1.0][0], results[None][0])
+    assert results[4.0][1]["moe_dropped_fraction"] == 0
+    torch.testing.assert_close(results[4.0][0], results[None][0], rtol=0, atol=0)
+    assert "moe_dropped_fraction" not in results[None][1] and math.isfinite(row["moe_load_imbalance"])
+
+
 def json_config(folder):
     from transformers import AutoConfig
 
@@ -161,9 +208,15 @@ def test_a_stopped_moe_run_resumes_exactly(moe):
     assert moe_rows(root / "ddp-resumed") == moe_rows(root / "ddp")
 
 
-def test_mixtral_micro_batch_balancing_matches_one_process_with_the_same_micro_batches(moe):
+def test_mixtral_micro_batch_balancing_and_capacity_match_one_process_with_the_same_micro_batches(moe):
+    """Per-micro-batch balancing and a capacity of 1.0 (drops by position) depend on which sequences share a
+    micro-batch; with the same micro-batches, 2 ddp ranks drop and train as one process."""
     root, _ = moe
     assert_same_moe_run(root / "mixtral-ddp", root / "single-mixtral")
+    dropped = {r["step"]: r["moe_dropped_fraction"] for r in read_metrics(root / "single-mixtral") if "loss" in r}
+    assert min(dropped.values()) > 0
+    assert {r["step"]: r["moe_dropped_fraction"] for r in read_metrics(root / "mixtral-ddp") if "loss" in r} == \
+        pytest.approx(dropped, rel=1e-6)
 
 
 def test_expert_bias_updates_match_one_process_and_resume_with_the_bias(moe):
@@ -251,3 +304,9 @@ def test_key_checks_refuse_bad_values_before_any_model_is_read():
         PreTrainingArguments(**base, moe_aux_loss_type="global")
     with pytest.raises(ConfigError, match="moe_z_loss_coeff must be >= 0"):
         PreTrainingArguments(**base, moe_z_loss_coeff=-1.0)
+    with pytest.raises(ConfigError, match="moe_capacity_factor must be > 0"):
+        PreTrainingArguments(**base, moe_capacity_factor=0.0)
+    with pytest.raises(ConfigError, match="moe_token_drop_policy needs moe_capacity_factor"):
+        PreTrainingArguments(**base, moe_token_drop_policy="position")
+    with pytest.raises(ConfigError, match="moe_experts_implementation 'fast' is not one of auto, eager"):
+        PreTrainingArguments(**base, moe_experts_implementation="fast")

@@ -105,6 +105,8 @@ class PreTrainingArguments:
     moe_z_loss_coeff: float | None = None            # router z-loss weight; null: 0 (off)
     moe_expert_bias_update_rate: float | None = None  # aux-loss-free balancing step; null: 0 (off)
     moe_experts_implementation: str | None = None    # auto (default) | eager | batched_mm | grouped_mm
+    moe_capacity_factor: float | None = None         # null: dropless
+    moe_token_drop_policy: str | None = None         # probs (default) | position
 
     # --- optimisation ---
     lr: float = 3e-4

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from .errors import ConfigError, key_error
 
 MOE_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_type", "moe_z_loss_coeff", "moe_expert_bias_update_rate",
-            "moe_experts_implementation")
+            "moe_experts_implementation", "moe_capacity_factor", "moe_token_drop_policy")
+# which of an over-full expert's tokens are dropped: the lowest routing weights (probs) or the last in the
+# micro-batch (position)
+DROP_POLICIES = ("probs", "position")
 # how the local experts compute (transformers' experts interface): auto = transformers' choice (grouped_mm where
 # torch dispatches it, else eager); eager = one matmul pair per expert hit; batched_mm; grouped_mm
 EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "batched_mm", "grouped_mm")
@@ -38,6 +41,8 @@ class MoeSettings:
     z_loss_coeff: float         # router z-loss weight (ST-MoE); 0: off
     expert_bias_update_rate: float  # aux-loss-free balancing: the per-expert bias step per optimizer step; 0: off
     experts_implementation: str = "auto"  # EXPERTS_IMPLEMENTATIONS
+    capacity_factor: float | None = None  # tokens an expert takes per micro-batch, over an even share; None: dropless
+    drop_policy: str = "probs"            # DROP_POLICIES
 
     @staticmethod
     def of(args, model_config, where: str) -> "MoeSettings | None":
@@ -53,7 +58,8 @@ class MoeSettings:
         if coeff is None:
             coeff = float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
         return MoeSettings(shape, coeff, args.moe_aux_loss_type or "seq", args.moe_z_loss_coeff or 0.0,
-                           args.moe_expert_bias_update_rate or 0.0, args.moe_experts_implementation or "auto")
+                           args.moe_expert_bias_update_rate or 0.0, args.moe_experts_implementation or "auto",
+                           args.moe_capacity_factor, args.moe_token_drop_policy or "probs")
 
     def describe(self) -> str:
         parts = [f"{self.shape.experts} experts, top-{self.shape.top_k}",
@@ -62,6 +68,8 @@ class MoeSettings:
             parts.append(f"z-loss {self.z_loss_coeff:g}")
         if self.expert_bias_update_rate:
             parts.append(f"expert bias update rate {self.expert_bias_update_rate:g}")
+        parts.append(f"capacity factor {self.capacity_factor:g} (drops by {self.drop_policy})"
+                     if self.capacity_factor is not None else "dropless")
         return ", ".join(parts)
 
 
@@ -82,6 +90,15 @@ def check_moe_keys(args) -> None:
     if args.moe_aux_loss_type is not None and args.moe_aux_loss_type not in AUX_LOSS_TYPES:
         raise key_error("moe_aux_loss_type", f"moe_aux_loss_type {args.moe_aux_loss_type!r} is not one of "
                                              f"{', '.join(AUX_LOSS_TYPES)}")
+    if args.moe_capacity_factor is not None and args.moe_capacity_factor <= 0:
+        raise key_error("moe_capacity_factor", f"moe_capacity_factor must be > 0 (1.0: an even share of the tokens "
+                                               f"per expert; null: dropless), got {args.moe_capacity_factor}")
+    if args.moe_token_drop_policy is not None and args.moe_token_drop_policy not in DROP_POLICIES:
+        raise key_error("moe_token_drop_policy", f"moe_token_drop_policy {args.moe_token_drop_policy!r} is not one "
+                                                 f"of {', '.join(DROP_POLICIES)}")
+    if args.moe_token_drop_policy is not None and args.moe_capacity_factor is None:
+        raise key_error("moe_token_drop_policy", "moe_token_drop_policy needs moe_capacity_factor (without it "
+                                                 "no token is dropped)")
     implementation = args.moe_experts_implementation
     if implementation is not None and implementation not in EXPERTS_IMPLEMENTATIONS:
         raise key_error("moe_experts_implementation", f"moe_experts_implementation {implementation!r} is not one of "

@@ -12,6 +12,8 @@ engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
 - aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every
   router's `e_score_correction_bias` moves by the rate towards the mean load, from the step's token counts
   summed over ranks;
+- with `moe_capacity_factor`, an expert takes at most its capacity of a micro-batch's assignments; the
+  rest get weight 0 (dropped: the token's residual stream passes that expert by) in training forwards;
 - routing counts per layer and expert are kept over the logging interval for the metrics.
 
 Forwards of evaluation (eval mode or no grad) and recomputation (activation checkpointing replays a layer
@@ -22,6 +24,7 @@ still computes the losses (and drops them), since the checkpoint checks that it 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -44,7 +47,8 @@ class MoeRouting:
         self._pending: list[torch.Tensor] = []
         self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
         self._interval_counts: torch.Tensor | None = None  # the same, over the logging interval
-        self._interval_losses: torch.Tensor | None = None  # [aux sum, z sum, units] over layers and the interval
+        # [aux sum, z sum, units, dropped, routed] over layers and the interval
+        self._interval_sums: torch.Tensor | None = None
         model.register_forward_pre_hook(self._start_forward, with_kwargs=True)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._routed, layer))
@@ -77,10 +81,10 @@ class MoeRouting:
         self._recording = module.training and torch.is_grad_enabled()
         self._pending = []
 
-    def _routed(self, layer: int, module, args, output) -> None:
-        if not (module.training and torch.is_grad_enabled()):  # evaluation
-            return
-        logits, indices = output[0], output[2]
+    def _routed(self, layer: int, module, args, output):
+        if not (module.training and torch.is_grad_enabled()):  # evaluation (dropless, as the exported model)
+            return None
+        logits, weights, indices = output[0], output[1], output[2]
         experts, top_k = self.settings.shape.experts, self.settings.shape.top_k
         tokens = logits.shape[0]
         units = self._rows if self.settings.aux_loss_type == "seq" else 1
@@ -91,13 +95,25 @@ class MoeRouting:
             aux, z = balancing_losses(logits.float().reshape(units, tokens // units, experts),
                                       indices.reshape(units, -1), top_k, self.sigmoid_scores[layer])
             weighted = (s.aux_loss_coeff * aux.sum() + s.z_loss_coeff * z.sum()) * self._weight
+        kept = None
+        if s.capacity_factor is not None:  # an expert over capacity drops tokens: their weight becomes 0
+            per_expert = weights.shape[-1] == experts != top_k  # weights over all experts (GPT-OSS), not per slot
+            chosen = indices.reshape(-1, top_k)
+            slot_weights = weights.gather(-1, chosen) if per_expert else weights.reshape(-1, top_k)
+            kept = capacity_mask(slot_weights, chosen, experts, s.capacity_factor, s.drop_policy)
+            mask = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, chosen, kept) if per_expert \
+                else kept.view(weights.shape)
+            output = (output[0], weights * mask.to(weights.dtype), *output[2:])
         if not self._recording:
-            return
+            return output if kept is not None else None
         if self.trains_balancing_losses:
             self._pending.append(weighted)
         self._counts(logits.device)[layer] += torch.bincount(indices.reshape(-1), minlength=experts)
-        self._losses(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(),
-                                                      aux.new_tensor(float(units))]).double())
+        routed = aux.new_tensor(float(indices.numel()))
+        dropped = routed - kept.sum() if kept is not None else routed * 0  # device tensors: no sync here
+        self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(),
+                                                    aux.new_tensor(float(units)), dropped, routed]).double())
+        return output if kept is not None else None
 
     def _counts(self, device) -> torch.Tensor:
         if self._step_counts is None:
@@ -105,10 +121,10 @@ class MoeRouting:
             self._interval_counts = torch.zeros_like(self._step_counts)
         return self._step_counts
 
-    def _losses(self, device) -> torch.Tensor:
-        if self._interval_losses is None:
-            self._interval_losses = torch.zeros(3, dtype=torch.float64, device=device)
-        return self._interval_losses
+    def _sums(self, device) -> torch.Tensor:
+        if self._interval_sums is None:
+            self._interval_sums = torch.zeros(5, dtype=torch.float64, device=device)
+        return self._interval_sums
 
     # --------------------------------------------------- after the step
     @torch.no_grad()
@@ -130,13 +146,15 @@ class MoeRouting:
         """The routing metrics of the interval since the last call, over all ranks (one all-reduce)."""
         if self._interval_counts is None:
             return {}
-        both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_losses]))
+        both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_sums]))
         self._interval_counts.zero_()
-        self._interval_losses.zero_()
-        counts = both[:-3].view(self.layers, -1)
-        aux, z, units = both[-3:].tolist()
+        self._interval_sums.zero_()
+        counts = both[:-5].view(self.layers, -1)
+        aux, z, units, dropped, routed = both[-5:].tolist()
         row = routing_balance(counts)
         row.update({"moe_aux_loss": aux / max(units, 1.0), "moe_z_loss": z / max(units, 1.0)})
+        if self.settings.capacity_factor is not None:
+            row["moe_dropped_fraction"] = dropped / max(routed, 1.0)
         return row
 
 
@@ -156,6 +174,22 @@ def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sig
     aux = experts / (top_k * tokens * tokens) * (counts * probs.sum(1)).sum(-1)
     z = torch.logsumexp(logits, dim=-1).square().mean(-1)
     return aux, z
+
+
+def capacity_mask(weights: torch.Tensor, indices: torch.Tensor, experts: int, factor: float,
+                  policy: str) -> torch.Tensor:
+    """Which of the (token, slot) assignments [tokens, top_k] an expert takes: at most ceil(factor * tokens *
+    top_k / experts) each, the highest weights first (`probs`) or the earliest tokens (`position`)."""
+    tokens, top_k = indices.shape
+    capacity = math.ceil(factor * tokens * top_k / experts)
+    flat = indices.reshape(-1)
+    order = torch.argsort(-weights.detach().reshape(-1).float(), stable=True) if policy == "probs" \
+        else torch.arange(flat.numel(), device=flat.device)
+    chosen = torch.nn.functional.one_hot(flat[order], experts)
+    place = (chosen.cumsum(0) * chosen).sum(-1) - 1  # each assignment's place in its expert's queue
+    kept = torch.empty_like(flat, dtype=torch.bool)
+    kept[order] = place < capacity
+    return kept.view(tokens, top_k)
 
 
 def routing_balance(counts: torch.Tensor) -> dict:
