@@ -340,6 +340,26 @@ def test_the_plan_counts_the_flops_the_run_counts(tied):
     assert model_shape(config).flops(64).per_token == flops_per_token(model, 64).per_token
 
 
+def test_an_moe_model_is_planned_on_its_active_parameters_as_the_run_counts_them(tmp_path):
+    """DeepSeek-V3-shaped (a dense first layer, a shared expert): the plan counts every layer's own parameters
+    and FLOPs on the active ones, as the run's banner; DeepSeek-V3's published size is 671B, 37B active."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
+
+    from helpers import write_tiny_moe
+    from pretrainer.models import expert_parameters
+    from pretrainer.perf.flops import flops_per_token
+    from pretrainer.plan import model_shape
+
+    config = AutoConfig.from_pretrained(write_tiny_moe(tmp_path / "deepseek", "deepseek_v3"))
+    model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(config)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    run = flops_per_token(model, 64, expert_parameters(model, 8), 2 / 8)
+    assert shape.flops(64).per_token == run.per_token and run.idle_expert_parameters > 0
+    full = model_shape(DeepseekV3Config())
+    assert round(full.parameters / 1e9) == 671 and 37 <= (full.parameters - full.idle_expert_parameters) / 1e9 < 38
+
+
 def test_pipeline_stages_are_estimated_apart_and_the_higher_peak_is_the_plan():
     import dataclasses
 

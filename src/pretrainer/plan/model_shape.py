@@ -2,7 +2,9 @@
 
 A one-layer copy of the model is built on the meta device (no memory, any size): its embedding, output head,
 first decoder layer and the rest give exact parameter counts for every architecture transformers builds;
-the full model has `num_hidden_layers` such layers.
+the full model has `num_hidden_layers` such layers. A Mixture-of-Experts model may mix dense and MoE layers
+(DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers): it is built whole on the meta device, and
+a layer counts the mean of its layers; the routed experts' parameters a token does not use are counted too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import expert_shape
+from ..models import expert_parameters
 from ..parallel.activation_checkpoint import decoder_layers
 from ..perf import FlopsCount
 
@@ -32,6 +36,7 @@ class ModelShape:
     other_parameters: int       # final norm and anything else outside the layers
     layer_matrix_parameters: int = 0  # of one decoder layer, in matrices (2-D and up): what Muon updates
     largest_matrix: int = 0     # elements of the largest matrix in a layer (Muon orthogonalises one at a time)
+    idle_expert_parameters: int = 0  # routed experts' parameters a token does not go through (MoE)
 
     @property
     def tied(self) -> bool:
@@ -48,12 +53,16 @@ class ModelShape:
         return self.parameters - self.embedding_parameters + (self.vocab * self.hidden if self.tied else 0)
 
     def flops(self, seq_length: int, frozen: int = 0) -> FlopsCount:
-        return FlopsCount(self.matmul_parameters, self.layers, self.heads, self.head_dim, seq_length, frozen)
+        """Counted on the active parameters, as the run counts them (perf/flops.py)."""
+        return FlopsCount(self.matmul_parameters - self.idle_expert_parameters, self.layers, self.heads,
+                          self.head_dim, seq_length, frozen, self.idle_expert_parameters)
 
     def describe(self) -> str:
         return (f"{self.model_type}, {self.parameters / 1e9:.3g}B parameters ({self.layers} layers, hidden "
                 f"{self.hidden}, {self.heads} heads / {self.kv_heads} kv, ffn {self.intermediate}, vocab {self.vocab}"
-                f"{', tied embeddings' if self.tied else ''})")
+                f"{', tied embeddings' if self.tied else ''}"
+                + (f"; {(self.parameters - self.idle_expert_parameters) / 1e9:.3g}B active per token"
+                   if self.idle_expert_parameters else "") + ")")
 
 
 def one_layer_config(config, layers: int = 1):
@@ -72,7 +81,8 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     """`vocab_size`: the rows the run trains (a grown vocabulary), when it differs from the config's."""
     from transformers import AutoModelForCausalLM
 
-    small = one_layer_config(config)
+    experts = expert_shape(config, "the model config")
+    small = one_layer_config(config) if experts is None else copy.deepcopy(config)
     if vocab_size:
         small.vocab_size = vocab_size
     with torch.device("meta"):
@@ -82,9 +92,14 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     head = 0 if output is None or output.weight is embedding else output.weight.numel()
-    layer_params = list(decoder_layers(model)[0].parameters())
-    layer = sum(p.numel() for p in layer_params)
-    matrices = [p.numel() for p in layer_params if p.dim() >= 2]
+    layers = decoder_layers(model)
+    per_layer = [list(one.parameters()) for one in layers]
+    in_layers = sum(p.numel() for params in per_layer for p in params)
+    layer = round(in_layers / len(layers))
+    matrices = [p.numel() for params in per_layer for p in params if p.dim() >= 2]
+    idle = 0
+    if experts is not None:
+        idle = round(expert_parameters(model, experts.experts) * (1 - experts.top_k / experts.experts))
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
@@ -92,5 +107,6 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
         vocab=small.vocab_size, layer_parameters=layer, embedding_parameters=embedding.numel(),
-        head_parameters=head, other_parameters=total - layer - embedding.numel() - head,
-        layer_matrix_parameters=sum(matrices), largest_matrix=max(matrices, default=0))
+        head_parameters=head, other_parameters=total - in_layers - embedding.numel() - head,
+        layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
+        idle_expert_parameters=idle)
