@@ -86,9 +86,14 @@ class Progress:
 
 
 def format_train_line(row: dict, eta: str) -> str:
+    moe = ""
+    if "moe_load_imbalance" in row:  # a Mixture-of-Experts model's routing over the interval
+        moe = (f"moe imbalance: {row['moe_load_imbalance']:.2f} | aux loss: {row['moe_aux_loss']:.4f} | "
+               + (f"dropped: {100 * row['moe_dropped_fraction']:.1f}% | " if "moe_dropped_fraction" in row else "")
+               + (f"dead experts: {row['moe_dead_experts']} | " if row.get("moe_dead_experts") else ""))
     return (f"step: {row['step']} | elapsed time per iteration (ms): {row['elapsed_ms']:.1f} | "
             f"learning rate: {row['lr']:.3E} | lm loss: {row['loss']:.6E} | grad norm: {row['grad_norm']:.3f} | "
-            f"tokens/s: {row['tokens_per_s']:.0f} | MFU: {100 * row['mfu']:.1f}% | "
+            f"{moe}tokens/s: {row['tokens_per_s']:.0f} | MFU: {100 * row['mfu']:.1f}% | "
             f"peak mem (MB): {row['peak_mem_mb']:.0f} | eta: {eta}")
 
 
