@@ -178,6 +178,34 @@ def test_a_capacity_factor_drops_what_a_count_outside_the_model_says(tmp_path, p
     assert "moe_dropped_fraction" not in results[None][1] and math.isfinite(row["moe_load_imbalance"])
 
 
+@pytest.mark.parametrize("family,overrides", [("qwen2_moe", {}), ("olmoe", {}), ("gpt_oss", {}),
+                                              ("qwen3_moe", {"mlp_only_layers": [0]})])
+def test_each_moe_family_trains_with_its_routing_metrics_and_exports_its_logits(tmp_path, family, overrides):
+    """Qwen2-MoE (a gated shared expert), OLMoE, GPT-OSS (router bias, weights over all experts, sliding
+    attention) and Qwen3-MoE with a dense first layer: 3 steps with balancing and a capacity, the routing metrics
+    of the MoE layers only, and an export that transformers loads with the loop's logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_moe(tmp_path / family, family, **overrides)
+    corpus = small_corpus_file(tmp_path / "docs.jsonl")
+    config = {**fast_config(folder, corpus, tmp_path / "run"), "num_training_steps": 3, "eval_interval": 0,
+              "save_interval": 0, **BALANCED, "moe_capacity_factor": 1.5}
+    with PreTrainer(PreTrainingArguments(**config)) as trainer:
+        trainer.train()
+        layers = trainer.moe.layers
+        ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits
+    assert layers == (1 if overrides else 2)
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 3 and all(len(r["moe_layer_imbalance"]) == layers and r["moe_aux_loss"] > 0 for r in rows)
+    assert all(0 <= r["moe_dropped_fraction"] < 0.5 for r in rows)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
 def json_config(folder):
     from transformers import AutoConfig
 
