@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import fast_config
 from helpers import grad_norms, read_metrics, small_corpus_file, train_losses, write_tiny_model, write_tiny_moe
-from launch import cli_in_process, pretrainer, run
+from launch import REPO, cli_in_process, describe, pretrainer, run, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.config import ConfigError, MoeSettings
@@ -204,6 +204,19 @@ def test_each_moe_family_trains_with_its_routing_metrics_and_exports_its_logits(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_expert_parallel_exchange_equals_every_expert_on_every_rank(tmp_path):
+    """2 ranks holding 2 of 4 experts each: tokens sent at uneven splits (also none) with all-to-all, run by
+    their experts and sent back weighted give the outputs and the gradients (hidden states, routing weights,
+    expert weights summed over ranks) of each rank running all experts on its own tokens."""
+    done = run(torchrun(2, REPO / "tests" / "expert_exchange_run.py", tmp_path), timeout=300)
+    assert done.returncode == 0, describe(done)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == 6 and any(0 in r["sent"] for r in results.values())
+        for case, result in results.items():
+            assert max(result[k] for k in ("forward", "hidden_grad", "gate_grad", "expert_grad")) < 1e-5, case
 
 
 def json_config(folder):
