@@ -346,7 +346,8 @@ def test_an_moe_model_is_planned_on_its_active_parameters_as_the_run_counts_them
     from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
 
     from helpers import write_tiny_moe
-    from pretrainer.models import expert_parameters
+    from pretrainer.config import expert_shape
+    from pretrainer.models import idle_expert_parameters
     from pretrainer.perf.flops import flops_per_token
     from pretrainer.plan import model_shape
 
@@ -354,7 +355,7 @@ def test_an_moe_model_is_planned_on_its_active_parameters_as_the_run_counts_them
     model = AutoModelForCausalLM.from_config(config)
     shape = model_shape(config)
     assert shape.parameters == sum(p.numel() for p in model.parameters())
-    run = flops_per_token(model, 64, expert_parameters(model, 8), 2 / 8)
+    run = flops_per_token(model, 64, idle_expert_parameters(model, expert_shape(config, "config.json")))
     assert shape.flops(64).per_token == run.per_token and run.idle_expert_parameters > 0
     full = model_shape(DeepseekV3Config())
     assert round(full.parameters / 1e9) == 671 and 37 <= (full.parameters - full.idle_expert_parameters) / 1e9 < 38

@@ -47,8 +47,10 @@ class MoeRouting:
         self._pending: list[torch.Tensor] = []
         self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
         self._interval_counts: torch.Tensor | None = None  # the same, over the logging interval
-        # [aux sum, z sum, units, dropped, routed] over layers and the interval
+        # [aux sum, z sum, dropped] over layers and the interval (device), and what the host knows: units, routed
         self._interval_sums: torch.Tensor | None = None
+        self._interval_units = 0
+        self._interval_routed = 0
         model.register_forward_pre_hook(self._start_forward, with_kwargs=True)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._routed, layer))
@@ -108,11 +110,13 @@ class MoeRouting:
             return output if kept is not None else None
         if self.trains_balancing_losses:
             self._pending.append(weighted)
-        self._counts(logits.device)[layer] += torch.bincount(indices.reshape(-1), minlength=experts)
-        routed = aux.new_tensor(float(indices.numel()))
-        dropped = routed - kept.sum() if kept is not None else routed * 0  # device tensors: no sync here
-        self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(),
-                                                    aux.new_tensor(float(units)), dropped, routed]).double())
+        # scatter_add_, not bincount (which reads the largest index on the host): nothing here waits for the device
+        flat = indices.reshape(-1)
+        self._counts(logits.device)[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        dropped = (~kept).sum() if kept is not None else torch.zeros((), device=logits.device)
+        self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(), dropped]).double())
+        self._interval_units += units
+        self._interval_routed += flat.numel()
         return output if kept is not None else None
 
     def _counts(self, device) -> torch.Tensor:
@@ -123,7 +127,7 @@ class MoeRouting:
 
     def _sums(self, device) -> torch.Tensor:
         if self._interval_sums is None:
-            self._interval_sums = torch.zeros(5, dtype=torch.float64, device=device)
+            self._interval_sums = torch.zeros(3, dtype=torch.float64, device=device)
         return self._interval_sums
 
     # --------------------------------------------------- after the step
@@ -146,11 +150,14 @@ class MoeRouting:
         """The routing metrics of the interval since the last call, over all ranks (one all-reduce)."""
         if self._interval_counts is None:
             return {}
-        both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_sums]))
+        host = torch.tensor([self._interval_units, self._interval_routed], dtype=torch.float64,
+                            device=self._interval_sums.device)
+        both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_sums, host]))
         self._interval_counts.zero_()
         self._interval_sums.zero_()
+        self._interval_units = self._interval_routed = 0
         counts = both[:-5].view(self.layers, -1)
-        aux, z, units, dropped, routed = both[-5:].tolist()
+        aux, z, dropped, units, routed = both[-5:].tolist()
         row = routing_balance(counts)
         row.update({"moe_aux_loss": aux / max(units, 1.0), "moe_z_loss": z / max(units, 1.0)})
         if self.settings.capacity_factor is not None:
@@ -185,10 +192,13 @@ def capacity_mask(weights: torch.Tensor, indices: torch.Tensor, experts: int, fa
     flat = indices.reshape(-1)
     order = torch.argsort(-weights.detach().reshape(-1).float(), stable=True) if policy == "probs" \
         else torch.arange(flat.numel(), device=flat.device)
-    chosen = torch.nn.functional.one_hot(flat[order], experts)
-    place = (chosen.cumsum(0) * chosen).sum(-1) - 1  # each assignment's place in its expert's queue
+    queue = order[torch.argsort(flat[order], stable=True)]  # by expert, in the policy's order within each
+    per_expert = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    starts = per_expert.cumsum(0) - per_expert
+    place = torch.arange(flat.numel(), device=flat.device) - starts[flat[queue]]  # place in its expert's queue
     kept = torch.empty_like(flat, dtype=torch.bool)
-    kept[order] = place < capacity
+    kept[queue] = place < capacity
     return kept.view(tokens, top_k)
 
 
@@ -228,8 +238,10 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
-def expert_parameters(model: torch.nn.Module, experts: int) -> int:
-    """Parameters of the routed experts (3-D tensors whose first dimension is the experts)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if ".experts." in name and p.dim() >= 2 and p.shape[0] == experts)
+def idle_expert_parameters(model: torch.nn.Module, shape) -> int:
+    """Parameters of the routed experts a token does not go through: all of theirs but top_k / experts (the
+    figure FLOPs per token leave out, in the run and in the planner). `shape`: the config's ExpertShape."""
+    routed = sum(p.numel() for name, p in model.named_parameters()
+                 if ".experts." in name and p.dim() >= 2 and p.shape[0] == shape.experts)
+    return round(routed * (1 - shape.top_k / shape.experts))
 

@@ -59,11 +59,9 @@ class FlopsCount:
                 "counted)")
 
 
-def flops_per_token(model: torch.nn.Module, seq_length: int, expert_parameters: int = 0,
-                    active_expert_fraction: float = 1.0) -> FlopsCount:
+def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_parameters: int = 0) -> FlopsCount:
     """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its
-    active parameters: of `expert_parameters` (the routed experts'), a token uses `active_expert_fraction`
-    (top_k / experts)."""
+    active parameters: `idle_expert_parameters` (the routed experts' a token does not use) are left out."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
@@ -76,5 +74,5 @@ def flops_per_token(model: torch.nn.Module, seq_length: int, expert_parameters: 
     frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
     if tied and not embedding.requires_grad:
         frozen += embedding.numel()  # the head's matmul, through the tied table
-    idle = round(expert_parameters * (1 - active_expert_fraction))
-    return FlopsCount(matmul - idle, config.num_hidden_layers, heads, head_dim, seq_length, frozen, idle)
+    return FlopsCount(matmul - idle_expert_parameters, config.num_hidden_layers, heads, head_dim, seq_length,
+                      frozen, idle_expert_parameters)

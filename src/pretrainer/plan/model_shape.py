@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import expert_shape
-from ..models import expert_parameters
+from ..models import idle_expert_parameters
 from ..parallel.activation_checkpoint import decoder_layers
 from ..perf import FlopsCount
 
@@ -97,9 +97,7 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     in_layers = sum(p.numel() for params in per_layer for p in params)
     layer = round(in_layers / len(layers))
     matrices = [p.numel() for params in per_layer for p in params if p.dim() >= 2]
-    idle = 0
-    if experts is not None:
-        idle = round(expert_parameters(model, experts.experts) * (1 - experts.top_k / experts.experts))
+    idle = idle_expert_parameters(model, experts) if experts is not None else 0
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(

@@ -32,7 +32,7 @@ from ..models import (
     MoeRouting,
     build_model,
     count_parameters,
-    expert_parameters,
+    idle_expert_parameters,
     install_chunked_loss,
     pending_checkpoint,
     select_trainable,
@@ -150,9 +150,8 @@ class PreTrainer:
         self.vocab_rows = model.get_input_embeddings().weight.shape[0]
         self.loss_chunk_size = getattr(model.get_output_embeddings(), "loss_chunk_size", 0)
         self.moe = MoeRouting(model, run.moe) if run.moe is not None else None  # hooks its routers
-        shape = run.moe.shape if run.moe is not None else None
-        self.flops = flops_per_token(model, run.sizes.seq_length, *(
-            (expert_parameters(model, shape.experts), shape.top_k / shape.experts) if shape else ()))
+        self.flops = flops_per_token(model, run.sizes.seq_length,
+                                     idle_expert_parameters(model, run.moe.shape) if run.moe is not None else 0)
         self.optimizer_given = optimizer is not None
         self.model, self.optimizer, self.lr_scheduler = engine.setup(
             model, optimizer, lr_scheduler,
@@ -344,7 +343,7 @@ class PreTrainer:
         engine = self.engine
         if self.resolved.moe.aux_loss_type == "seq":
             return engine.gradient_average_size / global_rows.clamp(min=1).double()
-        return engine.gradient_average_size / (self.pretrain_args.gradient_accumulation_steps * engine.data_world_size)
+        return engine.gradient_average_size / (self.resolved.sizes.gradient_accumulation_steps * engine.data_world_size)
 
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
