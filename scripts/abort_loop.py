@@ -69,9 +69,12 @@ def prepare(work: Path) -> dict[str, list[str]]:
             "kill": [fault_run, str(work / "kill.yaml"), "--fault", "kill", "--step", "3"]}
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
 def torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "pretrainer.cli", "train", *map(str, args)]
+    """`pretrainer train ARGS` on 2 ranks."""
+    return [*TORCHRUN, "-m", "pretrainer.cli", "train", *map(str, args)]
 
 
 def environment() -> dict:
@@ -91,8 +94,7 @@ def launch(case: str, command: list[str], work: Path, index: int) -> dict:
         shutil.copytree(work / "resume-seed", folder / "run")
     if case == "kill":
         overrides.append(f"--record={folder / 'record'}")
-    full = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command,
-            *overrides]
+    full = [*TORCHRUN, *command, *overrides]
     start = time.perf_counter()
     done = subprocess.run(full, capture_output=True, text=True, env=environment(), cwd=folder,
                           preexec_fn=allow_cores, timeout=600)
