@@ -159,7 +159,8 @@ def layout_check(trainer) -> dict:
     share = shares[0] if 0 in getattr(engine, "stage_ids", [0]) else shares[-1]  # a pipeline's first or last stage
     states = layout.engine_class.model_states(layout, shape, share, True)
     planned = {"weights": states.weights, "optimizer": states.optimizer, "gradient_ranks": layout.dims.gradient_ranks,
-               "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout)}
+               "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout),
+               "expert_ranks": layout.dims.ep}
     return {"engine": run.engine, "dtype": run.dtype, "planned": planned,
             "held": dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer))}
 
@@ -182,8 +183,8 @@ def assert_layout_answers(save_dir: Path, ranks: int) -> list[dict]:
         where = f"{save_dir} rank {rank} ({check['engine']})"
         assert held["weights"] == pytest.approx(planned["weights"], rel=0.03), where
         assert held["optimizer"] == pytest.approx(planned["optimizer"], rel=0.03), where
-        assert (held["gradient_ranks"], held["shard_ranks"]) == (planned["gradient_ranks"], planned["shard_ranks"]), \
-            where
+        assert (held["gradient_ranks"], held["shard_ranks"], held["expert_ranks"]) == \
+            (planned["gradient_ranks"], planned["shard_ranks"], planned["expert_ranks"]), where
         if check["dtype"] != "fp32":  # autocast or its absence shows only in low precision
             assert held["autocasts"] == planned["autocasts"], where
     return checks

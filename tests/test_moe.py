@@ -12,7 +12,15 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import fast_config
-from helpers import grad_norms, read_metrics, small_corpus_file, train_losses, write_tiny_model, write_tiny_moe
+from helpers import (
+    assert_layout_answers,
+    grad_norms,
+    read_metrics,
+    small_corpus_file,
+    train_losses,
+    write_tiny_model,
+    write_tiny_moe,
+)
 from launch import REPO, cli_in_process, describe, pretrainer, run, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
@@ -91,7 +99,26 @@ def moe(tmp_path_factory):
               "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-fsdp")}},
              {"name": "deepseek-bias-rerun", "overrides": ["engine=fsdp"],
               "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-fsdp")}}]
+    ep2 = ["engine=fsdp", "expert_parallel_degree=2"]
+    cases += [{"name": "qwen3-ep2", "overrides": ep2, "config": {"save_dir": str(root / "ep2")}},
+              {"name": "qwen3-ep2-recompute", "overrides": [*ep2, "activation_checkpointing=full"],
+               "config": {"save_dir": str(root / "ep2-recompute")}},
+              {"name": "qwen3-ep2-exit", "overrides": [*ep2, "exit_interval=3"],
+               "config": {"save_dir": str(root / "ep2-resumed")}},
+              {"name": "qwen3-ep2-rerun", "overrides": ep2, "config": {"save_dir": str(root / "ep2-resumed")}},
+              {"name": "qwen3-fsdp-exit", "overrides": ["engine=fsdp", "exit_interval=3"],
+               "config": {"save_dir": str(root / "fsdp-to-ep2")}},
+              {"name": "qwen3-ep2-from-fsdp", "overrides": ep2, "config": {"save_dir": str(root / "fsdp-to-ep2")}},
+              {"name": "qwen3-ep2-from-hf", "overrides": ep2,
+               "config": {**from_hf, "save_dir": str(root / "ep2-from-hf")}},
+              {"name": "mixtral-ep2", "overrides": ep2,
+               "config": {**variants["mixtral"][0], "save_dir": str(root / "mixtral-ep2")}},
+              {"name": "deepseek-bias-ep2", "overrides": ep2,
+               "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-ep2")}}]
     launch_cases(base, cases, 2, root)
+    # dp=2 x ep=2: 4 ranks, the experts split over pairs of ranks and each half sharded over the other pair
+    launch_cases(base, [{"name": "qwen3-dp2-ep2", "overrides": [*ep2, "dp=4", "micro_batch_size=1"],
+                         "config": {"save_dir": str(root / "dp2-ep2")}}], 4, root)
     return root, models
 
 
@@ -233,9 +260,51 @@ def test_qwen3_moe_on_two_ranks_matches_one_process(moe, name):
     assert_same_moe_run(root / name, root / "single-qwen3")
 
 
-def test_a_trained_moe_folder_continues_on_fsdp_as_on_one_process(moe):
+@pytest.mark.parametrize("name", ["ep2", "ep2-recompute", "dp2-ep2"])
+def test_expert_parallel_qwen3_moe_matches_one_process(moe, name):
+    """Each rank holding 4 of the 8 experts (ep=2 on 2 ranks; dp=2 x ep=2 on 4, the expert halves sharded
+    again over the ranks holding them), tokens exchanged all-to-all: losses, gradient norms and routing metrics
+    equal one process's; with full recompute the exchange is replayed in backward."""
     root, _ = moe
-    want, have = train_losses(root / "single-from-hf"), train_losses(root / "fsdp-from-hf")
+    assert_same_moe_run(root / name, root / "single-qwen3")
+    ranks = 4 if name.startswith("dp2") else 2
+    assert [check["held"]["expert_ranks"] for check in assert_layout_answers(root / name, ranks)] == [2] * ranks
+
+
+@pytest.mark.parametrize("family,single", [("mixtral-ep2", "single-mixtral"),
+                                           ("deepseek-bias-ep2", "single-deepseek-bias")])
+def test_expert_parallel_mixtral_capacity_and_deepseek_bias_match_one_process(moe, family, single):
+    """Mixtral with per-micro-batch balancing and a capacity (drops by position) and DeepSeek-V3 (sigmoid grouped
+    routing, a shared expert, a dense first layer, bias updates) on ep=2 train as one process; the dropped
+    fraction and the moved bias are the same."""
+    root, _ = moe
+    assert_same_moe_run(root / family, root / single)
+    if family.startswith("mixtral"):
+        dropped = [r["moe_dropped_fraction"] for r in read_metrics(root / single) if "loss" in r]
+        assert [r["moe_dropped_fraction"] for r in read_metrics(root / family) if "loss" in r] == \
+            pytest.approx(dropped, rel=1e-6)
+    else:
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        torch.testing.assert_close(load_file(root / family / "hf" / "model.safetensors")[bias],
+                                   load_file(root / single / "hf" / "model.safetensors")[bias])
+
+
+@pytest.mark.parametrize("resumed", ["ep2-resumed", "fsdp-to-ep2"])
+def test_an_expert_parallel_run_resumes_exactly_also_from_another_layout(moe, resumed):
+    """Stopped at step 3 and resumed on ep=2, from an ep=2 checkpoint or from a plain fsdp one (each expert
+    tensor is whole in the checkpoint): the run the uninterrupted ep=2 one."""
+    root, _ = moe
+    events = [(r["event"], r["step"]) for r in read_metrics(root / resumed) if "event" in r]
+    assert events == [("start", 0), ("resume", 3)]
+    assert train_losses(root / resumed) == pytest.approx(train_losses(root / "ep2"), rel=1e-6)
+    want = moe_rows(root / "ep2")
+    assert {step: pytest.approx(row, rel=1e-6) for step, row in want.items()} == moe_rows(root / resumed)
+
+
+@pytest.mark.parametrize("name", ["fsdp-from-hf", "ep2-from-hf"])
+def test_a_trained_moe_folder_continues_on_fsdp_as_on_one_process(moe, name):
+    root, _ = moe
+    want, have = train_losses(root / "single-from-hf"), train_losses(root / name)
     assert sorted(have) == sorted(want) == [1, 2]
     assert [have[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
     assert want[1] < train_losses(root / "single-qwen3")[1] - 0.01  # it starts from the trained weights
@@ -279,13 +348,15 @@ def test_the_export_loads_in_transformers_with_the_trained_logits(moe):
     root, _ = moe
     keys = load_file(root / "fsdp" / "hf" / "model.safetensors").keys()
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in keys
-    model = AutoModelForCausalLM.from_pretrained(root / "single-qwen3" / "hf", dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.load(root / "ids.pt")).logits
-    torch.testing.assert_close(logits, torch.load(root / "single-qwen3-logits.pt"), rtol=1e-5, atol=1e-5)
-    exported = load_file(root / "fsdp" / "hf" / "model.safetensors")
-    for key, value in load_file(root / "single-qwen3" / "hf" / "model.safetensors").items():
-        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
+    for name in ("single-qwen3", "ep2"):  # ep=2: every expert gathered from the rank holding it
+        model = AutoModelForCausalLM.from_pretrained(root / name / "hf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.load(root / "ids.pt")).logits
+        torch.testing.assert_close(logits, torch.load(root / "single-qwen3-logits.pt"), rtol=1e-5, atol=1e-5)
+    for name in ("fsdp", "ep2", "dp2-ep2"):
+        exported = load_file(root / name / "hf" / "model.safetensors")
+        for key, value in load_file(root / "single-qwen3" / "hf" / "model.safetensors").items():
+            torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
 
 
 def test_expert_bias_updates_lower_the_load_imbalance_of_a_skewed_router(tmp_path):
@@ -351,3 +422,35 @@ def test_key_checks_refuse_bad_values_before_any_model_is_read():
         PreTrainingArguments(**base, moe_token_drop_policy="position")
     with pytest.raises(ConfigError, match="moe_experts_implementation 'fast' is not one of auto, eager"):
         PreTrainingArguments(**base, moe_experts_implementation="fast")
+
+
+def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
+    """expert_parallel_degree that does not divide the experts or the data-parallel ranks, on a dense model, on an
+    engine that holds every expert, or with hybrid sharding: refused while the run is resolved (before any process
+    group or model), one line from the command line."""
+    from pretrainer.parallel import planned_world
+    from pretrainer.run import resolve_run
+
+    corpus = small_corpus_file(tmp_path / "docs.jsonl")
+    qwen = fast_config(write_tiny_moe(tmp_path / "qwen", "qwen3_moe"), corpus, tmp_path / "run")
+    dense = fast_config(write_tiny_model(tmp_path / "dense"), corpus, tmp_path / "run")
+
+    def resolve(config: dict, world: int, **keys):
+        args = PreTrainingArguments(**{**config, "dp": world, "engine": "fsdp", **keys})
+        return resolve_run(args, planned_world(world, world, torch.device("cpu")))
+
+    assert resolve(qwen, 4, expert_parallel_degree=2).dims.ep == 2
+    cases = [(qwen, 6, {"expert_parallel_degree": 3}, "3 does not divide the 8 experts"),
+             (qwen, 3, {"expert_parallel_degree": 2}, "2 does not divide the 3 data-parallel rank"),
+             (dense, 2, {"expert_parallel_degree": 2}, "describes a dense model \\(no experts to split\\)"),
+             (qwen, 2, {"expert_parallel_degree": 2, "engine": "ddp"}, "engine ddp holds every expert"),
+             (qwen, 4, {"expert_parallel_degree": 2, "fsdp_shard_size": 2}, "hybrid sharding with expert_parallel")]
+    for config, world, keys, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            resolve(config, world, **keys)
+    with pytest.raises(ConfigError, match="expert_parallel_degree must be >= 1"):
+        PreTrainingArguments(**qwen, expert_parallel_degree=0)
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(qwen))
+    code, stderr = cli_in_process(capsys, "train", path, "expert_parallel_degree=2")
+    assert code == 2 and "key 'expert_parallel_degree'" in stderr and len(stderr.strip().splitlines()) == 1, stderr

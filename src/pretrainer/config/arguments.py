@@ -107,6 +107,7 @@ class PreTrainingArguments:
     moe_experts_implementation: str | None = None    # auto (default) | eager | batched_mm | grouped_mm
     moe_capacity_factor: float | None = None         # null: dropless
     moe_token_drop_policy: str | None = None         # probs (default) | position
+    expert_parallel_degree: int = 1                  # ep: each rank holds experts / ep of every MoE layer (fsdp)
 
     # --- optimisation ---
     lr: float = 3e-4
@@ -445,7 +446,7 @@ class PreTrainingArguments:
         """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
         at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1,
                     "tokenize_workers": 1, "pad_vocab_to_multiple_of": 1,
-                    "context_parallel_degree": 1}
+                    "context_parallel_degree": 1, "expert_parallel_degree": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

@@ -10,7 +10,9 @@ everywhere: the engines' meshes, the data placement, the global batch, the plann
 - `shard`: of the dp x cp ranks that hold the same parameters (and reduce their gradients together), how
   many split one copy of the sharded state (FSDP's parameters, ZeRO's optimizer state, Megatron's distributed
   optimizer); the others hold replicas of it (`replicate`); 1: nothing is sharded;
-- `ep`: expert parallelism, taken from the data-parallel ranks (1 until experts are split).
+- `ep`: expert parallelism: the routed experts of every MoE layer are split over `ep` consecutive ranks taken
+  from the data-parallel ones (as torchtitan and Megatron do); each rank holds experts / ep of them, and the
+  dp / ep groups of ranks holding the same experts reduce their gradients together.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class ParallelDims:
             raise ConfigError(f"{self.world_size} process(es) cannot be split into groups of tp={self.tp} x pp="
                               f"{self.pp} x context_parallel_degree={self.cp} ranks; launch a multiple of "
                               f"{self.replica_ranks}")
+        if self.dp % self.ep:
+            raise ConfigError(f"key 'expert_parallel_degree': {self.ep} does not divide the {self.dp} data-parallel "
+                              f"rank(s) (the experts are split over ranks taken from them); use a divisor of "
+                              f"{self.dp} or launch a multiple of {self.ep * self.replica_ranks} processes")
         if self.gradient_ranks % self.shard:
             raise ConfigError(f"the {self.gradient_ranks} rank(s) holding the same parameters cannot be sharded in "
                               f"groups of {self.shard}")
@@ -56,6 +62,11 @@ class ParallelDims:
     def replicate(self) -> int:
         """Copies of the sharded state among the ranks holding the same parameters."""
         return self.gradient_ranks // self.shard
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (whose expert gradients are reduced together): dp x cp / ep."""
+        return self.gradient_ranks // self.ep
 
     @property
     def gradient_ranks(self) -> int:

@@ -33,6 +33,7 @@ MEGATRON_KEY_TO_FIELD = {
     "reset_attention_mask": "reset_attention_mask",
     "make_vocab_size_divisible_by": "pad_vocab_to_multiple_of",
     "context_parallel_size": "context_parallel_degree",
+    "expert_model_parallel_size": "expert_parallel_degree",
 }
 
 # The seed's four custom Megatron hooks (functions set in plugin_args by a script).

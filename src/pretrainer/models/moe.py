@@ -245,3 +245,17 @@ def idle_expert_parameters(model: torch.nn.Module, shape) -> int:
                  if ".experts." in name and p.dim() >= 2 and p.shape[0] == shape.experts)
     return round(routed * (1 - shape.top_k / shape.experts))
 
+
+
+def find_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every routed-experts module of an HF MoE model, in layer order: the module holding the fused expert
+    weights ([experts, ...] 3-D tensors, transformers' experts interface) of one MoE layer. Shared experts
+    are plain MLPs and are not among them."""
+    found = []
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        own = list(module.parameters(recurse=False))
+        if (isinstance(experts, int) and any(p.dim() == 3 for p in own)
+                and all(p.dim() >= 2 and p.shape[0] == experts for p in own)):
+            found.append(module)
+    return found

@@ -29,6 +29,7 @@ from ..batch import batch_targets, forward_logits
 from ..config import ParallelDims
 from ..models import checkpoint_name, has_meta_tensors, materialize
 from .activation_checkpoint import RecomputeSettings
+from .expert_parallel import expert_ranks
 from .gradient_norm import clip_, global_norm
 from .layout import HeldState, LayoutAnswers, tensor_bytes
 from .parallelize import Parallelism, parallelize
@@ -336,7 +337,7 @@ class Engine(LayoutAnswers, ABC):
     def held_state(self, model: torch.nn.Module, optimizer) -> HeldState:
         return HeldState(tensor_bytes(model.parameters()), self.optimizer_state_bytes(optimizer),
                          self.gradient_group_size(model), self.shard_group_size(),
-                         isinstance(self.autocast(), torch.autocast))
+                         isinstance(self.autocast(), torch.autocast), expert_ranks(self.unwrap(model)))
 
     def optimizer_state_bytes(self, optimizer) -> int:
         return tensor_bytes(t for state in optimizer.state.values() for t in state.values()

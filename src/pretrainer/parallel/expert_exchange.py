@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
 
 @dataclass
@@ -35,7 +34,7 @@ class Routes:
 
 class ExpertExchange:
     def __init__(self, experts: int, group=None):
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD
         self.ranks = dist.get_world_size(group)
         if experts % self.ranks:
             raise ValueError(f"{experts} experts cannot be split evenly over {self.ranks} expert-parallel ranks")
@@ -54,8 +53,7 @@ class ExpertExchange:
         dist.all_to_all_single(incoming, counts, group=self.group)  # [source rank, local expert]
         sent = counts.view(self.ranks, self.local).sum(1).tolist()
         received = incoming.view(self.ranks, self.local).sum(1).tolist()
-        rows = hidden.new_empty((sum(received), hidden.shape[-1]))
-        rows = all_to_all_single(rows, hidden[tokens], received, sent, group=self.group)
+        rows = exchange(hidden[tokens], received, sent, self.group)
         local_ids = torch.arange(self.local, device=hidden.device).repeat(self.ranks)
         by_expert = torch.argsort(torch.repeat_interleave(local_ids, incoming), stable=True)
         per_expert = incoming.view(self.ranks, self.local).sum(0)
@@ -66,8 +64,30 @@ class ExpertExchange:
         experts' outputs times their routing `weights` [T, k]."""
         back = torch.empty_like(outputs)
         back = back.index_copy(0, routes.by_expert, outputs)  # the order the rows arrived in
-        home = outputs.new_empty((sum(routes.sent), outputs.shape[-1]))
-        home = all_to_all_single(home, back, routes.sent, routes.received, group=self.group)
+        home = exchange(back, routes.sent, routes.received, self.group)
         weighted = home * weights.reshape(-1)[routes.order].unsqueeze(-1).to(home.dtype)
         out = outputs.new_zeros((routes.token_count, outputs.shape[-1]))
         return out.index_add(0, routes.tokens, weighted)
+
+
+def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
+    """`send[r]` of `rows` to each rank r, `receive[r]` rows from each (differentiable: a backward sends the
+    gradients back the same way)."""
+    return _AllToAll.apply(rows, receive, send, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single at uneven splits, forward and backward (the gradient goes back along the same routes)."""
+
+    @staticmethod
+    def forward(ctx, rows, receive, send, group):
+        ctx.receive, ctx.send, ctx.group = receive, send, group
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return back, None, None, None

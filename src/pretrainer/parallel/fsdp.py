@@ -9,6 +9,7 @@ that many ranks, replicate across them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -19,8 +20,9 @@ from ..config import ConfigError, ParallelDims
 from .activation_checkpoint import decoder_layers
 from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
+from .expert_parallel import shard_experts
 from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
-from .parallelize import parallelize, shard_layers
+from .parallelize import ExpertSharding, parallelize, shard_layers
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class FSDPEngine(DistributedEngine):
     name = "fsdp"
     shards_parameters = True
     supports_context_parallel = True
+    supports_expert_parallel = True
 
     def __init__(self, options, world):
         super().__init__(options, world)
@@ -51,9 +54,17 @@ class FSDPEngine(DistributedEngine):
         else:
             self.mesh = init_device_mesh(self.device.type, (dims.world_size // dims.shard, dims.shard),
                                          mesh_dim_names=("replicate", "shard"))
+        # expert parallelism: ep consecutive ranks split the experts; the ranks holding the same ones shard them
+        self.expert_mesh = None
+        if dims.ep > 1:
+            self.expert_mesh = init_device_mesh(self.device.type, (dims.expert_replicas, dims.ep),
+                                                mesh_dim_names=("expert_shard", "ep"))
 
     @classmethod
     def read_settings(cls, args, model_config, world_size: int, dtype: str) -> FSDPSettings:
+        if args.expert_parallel_degree > 1 and args.fsdp_shard_size not in (None, world_size):
+            raise ConfigError("key 'fsdp_shard_size': hybrid sharding with expert_parallel_degree > 1 is not "
+                              "supported yet; shard over all ranks (fsdp_shard_size: null)")
         return FSDPSettings(args.fsdp_reshard_after_forward, args.fsdp_cpu_offload, args.fsdp_shard_size)
 
     @classmethod
@@ -73,17 +84,32 @@ class FSDPEngine(DistributedEngine):
         return self.settings.cpu_offload
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        def shard(module: torch.nn.Module) -> torch.nn.Module:
+        experts: list[torch.nn.Module] = []
+
+        def place(module: torch.nn.Module) -> None:
             if not any(p.is_meta for p in module.parameters()) and not self.cpu_offload:
                 module.to(self.device)
+
+        def split_experts(module: torch.nn.Module) -> None:
+            place(module)
+            # FSDP averages expert gradients over the dp / ep ranks holding the same experts, not over all dp
+            experts.extend(shard_experts(module, self.expert_mesh["ep"],
+                                         self.dims.expert_replicas / self.gradient_average_size))
+
+        def shard(module: torch.nn.Module) -> torch.nn.Module:
+            place(module)
+            expert_sharding = ExpertSharding(experts, self.expert_mesh["expert_shard"]) if experts else None
             shard_layers(module, self.mesh, decoder_layers(module), self.precision, self.reshard_after_forward,
-                         self.cpu_offload)
+                         self.cpu_offload, expert_sharding)
             # offloaded shards live in host memory: materialise them there
             self.materialize_if_meta(module, torch.device("cpu") if self.cpu_offload else None)
             return module
 
         self.install_context_parallel(model)
-        return parallelize(model, self.parallelism(data_parallel=shard))
+        steps = self.parallelism(data_parallel=shard)
+        if self.expert_mesh is not None:
+            steps = dataclasses.replace(steps, expert_parallel=split_experts)
+        return parallelize(model, steps)
 
     @property
     def exports_tensor_by_tensor(self) -> bool:
@@ -106,7 +132,7 @@ class FSDPEngine(DistributedEngine):
 
     def release(self) -> None:
         super().release()
-        self.mesh = None
+        self.mesh = self.expert_mesh = None
 
     def gradient_group_size(self, model: torch.nn.Module) -> int:
         return self.mesh.size()  # reduce-scattered over the shards, all-reduced over the replicas
@@ -115,7 +141,7 @@ class FSDPEngine(DistributedEngine):
         return self.mesh["shard"].size()
 
     def describe(self) -> str:
-        mesh = " x ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        mesh = mesh_text(self.mesh) + (f", experts: {mesh_text(self.expert_mesh)}" if self.expert_mesh else "")
         return (super().describe() + f" mesh=({mesh}) reshard_after_forward={self.reshard_after_forward}"
                 f" cpu_offload={self.cpu_offload}")
 
@@ -197,3 +223,7 @@ class FSDPEngine(DistributedEngine):
     def describe_settings(cls, layout: Layout) -> str:
         settings = layout.settings
         return f"reshard={settings.reshard_after_forward}" + (" cpu_offload" if settings.cpu_offload else "")
+
+
+def mesh_text(mesh) -> str:
+    return " x ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))

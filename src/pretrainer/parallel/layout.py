@@ -128,6 +128,7 @@ class HeldState:
     gradient_ranks: int     # ranks of the group its gradients are reduced over
     shard_ranks: int        # ranks one copy of its sharded state is split over (1: none)
     autocasts: bool         # its forward runs under autocast
+    expert_ranks: int = 1   # ranks its routed experts are split over by expert (the ep mesh of their DTensors)
 
 
 def tensor_bytes(tensors) -> int:
@@ -173,6 +174,7 @@ class LayoutAnswers:
     """The planner's questions, answered for a plain torch engine; engines override what differs."""
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
+    supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
     baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)

@@ -4,6 +4,7 @@
     context-parallel attention     the whole model (before pipeline stages are cut from it)
     pipeline stages                megatron: this rank's stages, each then parallelized on its own
     tensor parallelism             the family's split (parallel/splits.py) on the tp mesh
+    expert parallelism             the experts split over the ep mesh (expert_parallel.py)
     activation checkpointing       activation_checkpoint.py (full, selective; groups in pipeline stages)
     compile                        each decoder layer
     data parallelism               DDP, FSDP2 `fully_shard` or `replicate` (places and materialises the model)
@@ -19,6 +20,7 @@ from typing import Callable
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from ..models import cpu_attention
 from .activation_checkpoint import RecomputeSettings, apply_activation_checkpointing, decoder_layers
@@ -29,6 +31,7 @@ from .precision import Precision
 class Parallelism:
     """What `parallelize` applies to one module, each step optional."""
     tensor_parallel: Callable[[torch.nn.Module], None] | None = None
+    expert_parallel: Callable[[torch.nn.Module], None] | None = None
     recompute: RecomputeSettings = RecomputeSettings()
     compile: Precision | None = None  # compile each decoder layer for this precision
     data_parallel: Callable[[torch.nn.Module], torch.nn.Module] | None = None  # returns the module to run
@@ -38,6 +41,8 @@ def parallelize(module: torch.nn.Module, steps: Parallelism) -> torch.nn.Module:
     """Apply `steps` to `module` in the order above; returns what the engine runs."""
     if steps.tensor_parallel is not None:
         steps.tensor_parallel(module)
+    if steps.expert_parallel is not None:
+        steps.expert_parallel(module)
     apply_activation_checkpointing(module, steps.recompute)
     if steps.compile is not None:
         compile_layers(module, steps.compile)
@@ -56,18 +61,31 @@ def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
         layer.compile()
 
 
+@dataclass(frozen=True)
+class ExpertSharding:
+    """FSDP of expert-parallel experts: their DTensors (sharded by expert over ep) are sharded again over the
+    ranks holding the same experts (`mesh`), on their second dimension so that the two splits never share a
+    dimension; their gradients are averaged over that mesh."""
+    modules: list[torch.nn.Module]
+    mesh: object
+
+
 def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], precision: Precision | None = None,
-                 reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
-    """FSDP2: each decoder layer its own unit (gathered just before use), the root the rest. With `precision`
-    below fp32, compute in it and reduce gradients in fp32 (the shards stay fp32)."""
-    options = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
+                 reshard_after_forward: bool = True, cpu_offload: bool = False,
+                 experts: ExpertSharding | None = None) -> None:
+    """FSDP2: each decoder layer its own unit (gathered just before use), the root the rest; `experts` (expert
+    parallelism) their own units inside their layers. With `precision` below fp32, compute in it and reduce
+    gradients in fp32 (the shards stay fp32)."""
+    options = {"reshard_after_forward": reshard_after_forward}
     if precision is not None and precision.dtype != "fp32":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
     if cpu_offload:  # pin_memory needs an accelerator; without one it must be off
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    for expert_module in experts.modules if experts is not None else ():
+        fully_shard(expert_module, mesh=experts.mesh, shard_placement_fn=lambda _: Shard(1), **options)
     for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(module, **options)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(module, mesh=mesh, **options)
 
 
 def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module]) -> None:

@@ -9,6 +9,7 @@ for the data builders, `optimizer` and `schedule` for the optimizer builder, `la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,9 @@ def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -
     """The MoE part of a model with experts, refused where this engine or layout cannot train it yet."""
     moe = MoeSettings.of(args, config, where)
     if moe is None:
+        if dims.ep > 1:
+            raise ConfigError(f"key 'expert_parallel_degree': {dims.ep} is set but {where} describes a dense model "
+                              "(no experts to split); set it to 1")
         return None
     if not cls.trains_moe:
         raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {name} does not train: "
@@ -123,6 +127,9 @@ def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -
     if dims.cp > 1:
         raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
                           "sequences on each rank (its balancing losses are per sequence); set it to 1")
+    if moe.shape.experts % dims.ep:
+        raise ConfigError(f"key 'expert_parallel_degree': {dims.ep} does not divide the {moe.shape.experts} experts "
+                          f"{where} declares; use a divisor of {moe.shape.experts}")
     return moe
 
 
@@ -187,6 +194,12 @@ def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: boo
         raise ConfigError(f"key 'context_parallel_degree': {cp} does not divide the {world_size} processes; launch "
                           f"dp x {cp} processes")
     dims = cls.parallel_dims(world_size, cp, settings)
+    ep = args.expert_parallel_degree
+    if ep > 1:
+        if not cls.supports_expert_parallel:
+            raise ConfigError(f"key 'expert_parallel_degree': engine {name} holds every expert on every rank; use "
+                              "engine fsdp to split the experts over ranks, or expert_parallel_degree: 1")
+        dims = dataclasses.replace(dims, ep=ep)
     if check_dp:
         dims.check_claimed_dp(args.dp)
     return dims

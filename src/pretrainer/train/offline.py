@@ -27,7 +27,7 @@ logger = logging.getLogger("pretrainer")
 
 # A checkpoint's run layout, replaced when one process evaluates it.
 SINGLE_PROCESS_LAYOUT = ("engine=single", "dp=1", "context_parallel_degree=1", "deepspeed=null",
-                         "plugin_args=null", "fsdp_shard_size=null")
+                         "plugin_args=null", "fsdp_shard_size=null", "expert_parallel_degree=1")
 
 
 @dataclass
