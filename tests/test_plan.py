@@ -413,3 +413,49 @@ def test_plan_and_train_agree_on_the_loss_chunk_with_a_custom_loss(base_config, 
         chunks[custom] = (plan_for_command(args, None, None, "cpu", None).estimate.layout.loss_chunk,
                           trainer.loss_chunk_size)
     assert chunks[True] == (0, 0) and chunks[False][0] == chunks[False][1] > 0
+
+
+def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(tmp_path):
+    """An MoE model on 4 ranks: fsdp with ep=2 and ep=4 are among the alternatives (the megatron engine, which
+    does not train experts, is not); a rank gathers 1/ep of each layer's experts, and the step adds the
+    all-to-all of every token's top_k hidden states per MoE layer, four times (more with full recompute)."""
+    import dataclasses
+
+    import yaml
+    from transformers import AutoConfig
+
+    from helpers import small_corpus_file, write_tiny_moe
+    from pretrainer.parallel.fsdp import FSDPSettings
+    from pretrainer.plan import estimate, model_shape
+    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.estimate import _communication_seconds, rank_parts
+
+    folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
+    config = {"num_training_steps": 1, "micro_batch_size": 2, "dp": 4, "seq_length": 32, "dtype": "fp32",
+              "model_path": str(folder), "train_data": str(small_corpus_file(tmp_path / "d.jsonl")),
+              "engine": "fsdp", "expert_parallel_degree": 2}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    plan = plan_json(tmp_path / "c.yaml", "--world-size", "4")
+    assert "expert_parallel_degree=2" in plan["layout"]
+    alternatives = [layout["overrides"] for layout in plan["layouts"]]
+    assert {o[0] for o in alternatives} == {"engine=ddp", "engine=deepspeed", "engine=fsdp"}
+    assert {f"expert_parallel_degree={ep}" for ep in (2, 4)} <= {o[-1] for o in alternatives}
+
+    hf = AutoConfig.from_pretrained(folder)
+    shape = model_shape(hf)
+    assert shape.expert_layers == 2 and shape.expert_parameters == 2 * 3 * 8 * 64 * 64
+    ep2 = layout_of("fsdp", 4, 1, 1, 2, 32, "fp32", FSDPSettings(reshard_after_forward=False))
+    ep2 = dataclasses.replace(ep2, dims=dataclasses.replace(ep2.dims, ep=2))
+    ep1 = dataclasses.replace(ep2, dims=dataclasses.replace(ep2.dims, ep=1))
+    device = device_spec("fp32", 4, "cpu")
+    gathered = {e: estimate(layout, shape, hf, device).parameters for e, layout in ((1, ep1), (2, ep2))}
+    assert gathered[1] - gathered[2] == 4 * shape.expert_parameters // 2  # the other half of the experts
+    part, bandwidth, experts = rank_parts(ep2, shape)[0], device.bandwidth(False), shape.expert_parameters
+    # per step, against ep=1 (2 micro-batches): the all-to-alls, 2 micro x 2 layers x 4 x (32 tokens x top-2 x
+    # 64 x fp32) of which half leaves the rank; the experts' gathers (2 x 4 bytes) and reduce-scatter (4 bytes)
+    # of 1/2 of them over 2 ranks instead of all of them over 4
+    exchange = 2 * 2 * 4 * (32 * 2 * 64 * 4) / 2
+    gathers = 2 * 4 * (experts / 2 / 2 - experts * 3 / 4)
+    reduce_scatter = 4 * (experts / 2 / 2 - experts * 3 / 4)
+    added = _communication_seconds(ep2, shape, device, part) - _communication_seconds(ep1, shape, device, part)
+    assert added == pytest.approx((exchange + gathers + reduce_scatter) / bandwidth, rel=1e-9)

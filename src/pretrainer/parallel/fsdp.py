@@ -162,17 +162,22 @@ class FSDPEngine(DistributedEngine):
         settings, shards = layout.settings, layout.dims.shard
         n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
         root = shape.embedding_parameters + shape.head_parameters + shape.other_parameters
+        # expert parallelism: a rank gathers only its own experts (1 / ep of them); every state stays sharded
+        layer = shape.layer_parameters - _not_held_experts(layout, shape.layer_expert_parameters)
+        whole = n - _not_held_experts(layout, shape.expert_parameters)
         notes = {"optimizer": optimizer_note(layout, "sharded")}
         if settings.reshard_after_forward:
-            gathered = c * max(2 * shape.layer_parameters, root + shape.layer_parameters)
+            gathered = c * max(2 * layer, root + layer)
             notes["parameters"] = "fp32 shards + the gathered layers being computed"
         else:
-            gathered = c * (n - n // shards)
+            gathered = c * (whole - n // shards)
             notes["parameters"] = "fp32 shards + every layer gathered from forward to backward"
+        if layout.dims.ep > 1:
+            notes["parameters"] += f" (of the experts, this rank's 1/{layout.dims.ep})"
         weights, grads, optimizer = 4 * n // shards, 4 * t // shards, optimizer_bytes(share) // shards
-        grads += 4 * shape.layer_parameters
+        grads += 4 * layer
         if layout.accumulation > 1:
-            grads += 4 * t - 4 * t // shards
+            grads += 4 * (whole - n + t) - 4 * t // shards
             notes["gradients"] = "unsharded while micro-batches accumulate"
         offload = 0
         if settings.cpu_offload and not on_cpu:
@@ -187,8 +192,14 @@ class FSDPEngine(DistributedEngine):
         reduce-scattered once."""
         shards, c = layout.dims.shard, compute_bytes(layout.dtype)
         gathers = 2 if layout.settings.reshard_after_forward else 1
-        return [Collective(gathers * c * shape.parameters, shards, per_micro_batch=True),
-                Collective(4 * trained, shards)]
+        experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below
+        traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True),
+                   Collective(4 * (trained - experts), shards)]
+        if experts:  # each rank's experts (1 / ep), over the ranks holding the same ones
+            replicas = layout.dims.expert_replicas
+            traffic += [Collective(gathers * c * experts / layout.dims.ep, replicas, layout.dims.ep, True),
+                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep)]
+        return traffic
 
     @classmethod
     def muon_gather_ranks(cls, layout: Layout) -> int:
@@ -211,6 +222,9 @@ class FSDPEngine(DistributedEngine):
         whole = cls.parallel_dims(world_size, 1, FSDPSettings())
         variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
                     for reshard in (True, False) for offload in (False, True)]
+        if shape.experts:  # an MoE model: whole sequences (no cp), its experts split over ep of the ranks
+            return variants + [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
+                               for ep in range(2, world_size + 1) if world_size % ep == 0 and shape.experts % ep == 0]
         return variants + [{"dims": cls.parallel_dims(world_size, cp, FSDPSettings()), "settings": FSDPSettings()}
                            for cp in context_parallel_degrees(world_size, seq_length)[1:]]
 
@@ -227,3 +241,8 @@ class FSDPEngine(DistributedEngine):
 
 def mesh_text(mesh) -> str:
     return " x ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+
+
+def _not_held_experts(layout: Layout, experts: int) -> int:
+    """Of `experts` parameters, those a rank never gathers under expert parallelism (the other ranks' experts)."""
+    return experts - experts // layout.dims.ep

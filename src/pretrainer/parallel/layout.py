@@ -65,7 +65,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"engine={self.engine}", f"processes={self.world_size}", f"dp={self.dp}"]
-        parts += [f"{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if value > 1]
+        parts += [f"{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+                                                         ("ep", self.dims.ep)) if value > 1]
         own = self.engine_class.describe_settings(self)
         parts += [own] if own else []
         parts += [f"micro_batch={self.micro_batch}", f"accumulation={self.accumulation}", f"seq={self.seq_length}",
@@ -85,6 +86,8 @@ class Layout:
         keys += cls.settings_overrides(self)
         if cls.supports_context_parallel:
             keys.append(f"context_parallel_degree={self.cp}")
+        if cls.supports_expert_parallel:
+            keys.append(f"expert_parallel_degree={self.dims.ep}")
         return keys
 
     def replace(self, **changes) -> "Layout":

@@ -19,7 +19,8 @@ engines that shard it afterwards. Pipeline stages differ: the first holds the em
 micro-batches in flight, the last the head and its logits; the higher of their peaks is the estimate.
 
 Step time: model FLOPs per step over the world's peak at an assumed MFU (recompute adds its forward,
-a pipeline its bubble), plus the communication volume (the engine's gradient collectives, tp/pp/cp traffic)
+a pipeline its bubble), plus the communication volume (the engine's gradient collectives, tp/pp/cp traffic,
+expert parallelism's all-to-alls at an even load: (ep - 1) / ep of each token's top_k rows leave the rank)
 over an assumed bandwidth, not overlapped: both assumptions are printed with the plan.
 """
 
@@ -281,4 +282,8 @@ def _communication_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec
     if layout.cp > 1:
         kv = 2 * tokens * shape.kv_heads * shape.head_dim * c
         seconds += micro * layers * 2 * ring(kv * layout.cp, layout.cp, 1)
+    if layout.dims.ep > 1:  # per MoE layer, each token's top_k hidden states out and back, forward and backward
+        exchanges = 4 + (2 if layout.recompute == "full" else 0)
+        moe_layers = -(-shape.expert_layers // layout.pp)
+        seconds += micro * moe_layers * exchanges * ring(tokens * shape.top_k * shape.hidden * c, layout.dims.ep, 1)
     return seconds

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import expert_shape
-from ..models import idle_expert_parameters
+from ..models import find_experts, idle_expert_parameters
 from ..parallel.activation_checkpoint import decoder_layers
 from ..perf import FlopsCount
 
@@ -37,6 +37,10 @@ class ModelShape:
     layer_matrix_parameters: int = 0  # of one decoder layer, in matrices (2-D and up): what Muon updates
     largest_matrix: int = 0     # elements of the largest matrix in a layer (Muon orthogonalises one at a time)
     idle_expert_parameters: int = 0  # routed experts' parameters a token does not go through (MoE)
+    expert_parameters: int = 0  # routed experts' parameters, all layers (what expert parallelism splits)
+    expert_layers: int = 0      # MoE layers (each exchanges its tokens under expert parallelism)
+    experts: int = 0            # routed experts per MoE layer
+    top_k: int = 0              # experts each token goes to
 
     @property
     def tied(self) -> bool:
@@ -46,6 +50,11 @@ class ModelShape:
     def parameters(self) -> int:
         return (self.layers * self.layer_parameters + self.embedding_parameters + self.head_parameters
                 + self.other_parameters)
+
+    @property
+    def layer_expert_parameters(self) -> int:
+        """Routed experts' parameters of a decoder layer, averaged over the layers as `layer_parameters` is."""
+        return self.expert_parameters // self.layers
 
     @property
     def matmul_parameters(self) -> int:
@@ -98,6 +107,7 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     layer = round(in_layers / len(layers))
     matrices = [p.numel() for params in per_layer for p in params if p.dim() >= 2]
     idle = idle_expert_parameters(model, experts) if experts is not None else 0
+    routed = find_experts(model) if experts is not None else []
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
@@ -107,4 +117,5 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
         vocab=small.vocab_size, layer_parameters=layer, embedding_parameters=embedding.numel(),
         head_parameters=head, other_parameters=total - in_layers - embedding.numel() - head,
         layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
-        idle_expert_parameters=idle)
+        idle_expert_parameters=idle, expert_parameters=sum(p.numel() for m in routed for p in m.parameters()),
+        expert_layers=len(routed), experts=experts.experts if experts else 0, top_k=experts.top_k if experts else 0)

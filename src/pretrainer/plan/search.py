@@ -30,6 +30,7 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
     variants = [{"engine": name, **variant} for name in ENGINES
                 if layout.optimizer != "muon" or engine_class(name).trains_muon
+                if not shape.experts or engine_class(name).trains_moe
                 for variant in engine_class(name).layout_variants(layout.world_size, layout.devices_per_node, shape,
                                                                   layout.seq_length)]
     variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first
