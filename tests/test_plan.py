@@ -440,6 +440,7 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     alternatives = [layout["overrides"] for layout in plan["layouts"]]
     assert {o[0] for o in alternatives} == {"engine=ddp", "engine=deepspeed", "engine=fsdp"}
     assert {f"expert_parallel_degree={ep}" for ep in (2, 4)} <= {o[-1] for o in alternatives}
+    assert not [o for o in alternatives if "context_parallel_degree=1" not in o and o[0] != "engine=deepspeed"]
 
     hf = AutoConfig.from_pretrained(folder)
     shape = model_shape(hf)

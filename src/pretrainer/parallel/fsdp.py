@@ -222,9 +222,10 @@ class FSDPEngine(DistributedEngine):
         whole = cls.parallel_dims(world_size, 1, FSDPSettings())
         variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
                     for reshard in (True, False) for offload in (False, True)]
-        if shape.experts:  # an MoE model: whole sequences (no cp), its experts split over ep of the ranks
-            return variants + [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
-                               for ep in range(2, world_size + 1) if world_size % ep == 0 and shape.experts % ep == 0]
+        # an MoE model's experts split over ep of the ranks (each ep dividing the experts and the world)
+        splits = [ep for ep in range(2, world_size + 1) if shape.experts % ep == 0 and world_size % ep == 0]
+        variants += [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
+                     for ep in (splits if shape.experts else [])]
         return variants + [{"dims": cls.parallel_dims(world_size, cp, FSDPSettings()), "settings": FSDPSettings()}
                            for cp in context_parallel_degrees(world_size, seq_length)[1:]]
 

@@ -32,7 +32,8 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 if layout.optimizer != "muon" or engine_class(name).trains_muon
                 if not shape.experts or engine_class(name).trains_moe
                 for variant in engine_class(name).layout_variants(layout.world_size, layout.devices_per_node, shape,
-                                                                  layout.seq_length)]
+                                                                  layout.seq_length)
+                if not shape.experts or variant["dims"].cp == 1]  # an MoE model trains whole sequences
     variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first
     out = []
     for variant in variants:
