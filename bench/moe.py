@@ -2,14 +2,16 @@
 
 Trains examples/models/tiny-qwen3-moe (4 layers x 8 experts, top-2) for a few steps on the quickstart corpus,
 fp32, with each `moe_experts_implementation` on one process (2 threads; `eager` is transformers' reference
-loop over the experts), then with the fastest on 2 ranks of ddp, fsdp and fsdp with expert parallelism
-(`fsdp-ep2`: each rank holds 4 of the 8 experts and tokens go to them all-to-all), 1 thread each, the same
-global batch. Prints tokens/s (median step after the first steps), the peak memory per rank from
-metrics.jsonl and the last loss (every run computes the same model: equal losses are expected).
+loop over the experts), then with the fastest on 2 ranks of ddp, fsdp, fsdp with expert parallelism (`fsdp-ep2`:
+each rank holds 4 of the 8 experts and tokens go to them all-to-all), the megatron engine with expert parallelism
+(`megatron-ep2`) and with tensor parallelism (`megatron-tp2`: sequence parallel, each rank routes half of every
+sequence through whole MoE blocks), 1 thread each, the same global batch. Prints tokens/s (median step after the
+first steps), the peak memory per rank from metrics.jsonl and the last loss (every run computes the same model:
+equal losses are expected).
 
 bench/gpu_check.sh runs this script on one GPU (bf16, one process: `--engines ''`).
 
-    .venv/bin/python bench/moe.py [--steps 12] [--seq 256] [--micro 8] [--engines ddp,fsdp,fsdp-ep2] [--dtype fp32]
+    .venv/bin/python bench/moe.py [--steps 12] [--seq 256] [--micro 8] [--engines ddp,fsdp,fsdp-ep2,...] [--dtype fp32]
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ from common import REPO, metrics
 
 MODEL = REPO / "examples" / "models" / "tiny-qwen3-moe"
 SKIP = 3  # steps of warm-up left out of the median
+TP2 = {"engine": "megatron", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}
+TWO_RANKS = {  # name: (config keys, tensor-parallel degree)
+    "ddp": ({"engine": "ddp"}, 1), "fsdp": ({"engine": "fsdp"}, 1),
+    "fsdp-ep2": ({"engine": "fsdp", "expert_parallel_degree": 2}, 1),
+    "megatron-ep2": ({"engine": "megatron", "expert_parallel_degree": 2}, 1),
+    "megatron-tp2": (TP2, 2),
+}
 
 
-def train(name: str, work: Path, steps: int, seq: int, micro: int, ranks: int, dtype: str, **keys) -> dict:
+def train(name: str, work: Path, steps: int, seq: int, micro: int, ranks: int, dtype: str, tp: int = 1,
+          **keys) -> dict:
     save_dir = work / name
-    config = {"num_training_steps": steps, "micro_batch_size": micro // ranks, "dp": ranks, "seq_length": seq,
+    replicas = ranks // tp
+    config = {"num_training_steps": steps, "micro_batch_size": micro // replicas, "dp": replicas, "seq_length": seq,
               "dtype": dtype, "model_path": str(MODEL), "tokenizer_path": str(REPO / "examples/models/tiny-llama"),
               "train_data": str(REPO / "examples/data/python_docs.jsonl"), "lr": 2e-3, "warmup_steps": 2,
               "eval_interval": 0, "save_interval": 0, "export_hf": False, "write_report": False,
@@ -59,8 +70,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8, help="sequences per step (split over the ranks)")
-    parser.add_argument("--engines", default="ddp,fsdp,fsdp-ep2", help="2-rank engines to run after one process "
-                        "(fsdp-ep2: fsdp with expert_parallel_degree=2; '' for none: one GPU)")
+    parser.add_argument("--engines", default=",".join(TWO_RANKS), help="2-rank runs after one process, of "
+                        f"{', '.join(TWO_RANKS)} ('' for none: one GPU)")
     parser.add_argument("--dtype", default="fp32")
     ns = parser.parse_args()
     results = {}
@@ -71,10 +82,11 @@ def main() -> None:
                                                         1, ns.dtype, moe_experts_implementation=implementation)
         fastest = max((k for k in results), key=lambda k: results[k]["tokens_per_s"]).split()[1]
         for engine in filter(None, ns.engines.split(",")):
-            ep = 2 if engine.endswith("-ep2") else 1
-            keys = {"engine": engine.removesuffix("-ep2"), "expert_parallel_degree": ep}
+            if engine not in TWO_RANKS:
+                sys.exit(f"--engines: {engine!r} is not one of {', '.join(TWO_RANKS)}")
+            keys, tp = TWO_RANKS[engine]
             results[f"{engine} x2 {fastest}"] = train(f"{engine}-{fastest}", work, ns.steps, ns.seq, ns.micro, 2,
-                                                      ns.dtype, moe_experts_implementation=fastest, **keys)
+                                                      ns.dtype, tp, moe_experts_implementation=fastest, **keys)
     eager = results["single eager"]["tokens_per_s"]
     print(f"tiny-qwen3-moe, {ns.micro} x {ns.seq} tokens per step, {ns.dtype}, {ns.steps} steps (median after {SKIP})")
     print(f"{'run':24} {'experts':11} {'tokens/s':>9} {'vs eager':>9} {'peak MB/rank':>13} {'last loss':>10}")

@@ -16,6 +16,11 @@ engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
   rest get weight 0 (dropped: the token's residual stream passes that expert by) in training forwards;
 - routing counts per layer and expert are kept over the logging interval for the metrics.
 
+Where an engine splits each sequence's tokens over a group of ranks before they are routed (the megatron
+engine under sequence parallelism: `split_sequences`), each rank computes its tokens' part of every unit's
+losses from the unit's whole counts (one small all-reduce per router call), so the parts add up to the loss
+one process computes, and its gradient reaches each rank's tokens exactly.
+
 Forwards of evaluation (eval mode or no grad) and recomputation (activation checkpointing replays a layer
 inside backward, after the engine has taken the micro-batch's losses) are not counted; a recomputation
 still computes the losses (and drops them), since the checkpoint checks that it saves what the forward did.
@@ -27,6 +32,7 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError, MoeSettings, key_error
 
@@ -49,11 +55,25 @@ class MoeRouting:
         self._interval_counts: torch.Tensor | None = None  # the same, over the logging interval
         # [aux sum, z sum, dropped] over layers and the interval (device), and what the host knows: units, routed
         self._interval_sums: torch.Tensor | None = None
-        self._interval_units = 0
+        self._interval_units = 0.0
         self._interval_routed = 0
-        model.register_forward_pre_hook(self._start_forward, with_kwargs=True)
+        self._split_group, self._split = None, 1  # see split_sequences
+        self._start_hooks = []
+        self.watch_forwards([model])
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._routed, layer))
+
+    def watch_forwards(self, modules: list[torch.nn.Module]) -> None:
+        """Start each micro-batch where it enters these modules (their first argument has its rows first): the
+        model, or an engine's pipeline stages."""
+        for handle in self._start_hooks:
+            handle.remove()
+        self._start_hooks = [m.register_forward_pre_hook(self._start_forward, with_kwargs=True) for m in modules]
+
+    def split_sequences(self, group) -> None:
+        """Each sequence's tokens are routed in parts, one on each rank of `group` (None: whole sequences)."""
+        self._split_group = group
+        self._split = dist.get_world_size(group) if group is not None else 1
 
     @property
     def layers(self) -> int:
@@ -95,7 +115,8 @@ class MoeRouting:
         s = self.settings
         with torch.set_grad_enabled(self.trains_balancing_losses):  # else for the metrics only
             aux, z = balancing_losses(logits.float().reshape(units, tokens // units, experts),
-                                      indices.reshape(units, -1), top_k, self.sigmoid_scores[layer])
+                                      indices.reshape(units, -1), top_k, self.sigmoid_scores[layer],
+                                      self._split_group, self._split)
             weighted = (s.aux_loss_coeff * aux.sum() + s.z_loss_coeff * z.sum()) * self._weight
         kept = None
         if s.capacity_factor is not None:  # an expert over capacity drops tokens: their weight becomes 0
@@ -115,7 +136,7 @@ class MoeRouting:
         self._counts(logits.device)[layer].scatter_add_(0, flat, torch.ones_like(flat))
         dropped = (~kept).sum() if kept is not None else torch.zeros((), device=logits.device)
         self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(), dropped]).double())
-        self._interval_units += units
+        self._interval_units += units / self._split  # each rank of a split holds a part of the same units
         self._interval_routed += flat.numel()
         return output if kept is not None else None
 
@@ -155,7 +176,7 @@ class MoeRouting:
         both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_sums, host]))
         self._interval_counts.zero_()
         self._interval_sums.zero_()
-        self._interval_units = self._interval_routed = 0
+        self._interval_units, self._interval_routed = 0.0, 0
         counts = both[:-5].view(self.layers, -1)
         aux, z, dropped, units, routed = both[-5:].tolist()
         row = routing_balance(counts)
@@ -165,11 +186,16 @@ class MoeRouting:
         return row
 
 
-def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool):
+def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool,
+                     split_group=None, split: int = 1):
     """Per unit (the rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k] the experts
     picked): the load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the
     load is even, gradient through the probabilities only) and the z-loss mean_t logsumexp(logits)^2
-    (ST-MoE). Sigmoid routers (DeepSeek-V3) take their scores normalised per token as p."""
+    (ST-MoE). Sigmoid routers (DeepSeek-V3) take their scores normalised per token as p.
+
+    With each unit's tokens split over the `split` ranks of `split_group`, `logits` holds this rank's part:
+    the counts are summed over the group and T is the whole unit's, so the returned values are this rank's
+    parts of the unit's losses (they add up over the group) with their exact gradient."""
     units, tokens, experts = logits.shape
     if sigmoid_scores:
         scores = logits.sigmoid()
@@ -178,8 +204,11 @@ def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sig
         probs = logits.softmax(-1)
     counts = torch.zeros(units, experts, device=logits.device).scatter_add_(
         1, chosen, torch.ones(chosen.shape, device=logits.device))
-    aux = experts / (top_k * tokens * tokens) * (counts * probs.sum(1)).sum(-1)
-    z = torch.logsumexp(logits, dim=-1).square().mean(-1)
+    if split_group is not None:
+        dist.all_reduce(counts, group=split_group)
+    whole = tokens * split
+    aux = experts / (top_k * whole * whole) * (counts * probs.sum(1)).sum(-1)
+    z = torch.logsumexp(logits, dim=-1).square().sum(-1) / whole
     return aux, z
 
 

@@ -8,8 +8,8 @@ the first registered key that is a substring of `model.config.model_type.lower()
 
 What the engine reads back from the filled arguments:
 - `parallel_split` (earlier spelt `parallel_plan`, still read): the name of a model split in
-  `pretrainer.parallel.splits` (built in: "llama", the decoder of Llama, Mistral and Qwen2: q/k/v/o
-  attention, gate/up/down SwiGLU MLP, RMSNorm, RoPE);
+  `pretrainer.parallel.splits` (built in: "llama", the decoder of Llama, Mistral, Mixtral, Qwen2/3 and
+  Qwen2/3-MoE: q/k/v/o attention, gate/up/down SwiGLU MLP or an MoE block, RMSNorm, RoPE);
 - `num_layers`, `num_attention_heads`, `num_query_groups`, `ffn_hidden_size`,
   `untie_embeddings_and_output_weights`: the tensor-parallel divisibility checks and the pipeline split
   use them (`hidden_size`, `kv_channels` and the vocabulary size are read back too, for other callers
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import ConfigError
+from ..config import ConfigError, expert_shape
 
 MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Callable] = {}
 
@@ -123,7 +123,8 @@ def parse_model_config(model, seq_length: int | None = None, batch_data: dict | 
 
 
 def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
-    """Llama-family decoders (Llama, Mistral, Qwen2, and any model laid out the same way)."""
+    """Llama-family decoders (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, and any model laid out
+    the same way)."""
     config = model.config
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
@@ -152,11 +153,16 @@ def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
         pretraining_flag=True,
         tokenizer_type="HuggingFaceTokenizer",
     )
+    experts = expert_shape(config, "the model's config")
+    if experts is not None:  # Megatron-Core's MoE arguments
+        args.update(num_experts=experts.experts, moe_router_topk=experts.top_k,
+                    moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
     if megatron_lm_plugin.seq_length is None:
         input_ids = (batch_data or {}).get("input_ids")
         megatron_lm_plugin.seq_length = (input_ids.shape[1] if input_ids is not None
                                          else config.max_position_embeddings)
 
 
-for _model_type in ("llama", "mistral", "qwen2"):
+# a key matches every model_type containing it: "qwen2" and "qwen3" take their MoE variants too
+for _model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3"):
     add_model_config_to_megatron_parser(_model_type)(parse_llama_config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, OptimizerSettings
 from .muon import MuonAdamW
@@ -13,7 +14,8 @@ from .muon import MuonAdamW
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float, exclude: frozenset = frozenset()) -> list[dict]:
     """Decay matrices; never decay biases, norm weights or embeddings (tied heads count as embeddings).
-    `exclude`: ids of parameters another group takes."""
+    `exclude`: ids of parameters another group takes. Where a model holds both DTensor and plain parameters
+    (tensor parallelism leaves some whole), each kind gets its own groups: one fused kernel takes one kind."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay, seen = [], [], set(exclude)
     for param in model.parameters():
@@ -21,7 +23,12 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, exclude: froze
             continue
         seen.add(id(param))
         (no_decay if _dims(param) < 2 or id(param) in embedding_params else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
+    if len(kinds) == 1:
+        return groups
+    return [{**group, "params": [p for p in group["params"] if isinstance(p, DTensor) == kind]}
+            for kind in (True, False) for group in groups]
 
 
 def _dims(param: torch.Tensor) -> int:

@@ -333,6 +333,17 @@ class Engine(LayoutAnswers, ABC):
         groups are built over it)."""
         return self.unwrap(model)
 
+    def forward_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The modules whose forward runs once per micro-batch with the batch's rows first (an MoE model's
+        routing hooks start each micro-batch there): the HF model, or a pipeline engine's stages."""
+        return [self.unwrap(model)]
+
+    @property
+    def routing_group(self):
+        """The process group over which each sequence's tokens are split when an MoE block routes them (its
+        balancing losses sum the group's token counts); None: every rank routes whole sequences."""
+        return None
+
     # ---- what this rank really holds (the planner's answers are checked against it) ----
     def held_state(self, model: torch.nn.Module, optimizer) -> HeldState:
         return HeldState(tensor_bytes(model.parameters()), self.optimizer_state_bytes(optimizer),

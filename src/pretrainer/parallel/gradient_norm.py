@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 CPU_PIECE = 1 << 16  # elements per fp32 norm on a CPU
 
@@ -44,7 +45,7 @@ def global_norm(grads: list[torch.Tensor], holders: int, sum_over_ranks: Callabl
         shards = 1
         if isinstance(grad, DTensor):
             for size, placement in zip(grad.device_mesh.shape, grad.placements):
-                shards *= size if placement.is_shard() else 1
+                shards *= size if _splits(placement) else 1
             grad = grad.to_local()
         by_device[grad.device].append((grad, shards / holders))
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -54,6 +55,12 @@ def global_norm(grads: list[torch.Tensor], holders: int, sum_over_ranks: Callabl
         total += (sums_of_squares(tensors) * weights).sum().to(device)
     sum_over_ranks(total)
     return total.sqrt().float()
+
+
+def _splits(placement) -> bool:
+    """The placement splits the tensor over its mesh dimension: a Shard, or the strided shard FSDP2 lays over a
+    tensor-parallel one (which in this torch is no Shard: `is_shard()` is False for it)."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:

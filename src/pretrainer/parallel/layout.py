@@ -212,6 +212,13 @@ class LayoutAnswers:
                            communication, notes={**notes, "optimizer": optimizer_note(layout)})
 
     @classmethod
+    def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
+        """Of `parameters` of the model (a pipeline stage's, with `layers` decoder layers), those one rank holds
+        between steps as this engine lays them out: its tp share (a sharding engine's shards are counted in
+        `model_states`)."""
+        return parameters // layout.tp
+
+    @classmethod
     def muon_gather_ranks(cls, layout: Layout) -> int:
         """Ranks one matrix is split over, gathered whole for Muon's update (1: every rank holds it whole)."""
         return layout.tp

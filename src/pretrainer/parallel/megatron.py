@@ -7,10 +7,14 @@ builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model and 
 registry), activation recomputation as configured, compile, and data parallelism over `dp`: `replicate`
 (gradients all-reduced, like DDP), or with `use_distributed_optimizer` FSDP2 without resharding after forward (gradients
 reduce-scattered and the optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2
-style). With context parallelism (`context_parallel_degree`, see context_parallel.py) the cp ranks of a
-stage hold the same parameters and split every sequence, so gradients are reduced over dp x cp, as
-Megatron's dp-cp group does. Micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run
-through a GPipe, 1F1B or interleaved 1F1B schedule when pp > 1.
+style). With context parallelism (`context_parallel_degree`, see context_parallel.py) the cp ranks of a stage hold
+the same parameters and split every sequence, so gradients are reduced over dp x cp, as Megatron's dp-cp group
+does. Mixture-of-Experts models (see `moe_blocks`): tensor parallelism leaves each MoE block whole and, under
+sequence parallelism (required), every tp rank routes its own tokens through it, so the block's gradients (like
+those of per-head norms) are summed over tp at the step; with `expert_parallel_degree` (ep) the experts are split
+over ep of the dp ranks (expert_parallel.py), as Megatron's expert-model-parallel group, and their gradients are
+reduced over the dp / ep ranks holding the same ones. Micro-batches (`num_micro_batches` =
+`gradient_accumulation_steps`) run through a GPipe, 1F1B or interleaved 1F1B schedule when pp > 1.
 
 The model the loop holds is a `MegatronModel`: this rank's modules under the HF model's own names, so
 optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all see HF keys.
@@ -29,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from ..batch import IGNORE, batch_targets, is_head_loss
-from ..config import ConfigError, ParallelDims
+from ..config import ConfigError, ParallelDims, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
@@ -39,11 +43,12 @@ from .activation_checkpoint import RecomputeSettings
 from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
 from .engine import to_device_async
-from .layout import Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
+from .expert_parallel import shard_experts
+from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
 from .megatron_settings import MegatronSettings, read_settings, unused_keys
-from .parallelize import parallelize, replicate_layers, shard_layers
+from .parallelize import ExpertSharding, parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
-from .splits import get_split
+from .splits import get_split, moe_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +85,7 @@ class MegatronModel(torch.nn.Module):
 class MegatronEngine(DistributedEngine):
     name = "megatron"
     supports_context_parallel = True
-    trains_moe = False
-    moe_refusal = ("its tensor-parallel plan and pipeline stages are written for dense MLPs (expert parallelism "
-                   "is not there yet).")
+    supports_expert_parallel = True
 
     def __init__(self, options, world):
         super().__init__(options, world)
@@ -97,6 +100,16 @@ class MegatronEngine(DistributedEngine):
             self.context = context_parallel.ContextParallel(dims.cp, self.mesh.get_local_rank("cp"),
                                                             self.mesh.get_group("cp"),
                                                             multiple=s.tp if s.sequence_parallel else 1)
+        # expert parallelism: dp = (dp / ep) x ep, the ranks of an ep group at the same (pp, cp, tp) place of ep
+        # consecutive dp replicas; row-major like `mesh`, so every rank keeps its place
+        self.expert_mesh = None
+        if dims.ep > 1:
+            self.expert_mesh = init_device_mesh(self.device.type, (dims.dp // dims.ep, dims.ep, dims.pp, dims.cp,
+                                                                   dims.tp),
+                                                mesh_dim_names=("expert_replicas", "ep", "pp", "cp", "tp"))
+        self._routes_split = False  # MoE blocks route each tp rank's own part of the tokens (see routing_group)
+        self._tp_partial: list[tuple[torch.nn.Module, str]] = []  # see _sum_partial_gradients_over_tp
+        self._stage_experts: list[torch.nn.Module] = []  # the split experts modules of the stage being built
         self.stages: list[DecoderStage] = []
         self.stage_ids: list[int] = []
         self.schedule = None
@@ -113,6 +126,15 @@ class MegatronEngine(DistributedEngine):
                               "stages); use bf16 (or fp32)")
         settings = read_settings(args, getattr(model_config, "num_hidden_layers", None))
         settings = replace(settings, notices=tuple(unused_keys(args, model_config, settings)))
+        if model_config is not None and expert_shape(model_config, "the model's config") is not None:
+            if settings.tp > 1 and not settings.sequence_parallel:
+                raise ConfigError("plugin_args.sequence_parallelism: a Mixture-of-Experts model with tp_degree > 1 "
+                                  "needs sequence parallelism (each tp rank routes its own part of the tokens, as "
+                                  "in Megatron-Core); set plugin_args.sequence_parallelism: true")
+            if settings.pp > 1:
+                raise ConfigError("plugin_args.pp_degree: a Mixture-of-Experts model is not split into pipeline "
+                                  "stages yet (its balancing losses are added per micro-batch outside the "
+                                  "schedule); use pp_degree 1 with tp_degree, dp and expert_parallel_degree")
         if settings.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
             raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
                               "(positions are not sent between stages); use pp_degree 1")
@@ -173,7 +195,11 @@ class MegatronEngine(DistributedEngine):
                 stage.to(self.device)
             tensor_parallel = functools.partial(self._tensor_parallel, split) if s.tp > 1 else None
             data_parallel = self._data_parallel if self.data_mesh.size() > 1 else None
-            self.stages.append(parallelize(stage, self.parallelism(data_parallel, tensor_parallel)))
+            steps = self.parallelism(data_parallel, tensor_parallel)
+            if self.expert_mesh is not None:
+                steps = replace(steps, expert_parallel=self._split_experts)
+            self._routes_split |= s.tp > 1 and bool(moe_blocks(stage))
+            self.stages.append(parallelize(stage, steps))
         if not is_meta:
             _release_other_stages(parts, self.stages)
         view = MegatronModel(model, self.stages)
@@ -203,6 +229,10 @@ class MegatronEngine(DistributedEngine):
         if not sequence_parallel:
             self._replicate_norms(stage)
         stage.sequence_shards = self.settings.tp if sequence_parallel else 1
+        # What is still a plain parameter now sees only this tp rank's part of the data: per-head norms (Qwen3's
+        # q_norm/k_norm) its heads, an MoE block its tokens. Its gradient is summed over tp at the step.
+        self._tp_partial += [(module, name) for module in stage.modules()
+                             for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
 
     def _replicate_norms(self, stage: DecoderStage) -> None:
         """Without sequence parallelism the norms see the whole sequence on every tp rank."""
@@ -214,21 +244,31 @@ class MegatronEngine(DistributedEngine):
         def to_local(module, output, device_mesh):
             return output.to_local()
 
-        norms = [m for layer in stage.layers.values() for m in layer.modules()
-                 if type(m).__name__.endswith("RMSNorm")]
+        # the decoder layer's norms; a per-head norm inside attention sees this rank's heads only
+        norms = [m for layer in stage.layers.values() for name, m in layer.named_modules()
+                 if type(m).__name__.endswith("RMSNorm") and "self_attn" not in name]
         if stage.norm is not None:
             norms.append(stage.norm)
         for norm in norms:
             distribute_module(norm, mesh, input_fn=to_replicated, output_fn=to_local)
 
+    def _split_experts(self, stage: DecoderStage) -> None:
+        """The routed experts over the ep ranks; their gradients are reduced over the dp / ep ranks holding the
+        same ones, where the loop's scale expects an average over dp: 1 / ep evens that out."""
+        self._stage_experts = shard_experts(stage, self.expert_mesh["ep"],
+                                            self.dims.expert_replicas / self.gradient_average_size)
+
     def _data_parallel(self, stage: DecoderStage) -> DecoderStage:
         """Gradients over dp x cp: all-reduced (`replicate`), or with the distributed optimizer reduce-scattered
-        with the optimizer state sharded (FSDP2 without resharding after forward: ZeRO-1/2 style)."""
+        with the optimizer state sharded (FSDP2 without resharding after forward: ZeRO-1/2 style). Split
+        experts are their own units over the ranks holding the same ones."""
         layers = list(stage.layers.values())
+        experts = ExpertSharding(self._stage_experts, self.expert_mesh["expert_replicas"]) \
+            if self.expert_mesh is not None else None
         if self.settings.distributed_optimizer:
-            shard_layers(stage, self.data_mesh, layers, reshard_after_forward=False)
+            shard_layers(stage, self.data_mesh, layers, reshard_after_forward=False, experts=experts)
         else:
-            replicate_layers(stage, self.data_mesh, layers)
+            replicate_layers(stage, self.data_mesh, layers, experts)
         return stage
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -236,6 +276,9 @@ class MegatronEngine(DistributedEngine):
 
     def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # this rank's stages only
+
+    def forward_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return list(self.stages)
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
@@ -293,10 +336,10 @@ class MegatronEngine(DistributedEngine):
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float,
                          extra_losses=None) -> torch.Tensor:
-        if extra_losses is not None:  # MoE models do not train here yet (trains_moe)
-            raise NotImplementedError("extra losses on the megatron engine")
         if self.settings.pp == 1:
-            return super().forward_backward(model, micro_batches, loss_fn, scale)
+            return super().forward_backward(model, micro_batches, loss_fn, scale, extra_losses)
+        if extra_losses is not None:  # read_settings refuses MoE models with pipeline stages
+            raise NotImplementedError("extra losses through pipeline stages")
         for batch in micro_batches:
             self._check_padding_side(batch)
         self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
@@ -352,8 +395,53 @@ class MegatronEngine(DistributedEngine):
 
     def release(self) -> None:
         super().release()
-        self.mesh = self.data_mesh = self.schedule = None
-        self.stages = []
+        self.mesh = self.data_mesh = self.expert_mesh = self.schedule = None
+        self.stages, self._tp_partial = [], []
+
+    # ------------------------------------------------------------ Mixture-of-Experts
+    @property
+    def routing_group(self):
+        """Under tensor (and so sequence) parallelism each tp rank routes its own 1/tp of every sequence."""
+        return self.mesh.get_group("tp") if self._routes_split else None
+
+    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False):
+        self._sum_partial_gradients_over_tp(model)
+        return super().step(model, optimizer, max_norm, skip_nonfinite, skip)
+
+    def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
+        """Gradients that hold only this tp rank's part, summed over tp once per step (Megatron's
+        finalize_model_grads does the same), in one flat all-reduce:
+        - the parameters tensor parallelism left whole but fed this rank's part of the data (per-head norms,
+          MoE blocks: router, experts, shared experts); data parallelism may have replaced them since, so they
+          are read by module and name;
+        - DTensor gradients left Partial over tp (sequence-parallel norms): made Replicate here, so the
+          gradient norm and clipping see their sums, not one rank's part."""
+        if self.settings.tp == 1:
+            return
+        plain = [module._parameters[name].grad for module, name in self._tp_partial]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in plain if g is not None]
+        partial = []
+        for param in model.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and "tp" in (grad.device_mesh.mesh_dim_names or ()):
+                tp_dim = grad.device_mesh.mesh_dim_names.index("tp")
+                if grad.placements[tp_dim].is_partial():
+                    partial.append((param, tp_dim))
+                    local.append(grad.to_local())
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.mesh.get_group("tp"))
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        for param, tp_dim in partial:
+            grad = param.grad
+            placements = list(grad.placements)
+            placements[tp_dim] = Replicate()
+            param.grad = DTensor.from_local(grad.to_local(), grad.device_mesh, placements, run_check=False,
+                                            shape=grad.shape, stride=grad.stride())
 
     def gradient_group_size(self, model: torch.nn.Module) -> int:
         return self.data_mesh.size()
@@ -411,12 +499,43 @@ class MegatronEngine(DistributedEngine):
         n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
         layer = shape.layer_parameters // layout.tp
         copies = c * share.matmul if layout.dtype != "fp32" else 0
-        grads = 4 * t // shards + 4 * layer + (4 * t - 4 * t // shards if layout.accumulation > 1 else 0)
+        # split experts (their 1 / ep on this rank) are sharded over the dp / ep ranks holding them instead
+        experts = shape.expert_parameters // layout.dims.ep if layout.dims.ep > 1 else 0
+
+        def sharded(held: int) -> int:
+            own = experts * held / n if n else 0
+            return int((held - own) / shards + own / layout.dims.expert_replicas)
+
+        grads = 4 * sharded(t) + 4 * layer + (4 * t - 4 * sharded(t) if layout.accumulation > 1 else 0)
         notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
                  + (" + autocast's copies" if copies else ""),
                  "optimizer": optimizer_note(layout, "sharded: the distributed optimizer")}
-        return ModelStates(4 * n // shards, 4 * (n - n // shards) + copies, grads, optimizer_bytes(share) // shards, 0,
+        return ModelStates(4 * sharded(n), 4 * (n - sharded(n)) + copies, grads, sharded(optimizer_bytes(share)), 0,
                            notes=notes)
+
+    @classmethod
+    def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
+        """tp splits all but the MoE blocks, which it leaves whole; ep splits their routed experts."""
+        whole = min(layers * shape.layer_moe_block_parameters, parameters)
+        experts = min(layers * shape.layer_expert_parameters, whole)
+        return (parameters - whole) // layout.tp + whole - experts + experts // layout.dims.ep
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """An all-reduce of the stage's gradients over dp x cp; with expert parallelism the experts' over the
+        dp / ep ranks holding them; the MoE blocks' (tp leaves them whole) summed over tp."""
+        dims = layout.dims
+        blocks, experts = shape.moe_block_parameters, shape.expert_parameters
+        split = dims.ep > 1
+        dense = trained - (experts if split else 0)
+        traffic = [Collective(2 * 4 * cls.held_parameters(layout, shape, dense, shape.layers) / dims.pp,
+                              dims.gradient_ranks, dims.tp * dims.pp)]
+        if split:
+            traffic.append(Collective(2 * 4 * experts / (dims.ep * dims.pp), dims.expert_replicas,
+                                      dims.tp * dims.pp * dims.ep))
+        if blocks and dims.tp > 1:
+            traffic.append(Collective(2 * 4 * (blocks - experts + experts / dims.ep) / dims.pp, dims.tp))
+        return traffic
 
     @classmethod
     def muon_gather_ranks(cls, layout: Layout) -> int:
@@ -426,12 +545,20 @@ class MegatronEngine(DistributedEngine):
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
         """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
-        within a node and cp across."""
+        within a node and cp across. An MoE model (not split into stages, whole sequences): tp by ep, ep
+        dividing the experts and the dp ranks."""
         if world_size == 1:
             return []
         tensor_parallel = [tp for tp in _divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
             shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
         variants = []
+        if shape.experts:
+            for tp in [1, *tensor_parallel]:
+                dp = world_size // tp
+                for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0]:
+                    if tp * ep > 1 and world_size % tp == 0:
+                        variants.append(cls._variant(world_size, tp, 1, 1, ep))
+            return variants
         for tp in [1, *tensor_parallel]:
             for pp in _divisors(world_size // tp, 8):
                 if tp * pp == 1 or pp > shape.layers or (pp > 1 and shape.tied):
@@ -442,9 +569,9 @@ class MegatronEngine(DistributedEngine):
         return variants
 
     @classmethod
-    def _variant(cls, world_size: int, tp: int, pp: int, cp: int) -> dict:
+    def _variant(cls, world_size: int, tp: int, pp: int, cp: int, ep: int = 1) -> dict:
         settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
-        return {"dims": cls.parallel_dims(world_size, cp, settings), "settings": settings,
+        return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
                 "sequence_parallel": settings.sequence_parallel}
 
     @classmethod

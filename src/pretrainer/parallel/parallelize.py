@@ -63,9 +63,9 @@ def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
 
 @dataclass(frozen=True)
 class ExpertSharding:
-    """FSDP of expert-parallel experts: their DTensors (sharded by expert over ep) are sharded again over the
-    ranks holding the same experts (`mesh`), on their second dimension so that the two splits never share a
-    dimension; their gradients are averaged over that mesh."""
+    """Data parallelism of expert-parallel experts: their DTensors (sharded by expert over ep) are sharded again
+    (FSDP, on their second dimension so that the two splits never share a dimension) or replicated over the
+    ranks holding the same experts (`mesh`); their gradients are averaged over that mesh."""
     modules: list[torch.nn.Module]
     mesh: object
 
@@ -88,10 +88,14 @@ def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], p
     fully_shard(module, mesh=mesh, **options)
 
 
-def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module]) -> None:
-    """Gradients all-reduced over `mesh` (DDP's semantics on FSDP2's machinery), layer by layer."""
+def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module],
+                     experts: ExpertSharding | None = None) -> None:
+    """Gradients all-reduced over `mesh` (DDP's semantics on FSDP2's machinery), layer by layer; `experts`
+    (expert parallelism) over their own mesh."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    for expert_module in experts.modules if experts is not None else ():
+        replicate(expert_module, mesh=experts.mesh)
     for layer in layers:
         replicate(layer, mesh=mesh)
     replicate(module, mesh=mesh)

@@ -6,7 +6,8 @@ A split knows two things about a model family's module layout:
 - `tensor_parallel(stage, mesh, sequence_parallel)`: the DTensor layouts of its linears, embeddings and
   norms (Megatron's column/row split: q/k/v and gate/up by output features, o and down by input features,
   so each layer needs one all-reduce — or, with sequence parallelism, one reduce-scatter and one
-  all-gather per block, and norms run on a 1/tp slice of the sequence).
+  all-gather per block, and norms run on a 1/tp slice of the sequence). A Mixture-of-Experts block is not
+  split (see `moe_blocks`).
 
 Activations between modules stay plain local tensors: [batch, seq/tp, hidden] with sequence parallelism,
 [batch, seq, hidden] without; the pipeline sends those.
@@ -32,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config import ConfigError
+from ..models import find_experts
 
 
 @dataclass
@@ -78,15 +80,20 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
         parallelize_module(stage.embed_tokens, mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                      output_layouts=sequence))
     for layer in stage.layers.values():
+        # an MoE block is left whole: under sequence parallelism it routes this rank's tokens (moe_blocks)
+        dense = not find_experts(_inner(layer).mlp)
         plan = {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=sequence),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=sequence),
         }
+        if dense:
+            plan.update({
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=sequence),
+            })
         if sequence_parallel:
             plan.update({
                 "input_layernorm": SequenceParallel(use_local_output=True),
@@ -94,8 +101,9 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
                 # the decoder layer calls self_attn with keyword arguments, mlp positionally
                 "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
+            if dense:
+                plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(_inner(layer), mesh, plan)
     if stage.norm is not None and sequence_parallel:
         parallelize_module(stage.norm, mesh, SequenceParallel(use_local_output=True))
@@ -107,6 +115,14 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
 
 def _inner(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
+def moe_blocks(stage) -> list[torch.nn.Module]:
+    """The MoE blocks (a decoder layer's `mlp` holding routed experts) of the layers this stage holds. Tensor
+    parallelism leaves them whole (Megatron's expert tensor parallel size 1): under sequence parallelism
+    each tp rank routes its own 1/tp of the tokens through router, experts and shared experts, so these
+    parameters take gradients from different tokens on each tp rank, which the engine sums."""
+    return [_inner(layer).mlp for layer in stage.layers.values() if find_experts(_inner(layer).mlp)]
 
 
 register_split("llama", llama_parts, llama_tensor_parallel)

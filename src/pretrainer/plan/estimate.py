@@ -26,6 +26,7 @@ over an assumed bandwidth, not overlapped: both assumptions are printed with the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ..parallel.layout import Layout, RankShare, compute_bytes
@@ -119,16 +120,17 @@ def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trai
 
 def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankShare]:
     """The kinds of rank a layout has: one, or a pipeline's first and last stages (the middle ones hold less
-    than either), each split by tp. With 1F1B a stage s of pp holds min(pp - s, micro-batches) forwards before
-    its first backward; GPipe runs every forward first; the interleaved schedule is counted as 1F1B's first
-    stage."""
-    tp, share = layout.tp, _trained_share(shape, trainable)
+    than either), each as its engine splits it (`held_parameters`). With 1F1B a stage s of pp holds min(pp - s,
+    micro-batches) forwards before its first backward; GPipe runs every forward first; the interleaved schedule is
+    counted as 1F1B's first stage."""
+    share = _trained_share(shape, trainable)
     muon = layout.optimizer == "muon"
+    held = functools.partial(layout.engine_class.held_parameters, layout, shape)
 
     def part(stage, parameters, matmul, in_flight, head, layers):
-        matrices = int(layers * shape.layer_matrix_parameters // tp * share) if muon else 0
-        return RankShare(stage, parameters // tp, matmul // tp, int(parameters // tp * share), in_flight, head,
-                         matrices)
+        matrices = int(held(layers * shape.layer_matrix_parameters, layers) * share) if muon else 0
+        kept = held(parameters, layers)
+        return RankShare(stage, kept, held(matmul, layers), int(kept * share), in_flight, head, matrices)
 
     if layout.pp == 1:
         return [part("", shape.parameters, shape.matmul_parameters, 1, True, shape.layers)]

@@ -39,6 +39,7 @@ class ModelShape:
     idle_expert_parameters: int = 0  # routed experts' parameters a token does not go through (MoE)
     expert_parameters: int = 0  # routed experts' parameters, all layers (what expert parallelism splits)
     expert_layers: int = 0      # MoE layers (each exchanges its tokens under expert parallelism)
+    moe_block_parameters: int = 0  # MoE blocks whole (router, routed and shared experts), all layers
     experts: int = 0            # routed experts per MoE layer
     top_k: int = 0              # experts each token goes to
 
@@ -55,6 +56,11 @@ class ModelShape:
     def layer_expert_parameters(self) -> int:
         """Routed experts' parameters of a decoder layer, averaged over the layers as `layer_parameters` is."""
         return self.expert_parameters // self.layers
+
+    @property
+    def layer_moe_block_parameters(self) -> int:
+        """MoE block parameters of a decoder layer, averaged over the layers as `layer_parameters` is."""
+        return self.moe_block_parameters // self.layers
 
     @property
     def matmul_parameters(self) -> int:
@@ -108,6 +114,7 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     matrices = [p.numel() for params in per_layer for p in params if p.dim() >= 2]
     idle = idle_expert_parameters(model, experts) if experts is not None else 0
     routed = find_experts(model) if experts is not None else []
+    blocks = [m for m in model.modules() if any(child in routed for child in m.children())]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
@@ -118,4 +125,5 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
         head_parameters=head, other_parameters=total - in_layers - embedding.numel() - head,
         layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
         idle_expert_parameters=idle, expert_parameters=sum(p.numel() for m in routed for p in m.parameters()),
-        expert_layers=len(routed), experts=experts.experts if experts else 0, top_k=experts.top_k if experts else 0)
+        expert_layers=len(routed), moe_block_parameters=sum(p.numel() for b in blocks for p in b.parameters()),
+        experts=experts.experts if experts else 0, top_k=experts.top_k if experts else 0)

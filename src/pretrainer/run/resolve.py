@@ -123,7 +123,7 @@ def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -
         return None
     if not cls.trains_moe:
         raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {name} does not train: "
-                          f"{cls.moe_refusal} Use engine single, ddp, fsdp or deepspeed")
+                          f"{cls.moe_refusal} Use engine single, ddp, fsdp, deepspeed or megatron")
     if dims.cp > 1:
         raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
                           "sequences on each rank (its balancing losses are per sequence); set it to 1")
@@ -198,7 +198,7 @@ def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: boo
     if ep > 1:
         if not cls.supports_expert_parallel:
             raise ConfigError(f"key 'expert_parallel_degree': engine {name} holds every expert on every rank; use "
-                              "engine fsdp to split the experts over ranks, or expert_parallel_degree: 1")
+                              "engine fsdp or megatron to split the experts over ranks, or expert_parallel_degree: 1")
         dims = dataclasses.replace(dims, ep=ep)
     if check_dp:
         dims.check_claimed_dp(args.dp)

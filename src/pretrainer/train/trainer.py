@@ -157,6 +157,9 @@ class PreTrainer:
             model, optimizer, lr_scheduler,
             build_optimizer=lambda m: build_optimizer(engine.trained_module(m), run.optimizer, engine.device),
             build_scheduler=lambda o: build_scheduler(o, run.schedule))
+        if self.moe is not None:  # each micro-batch starts where the engine runs it; tokens split as it splits them
+            self.moe.watch_forwards(engine.forward_modules(self.model))
+            self.moe.split_sequences(engine.routing_group)
         self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
 
     def _report_model_memory(self, stats: LoadStats | None) -> dict:
@@ -333,9 +336,15 @@ class PreTrainer:
             else:
                 self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
             if self.moe is not None:
-                self.moe.end_step(engine.reduce_sum, applied)
+                self.moe.end_step(self._routing_sum, applied)
         self._count_skipped_update(applied, grad_norm, "loss spike" if spike else "non-finite gradient norm")
         return local_loss, counts[:2], grad_norm, lr
+
+    def _routing_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Routing counts and sums over every rank: each rank counts the tokens it routed itself."""
+        value = value.clone()
+        self.engine.sum_over_ranks(value)
+        return value
 
     def _moe_unit_weight(self, global_rows: torch.Tensor):
         """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
@@ -406,7 +415,7 @@ class PreTrainer:
         step = self.completed_steps
         row = {"step": step, **meter.row(), "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens_seen,
                "epoch": self.train_stream.epoch,
-               **(self.moe.interval_row(self.engine.reduce_sum) if self.moe is not None else {})}
+               **(self.moe.interval_row(self._routing_sum) if self.moe is not None else {})}
         self._record(metrics, row)
         if self.engine.is_main:
             progress.log(format_train_line(row, progress.eta(step)))
