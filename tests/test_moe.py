@@ -61,6 +61,7 @@ def moe(tmp_path_factory):
                      "moe_capacity_factor": 1.0, "moe_token_drop_policy": "position"}, []),
         "deepseek-bias": ({"model_path": str(models["deepseek_v3"]), "moe_expert_bias_update_rate": 0.01}, []),
         "mixtral-dropless": ({"model_path": str(models["mixtral"])}, []),
+        "qwen3-seq31": ({"seq_length": 31}, []),
     }
     torch.set_num_threads(1)
     for name, (changes, _) in variants.items():
@@ -122,7 +123,15 @@ def moe(tmp_path_factory):
     cases += [{"name": "qwen3-megatron-tp2", "overrides": [*tp2, "dp=1", "micro_batch_size=4"],
                "config": {"save_dir": str(root / "megatron-tp2")}},
               {"name": "qwen3-megatron-ep2", "overrides": megatron_ep2,
-               "config": {"save_dir": str(root / "megatron-ep2")}}]
+               "config": {"save_dir": str(root / "megatron-ep2")}},
+              # 31 positions: each row right-padded to 32 for tp=2, the padding routed but counted nowhere
+              {"name": "qwen3-megatron-tp2-seq31", "overrides": [*tp2, "dp=1", "micro_batch_size=4"],
+               "config": {**variants["qwen3-seq31"][0], "save_dir": str(root / "megatron-tp2-seq31")}},
+              # pipeline stages: the balancing losses ride on the routing weights; recomputation replays them
+              {"name": "qwen3-megatron-pp2-recompute",
+               "overrides": ["engine=megatron", "plugin_args.pp_degree=2", "dp=1", "micro_batch_size=4",
+                             "activation_checkpointing=full"],
+               "config": {"save_dir": str(root / "megatron-pp2-recompute")}}]
     launch_cases(base, cases, 2, root)
     # 4 ranks. fsdp dp=2 x ep=2: the experts split over pairs of ranks and each half sharded over the other pair.
     # megatron tp=2 x ep=2 (dp=2), also stopped at step 3 and resumed; dp=2 x ep=2 with the distributed optimizer
@@ -138,6 +147,8 @@ def moe(tmp_path_factory):
                         {"name": "mixtral-megatron-tp2-ep2", "overrides": tp2_ep2,
                          "config": {**variants["mixtral-dropless"][0],
                                     "save_dir": str(root / "mixtral-megatron-tp2-ep2")}},
+                        {"name": "qwen3-megatron-pp2-ep2", "overrides": [*megatron_ep2, "plugin_args.pp_degree=2"],
+                         "config": {"save_dir": str(root / "megatron-pp2-ep2")}},
                         {"name": "qwen3-megatron-dp2-ep2-distributed-optimizer",
                          "overrides": [*megatron_ep2, "dp=4", "micro_batch_size=1",
                                        "plugin_args.use_distributed_optimizer=true"],
@@ -180,6 +191,56 @@ def test_routing_counts_and_balancing_losses_equal_a_computation_from_hf_router_
     assert row["moe_aux_loss"] == pytest.approx(sum(aux) / 6, rel=1e-6)
     assert row["moe_z_loss"] == pytest.approx(sum(z) / 6, rel=1e-6)
     assert float(added) == pytest.approx(0.01 * sum(aux) + 0.001 * sum(z), rel=1e-6)  # unit weight 1
+
+
+def test_padding_counts_nowhere_in_the_routing(tmp_path):
+    """A right-padded micro-batch (the loop's forward): the counts, the per-sequence balance loss and the z-loss
+    take the tokens only, as transformers' load_balancing_loss_func with the attention mask does; a capacity
+    gives padding no place."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from pretrainer.batch import forward_logits
+
+    folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(json_config(folder)).train()
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=3, dp=1, model_path=str(folder), **BALANCED)
+    routing = MoeRouting(model, MoeSettings.of(args, model.config, "config.json"))
+    routing.begin_step(1.0)
+    ids = torch.randint(3, 4096, (3, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[0, 11:] = 0
+    mask[2, 7:] = 0
+    forward_logits(model, {"input_ids": ids, "attention_mask": mask})
+    added = routing.take_losses()
+    routing.end_step(lambda t: t, applied=True)
+    row = routing.interval_row(lambda t: t)
+    with torch.no_grad():
+        layers = [logits.float() for logits in model(input_ids=ids, attention_mask=mask,
+                                                     output_router_logits=True).router_logits]
+    tokens = mask.reshape(-1).bool()
+    counts = torch.stack([torch.bincount(logits[tokens].softmax(-1).topk(2, dim=-1).indices.flatten(), minlength=8)
+                          for logits in layers]).double()
+    assert counts.sum() == 2 * 2 * int(mask.sum())  # 2 layers x top-2 x the 34 tokens
+    assert row["moe_layer_imbalance"] == pytest.approx((counts.max(-1).values / counts.mean(-1)).tolist(), rel=1e-4)
+    aux = [float(load_balancing_loss_func((logits[s * 16:(s + 1) * 16],), 8, 2, mask[s:s + 1])) / 2
+           for logits in layers for s in range(3)]
+    z = [float(torch.logsumexp(logits[s * 16:(s + 1) * 16][mask[s].bool()], -1).square().mean())
+         for logits in layers for s in range(3)]
+    assert row["moe_aux_loss"] == pytest.approx(sum(aux) / 6, rel=1e-6)
+    assert row["moe_z_loss"] == pytest.approx(sum(z) / 6, rel=1e-6)
+    assert float(added) == pytest.approx(0.01 * sum(aux) + 0.001 * sum(z), rel=1e-6)
+
+    from pretrainer.models.moe import capacity_mask
+    weights = layers[0].softmax(-1).topk(2, dim=-1)
+    kept = capacity_mask(weights.values, weights.indices, 8, 1.0, "position", tokens)
+    assert not kept[~tokens].any()  # padding is never kept
+    per_expert = torch.bincount(weights.indices[kept], minlength=8)
+    capacity = -(-34 * 2 // 8)  # from the 34 tokens, not the 48 positions
+    assert int(per_expert.max()) == capacity
+    wanted = torch.bincount(weights.indices[tokens].flatten(), minlength=8)
+    assert int(kept.sum()) == int(wanted.clamp(max=capacity).sum())
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -296,18 +357,21 @@ def test_expert_parallel_qwen3_moe_matches_one_process(moe, name):
 
 @pytest.mark.parametrize("name,family,ranks", [
     ("megatron-tp2", "qwen3", 2), ("megatron-ep2", "qwen3", 2), ("megatron-tp2-ep2", "qwen3", 4),
-    ("mixtral-megatron-tp2-ep2", "mixtral", 4), ("megatron-dp2-ep2-distopt", "qwen3", 4)])
+    ("mixtral-megatron-tp2-ep2", "mixtral", 4), ("megatron-dp2-ep2-distopt", "qwen3", 4),
+    ("megatron-pp2-recompute", "qwen3", 2), ("megatron-pp2-ep2", "qwen3", 4),
+    ("megatron-tp2-seq31", "qwen3-seq31", 2)])
 def test_the_megatron_engine_trains_moe_with_tensor_and_expert_parallelism_as_one_process(moe, name, family, ranks):
     """Qwen3-MoE and Mixtral (8 experts, top-2, dropless) on the megatron engine: tp=2 (each tp rank routes its
     half of every sequence; the balancing losses from the whole sequences' counts), ep=2 over the dp ranks, tp=2 x
-    ep=2, dp=2 x ep=2 with the distributed optimizer: losses, gradient norms and routing metrics equal one
-    process's, each rank holds what the planner says (tp leaves the MoE blocks whole, ep halves the experts), and
-    the export has one process's weights."""
+    ep=2, dp=2 x ep=2 with the distributed optimizer, pp=2 (with full recompute), pp=2 x ep=2, and tp=2 on
+    31-position rows (padded to 32 for tp, the padding counted in no routing figure): losses, gradient norms and
+    routing metrics equal one process's, each rank holds what the planner says (tp leaves the MoE blocks whole, ep
+    halves the experts), and the export has one process's weights."""
     root, _ = moe
-    single = root / ("single-qwen3" if family == "qwen3" else "single-mixtral-dropless")
+    single = root / {"qwen3": "single-qwen3", "mixtral": "single-mixtral-dropless"}.get(family, f"single-{family}")
     assert_same_moe_run(root / name, single)
     checks = assert_layout_answers(root / name, ranks)
-    assert [check["held"]["expert_ranks"] for check in checks] == [1 if name == "megatron-tp2" else 2] * ranks
+    assert [check["held"]["expert_ranks"] for check in checks] == [2 if "ep2" in name else 1] * ranks
     want, have = load_file(single / "hf" / "model.safetensors"), load_file(root / name / "hf" / "model.safetensors")
     assert sorted(have) == sorted(want)
     for key, tensor in want.items():  # Adam turns tiny gradient differences into updates of up to lr: compare
@@ -478,9 +542,9 @@ def test_key_checks_refuse_bad_values_before_any_model_is_read():
 
 def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
     """expert_parallel_degree that does not divide the experts or the data-parallel ranks, on a dense model, on an
-    engine that holds every expert, or with hybrid sharding; megatron's tp without sequence parallelism or pipeline
-    stages for an MoE model: refused while the run is resolved (before any process
-    group or model), one line from the command line."""
+    engine that holds every expert, or with hybrid sharding; megatron's tp without sequence parallelism for an MoE
+    model: refused while the run is resolved (before any process group or model), one line from the command
+    line."""
     from pretrainer.parallel import planned_world
     from pretrainer.run import resolve_run
 
@@ -499,7 +563,6 @@ def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
              (qwen, 2, {"expert_parallel_degree": 2, "engine": "ddp"}, "engine ddp holds every expert"),
              (qwen, 4, {"expert_parallel_degree": 2, "fsdp_shard_size": 2}, "hybrid sharding with expert_parallel"),
              (qwen, 4, {"engine": "megatron", "plugin_args": {"tp_degree": 2}}, "needs sequence parallelism"),
-             (qwen, 4, {"engine": "megatron", "plugin_args": {"pp_degree": 2}}, "not split into pipeline stages"),
              (qwen, 4, {"engine": "megatron", "expert_parallel_degree": 4,
                         "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
               "4 does not divide the 2 data-parallel rank")]

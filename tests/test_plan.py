@@ -416,7 +416,7 @@ def test_plan_and_train_agree_on_the_loss_chunk_with_a_custom_loss(base_config, 
 
 
 def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(tmp_path):
-    """An MoE model on 4 ranks: fsdp and megatron with ep=2 and ep=4 (megatron's also by tp=2) are among the
+    """An MoE model on 4 ranks: fsdp and megatron with ep=2 and ep=4 (megatron's also by tp=2 or pp=2) are among the
     alternatives; on fsdp a rank gathers 1/ep of each layer's experts, and the step adds the all-to-all of every
     token's top_k hidden states per MoE layer, four times (more with full recompute)."""
     import dataclasses
@@ -443,7 +443,8 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     candidates = candidate_layouts(layout_of("fsdp", 4, 2, 1, 1, 32, "fp32", FSDPSettings()), shape, lambda micro: 0)
     offered = {(c.engine, c.tp, c.dims.ep) for c in candidates}
     assert {("fsdp", 1, 2), ("fsdp", 1, 4), ("megatron", 1, 2), ("megatron", 1, 4), ("megatron", 2, 2)} <= offered
-    assert not [c for c in candidates if c.cp > 1 or c.pp > 1]  # whole sequences, no pipeline stages
+    assert not [c for c in candidates if c.cp > 1]  # whole sequences
+    assert ("megatron", 1, 2) in {(c.engine, c.pp, c.dims.ep) for c in candidates if c.pp == 2}
     assert "engine=megatron" in {layout["overrides"][0] for layout in plan["layouts"]}
     assert shape.expert_layers == 2 and shape.expert_parameters == 2 * 3 * 8 * 64 * 64
     ep2 = layout_of("fsdp", 4, 1, 1, 2, 32, "fp32", FSDPSettings(reshard_after_forward=False))

@@ -54,11 +54,59 @@ def count_inputs(batch: dict) -> int:
 def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The model's logits for a device batch, or its summed loss when its output head computes it."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    with forwarding(batch):
+        return model(**inputs, use_cache=False).logits
+
+
+@contextlib.contextmanager
+def forwarding(batch: dict):
+    """`batch` is the one being forwarded (for an engine that runs the model's modules itself)."""
     token = _forwarded_batch.set(batch)
     try:
-        return model(**inputs, use_cache=False).logits
+        yield
     finally:
         _forwarded_batch.reset(token)
+
+
+def forwarded_attention_mask() -> torch.Tensor | None:
+    """The attention_mask of the batch being forwarded (1: a token, 0: padding); None without one."""
+    batch = _forwarded_batch.get()
+    return batch.get("attention_mask") if batch is not None else None
+
+
+class PipelinedMasks:
+    """The attention masks of the micro-batches a pipeline schedule is running, handed to each stage's forwards in
+    order (a stage runs its micro-batches in order). On a schedule's first step each stage first runs one
+    stand-in forward to infer shapes (torch.distributed.pipelining), which is no micro-batch."""
+
+    STAND_IN = "stand-in"
+
+    def __init__(self, masks: list[torch.Tensor], stand_in_first: bool):
+        self.masks = masks
+        self.stand_in_first = stand_in_first
+        self._taken: dict[int, int] = {}
+
+    def take(self, stage: torch.nn.Module) -> torch.Tensor | str:
+        """The mask of `stage`'s next micro-batch, or STAND_IN."""
+        index = self._taken.get(id(stage), -1 if self.stand_in_first else 0)
+        self._taken[id(stage)] = index + 1
+        return self.STAND_IN if index < 0 else self.masks[index]
+
+
+_pipelined_masks: ContextVar[PipelinedMasks | None] = ContextVar("the pipelined micro-batches", default=None)
+
+
+@contextlib.contextmanager
+def pipelining(masks: PipelinedMasks):
+    token = _pipelined_masks.set(masks)
+    try:
+        yield
+    finally:
+        _pipelined_masks.reset(token)
+
+
+def pipelined_masks() -> PipelinedMasks | None:
+    return _pipelined_masks.get()
 
 
 def head_targets() -> torch.Tensor | None:

@@ -6,7 +6,8 @@ output. `MoeRouting` hooks every router of a model, so it needs no per-family co
 engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
 
 - balancing losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`) are computed from each router's logits in
-  training forwards and handed to the engine, which adds them to the scaled loss of the same micro-batch;
+  training forwards and handed to the engine, which adds them to the scaled loss of the same micro-batch
+  (or, where a pipeline schedule runs the backward, ride on the router's output: `attach_losses`);
   each unit (a sequence, or a micro-batch) carries the weight the loop gives it, so the gradient is that of
   the mean over the global batch's units, whatever the split over ranks and micro-batches;
 - aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every
@@ -15,6 +16,11 @@ engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
 - with `moe_capacity_factor`, an expert takes at most its capacity of a micro-batch's assignments; the
   rest get weight 0 (dropped: the token's residual stream passes that expert by) in training forwards;
 - routing counts per layer and expert are kept over the logging interval for the metrics.
+
+Padding (the forwarded batch's attention_mask 0, see `batch.forwarding`) is routed, as the model routes it,
+but counts nowhere: not in the balancing losses (as HF's load_balancing_loss_func with an attention mask),
+the capacity, the bias updates or the metrics. Its outputs are ignored by the loss anyway, and how padding is
+attended to differs between engines (a padding mask, or the megatron engine's causal mask alone).
 
 Where an engine splits each sequence's tokens over a group of ranks before they are routed (the megatron
 engine under sequence parallelism: `split_sequences`), each rank computes its tokens' part of every unit's
@@ -34,6 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..batch import PipelinedMasks, forwarded_attention_mask, pipelined_masks
 from ..config import ConfigError, MoeSettings, key_error
 
 
@@ -49,15 +56,16 @@ class MoeRouting:
                             "balancing to move; use moe_aux_loss_coeff with this model")
         self._weight: torch.Tensor | float = 0.0  # of one unit's balancing losses in the step's gradient
         self._rows = 0                            # sequences of the micro-batch being run
+        self._valid: torch.Tensor | None = None   # its tokens (1) and padding (0) as this rank routes them
         self._recording = False
         self._pending: list[torch.Tensor] = []
         self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
         self._interval_counts: torch.Tensor | None = None  # the same, over the logging interval
-        # [aux sum, z sum, dropped] over layers and the interval (device), and what the host knows: units, routed
+        # [aux sum, z sum, dropped, routed] over layers and the interval (device), and what the host knows: units
         self._interval_sums: torch.Tensor | None = None
         self._interval_units = 0.0
-        self._interval_routed = 0
         self._split_group, self._split = None, 1  # see split_sequences
+        self._attach = False  # see attach_losses
         self._start_hooks = []
         self.watch_forwards([model])
         for layer, router in enumerate(self.routers):
@@ -69,6 +77,14 @@ class MoeRouting:
         for handle in self._start_hooks:
             handle.remove()
         self._start_hooks = [m.register_forward_pre_hook(self._start_forward, with_kwargs=True) for m in modules]
+        # a replay inside backward (activation checkpointing) runs after the forward: it records nothing
+        self._start_hooks += [m.register_forward_hook(self._end_forward) for m in modules]
+
+    def attach_losses(self) -> None:
+        """Where the engine runs no backward of its own per micro-batch (a pipeline schedule), each router call's
+        weighted balancing losses ride on its routing weights instead: their backward starts the losses' own
+        with gradient 1, as if they had been added to the micro-batch's loss (Megatron's MoEAuxLossAutoScaler)."""
+        self._attach = True
 
     def split_sequences(self, group) -> None:
         """Each sequence's tokens are routed in parts, one on each rank of `group` (None: whole sequences)."""
@@ -102,6 +118,19 @@ class MoeRouting:
         self._rows = int(input_ids.shape[0]) if input_ids is not None else 1
         self._recording = module.training and torch.is_grad_enabled()
         self._pending = []
+        mask = forwarded_attention_mask()
+        pipelined = pipelined_masks() if self._recording else None
+        if pipelined is not None:  # a pipeline stage's next micro-batch
+            mask = pipelined.take(module)
+            if mask is PipelinedMasks.STAND_IN:  # the schedule inferring shapes: no tokens of the run
+                self._recording, self._valid = False, None
+                return
+        if mask is not None and self._split > 1:  # this rank's part of each sequence (sequence parallelism)
+            mask = mask.chunk(self._split, dim=1)[dist.get_rank(self._split_group)]
+        self._valid = mask.reshape(-1) if mask is not None else None
+
+    def _end_forward(self, module, args, output) -> None:
+        self._recording = False
 
     def _routed(self, layer: int, module, args, output):
         if not (module.training and torch.is_grad_enabled()):  # evaluation (dropless, as the exported model)
@@ -110,35 +139,42 @@ class MoeRouting:
         experts, top_k = self.settings.shape.experts, self.settings.shape.top_k
         tokens = logits.shape[0]
         units = self._rows if self.settings.aux_loss_type == "seq" else 1
+        valid = self._valid if self._valid is not None and self._valid.numel() == tokens else None
+        valid = valid.to(device=logits.device, dtype=torch.bool) if valid is not None else None
         # A recomputation (activation checkpointing, inside backward) runs the same operations, as the
         # checkpoint requires, and keeps nothing.
         s = self.settings
         with torch.set_grad_enabled(self.trains_balancing_losses):  # else for the metrics only
             aux, z = balancing_losses(logits.float().reshape(units, tokens // units, experts),
                                       indices.reshape(units, -1), top_k, self.sigmoid_scores[layer],
-                                      self._split_group, self._split)
+                                      self._split_group, self._split,
+                                      valid.view(units, -1) if valid is not None else None)
             weighted = (s.aux_loss_coeff * aux.sum() + s.z_loss_coeff * z.sum()) * self._weight
         kept = None
         if s.capacity_factor is not None:  # an expert over capacity drops tokens: their weight becomes 0
             per_expert = weights.shape[-1] == experts != top_k  # weights over all experts (GPT-OSS), not per slot
             chosen = indices.reshape(-1, top_k)
             slot_weights = weights.gather(-1, chosen) if per_expert else weights.reshape(-1, top_k)
-            kept = capacity_mask(slot_weights, chosen, experts, s.capacity_factor, s.drop_policy)
+            kept = capacity_mask(slot_weights, chosen, experts, s.capacity_factor, s.drop_policy, valid)
             mask = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, chosen, kept) if per_expert \
                 else kept.view(weights.shape)
             output = (output[0], weights * mask.to(weights.dtype), *output[2:])
         if not self._recording:
             return output if kept is not None else None
-        if self.trains_balancing_losses:
+        if self.trains_balancing_losses and self._attach:
+            output = (output[0], _AddToBackward.apply(output[1], weighted), *output[2:])
+        elif self.trains_balancing_losses:
             self._pending.append(weighted)
         # scatter_add_, not bincount (which reads the largest index on the host): nothing here waits for the device
         flat = indices.reshape(-1)
-        self._counts(logits.device)[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        dropped = (~kept).sum() if kept is not None else torch.zeros((), device=logits.device)
-        self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(), dropped]).double())
+        counted = valid.repeat_interleave(top_k).long() if valid is not None else torch.ones_like(flat)
+        self._counts(logits.device)[layer].scatter_add_(0, flat, counted)
+        dropped = (~kept).reshape(-1).long().mul(counted).sum() if kept is not None \
+            else torch.zeros((), device=logits.device)
+        self._sums(logits.device).add_(torch.stack([aux.detach().sum(), z.detach().sum(), dropped,
+                                                    counted.sum()]).double())
         self._interval_units += units / self._split  # each rank of a split holds a part of the same units
-        self._interval_routed += flat.numel()
-        return output if kept is not None else None
+        return output if kept is not None or self._attach else None
 
     def _counts(self, device) -> torch.Tensor:
         if self._step_counts is None:
@@ -148,7 +184,7 @@ class MoeRouting:
 
     def _sums(self, device) -> torch.Tensor:
         if self._interval_sums is None:
-            self._interval_sums = torch.zeros(3, dtype=torch.float64, device=device)
+            self._interval_sums = torch.zeros(4, dtype=torch.float64, device=device)
         return self._interval_sums
 
     # --------------------------------------------------- after the step
@@ -171,14 +207,13 @@ class MoeRouting:
         """The routing metrics of the interval since the last call, over all ranks (one all-reduce)."""
         if self._interval_counts is None:
             return {}
-        host = torch.tensor([self._interval_units, self._interval_routed], dtype=torch.float64,
-                            device=self._interval_sums.device)
+        host = torch.tensor([self._interval_units], dtype=torch.float64, device=self._interval_sums.device)
         both = reduce_sum(torch.cat([self._interval_counts.double().flatten(), self._interval_sums, host]))
         self._interval_counts.zero_()
         self._interval_sums.zero_()
-        self._interval_units, self._interval_routed = 0.0, 0
+        self._interval_units = 0.0
         counts = both[:-5].view(self.layers, -1)
-        aux, z, dropped, units, routed = both[-5:].tolist()
+        aux, z, dropped, routed, units = both[-5:].tolist()
         row = routing_balance(counts)
         row.update({"moe_aux_loss": aux / max(units, 1.0), "moe_z_loss": z / max(units, 1.0)})
         if self.settings.capacity_factor is not None:
@@ -186,8 +221,21 @@ class MoeRouting:
         return row
 
 
+class _AddToBackward(torch.autograd.Function):
+    """The identity on `carrier`; its backward also starts `loss`'s backward, with gradient 1."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype = loss.dtype
+        return carrier.view_as(carrier)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
+
+
 def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool,
-                     split_group=None, split: int = 1):
+                     split_group=None, split: int = 1, valid: torch.Tensor | None = None):
     """Per unit (the rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k] the experts
     picked): the load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the
     load is even, gradient through the probabilities only) and the z-loss mean_t logsumexp(logits)^2
@@ -195,32 +243,43 @@ def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sig
 
     With each unit's tokens split over the `split` ranks of `split_group`, `logits` holds this rank's part:
     the counts are summed over the group and T is the whole unit's, so the returned values are this rank's
-    parts of the unit's losses (they add up over the group) with their exact gradient."""
+    parts of the unit's losses (they add up over the group) with their exact gradient.
+
+    `valid` [units, tokens] (bool): the tokens that count; padding (False) takes no part, and T counts the
+    unit's tokens only."""
     units, tokens, experts = logits.shape
     if sigmoid_scores:
         scores = logits.sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
     else:
         probs = logits.softmax(-1)
+    weight = valid.to(logits.dtype) if valid is not None else torch.ones(units, tokens, device=logits.device)
     counts = torch.zeros(units, experts, device=logits.device).scatter_add_(
-        1, chosen, torch.ones(chosen.shape, device=logits.device))
+        1, chosen, weight.repeat_interleave(top_k, dim=1))
+    counts = torch.cat([counts, weight.sum(1, keepdim=True)], dim=1)  # and the unit's tokens, T
     if split_group is not None:
         dist.all_reduce(counts, group=split_group)
-    whole = tokens * split
-    aux = experts / (top_k * whole * whole) * (counts * probs.sum(1)).sum(-1)
-    z = torch.logsumexp(logits, dim=-1).square().sum(-1) / whole
+    counts, whole = counts[:, :-1], counts[:, -1].clamp(min=1)
+    aux = experts / (top_k * whole * whole) * (counts * (probs * weight.unsqueeze(-1)).sum(1)).sum(-1)
+    z = (torch.logsumexp(logits, dim=-1).square() * weight).sum(-1) / whole
     return aux, z
 
 
 def capacity_mask(weights: torch.Tensor, indices: torch.Tensor, experts: int, factor: float,
-                  policy: str) -> torch.Tensor:
+                  policy: str, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Which of the (token, slot) assignments [tokens, top_k] an expert takes: at most ceil(factor * tokens *
-    top_k / experts) each, the highest weights first (`probs`) or the earliest tokens (`position`)."""
+    top_k / experts) each, the highest weights first (`probs`) or the earliest tokens (`position`). With
+    `valid` [tokens] (bool), padding counts as no token: it takes no place and is never kept."""
     tokens, top_k = indices.shape
-    capacity = math.ceil(factor * tokens * top_k / experts)
     flat = indices.reshape(-1)
     order = torch.argsort(-weights.detach().reshape(-1).float(), stable=True) if policy == "probs" \
         else torch.arange(flat.numel(), device=flat.device)
+    if valid is None:
+        capacity = math.ceil(factor * tokens * top_k / experts)
+    else:  # padding after every token in each queue; a tensor capacity (nothing waits for the device)
+        capacity = torch.ceil(factor * valid.sum() * top_k / experts)
+        padding = ~valid.repeat_interleave(top_k)
+        order = order[torch.argsort(padding[order].byte(), stable=True)]
     queue = order[torch.argsort(flat[order], stable=True)]  # by expert, in the policy's order within each
     per_expert = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
@@ -228,6 +287,8 @@ def capacity_mask(weights: torch.Tensor, indices: torch.Tensor, experts: int, fa
     place = torch.arange(flat.numel(), device=flat.device) - starts[flat[queue]]  # place in its expert's queue
     kept = torch.empty_like(flat, dtype=torch.bool)
     kept[queue] = place < capacity
+    if valid is not None:
+        kept &= valid.repeat_interleave(top_k)
     return kept.view(tokens, top_k)
 
 

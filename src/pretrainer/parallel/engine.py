@@ -339,6 +339,12 @@ class Engine(LayoutAnswers, ABC):
         return [self.unwrap(model)]
 
     @property
+    def balancing_losses_on_activations(self) -> bool:
+        """An MoE model's balancing losses ride on the routers' outputs (a pipeline schedule runs the backward of
+        each micro-batch itself) instead of being added to each micro-batch's loss by `forward_backward`."""
+        return False
+
+    @property
     def routing_group(self):
         """The process group over which each sequence's tokens are split when an MoE block routes them (its
         balancing losses sum the group's token counts); None: every rank routes whole sequences."""

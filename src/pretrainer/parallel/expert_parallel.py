@@ -52,9 +52,12 @@ def shard_experts(model: torch.nn.Module, mesh, gradient_scale: float) -> list[t
 
 def expert_ranks(model: torch.nn.Module) -> int:
     """Ranks the routed experts of `model` are split over by expert: the size of the `ep` dimension of their
-    DTensors' mesh (1: every rank holds every expert, or a dense model)."""
+    DTensors' mesh (1: every rank holds every expert, or a dense model). Experts this rank does not hold (another
+    pipeline stage's, on the meta device) say nothing."""
     for module in find_experts(model):
         for parameter in module.parameters(recurse=False):
+            if parameter.is_meta:
+                break
             names = (parameter.device_mesh.mesh_dim_names or ()) if isinstance(parameter, DTensor) else ()
             return parameter.device_mesh.size(names.index("ep")) if "ep" in names else 1
     return 1

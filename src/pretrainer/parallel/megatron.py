@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-from ..batch import IGNORE, batch_targets, is_head_loss
+from ..batch import IGNORE, PipelinedMasks, batch_targets, forwarding, is_head_loss, pipelining
 from ..config import ConfigError, ParallelDims, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
@@ -116,6 +116,7 @@ class MegatronEngine(DistributedEngine):
         self.loss_weight = 1.0
         self._loss_fn, self._loss_scale, self._loss_sums = None, 1.0, []
         self._padding_checked = False
+        self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
 
     @classmethod
@@ -131,10 +132,6 @@ class MegatronEngine(DistributedEngine):
                 raise ConfigError("plugin_args.sequence_parallelism: a Mixture-of-Experts model with tp_degree > 1 "
                                   "needs sequence parallelism (each tp rank routes its own part of the tokens, as "
                                   "in Megatron-Core); set plugin_args.sequence_parallelism: true")
-            if settings.pp > 1:
-                raise ConfigError("plugin_args.pp_degree: a Mixture-of-Experts model is not split into pipeline "
-                                  "stages yet (its balancing losses are added per micro-batch outside the "
-                                  "schedule); use pp_degree 1 with tp_degree, dp and expert_parallel_degree")
         if settings.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
             raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
                               "(positions are not sent between stages); use pp_degree 1")
@@ -329,7 +326,9 @@ class MegatronEngine(DistributedEngine):
                 position_ids = batch.get("position_ids")
                 if position_ids is not None:
                     position_ids = _pad(position_ids, input_ids.shape[1], 0)
-                output = self.stages[0](input_ids, position_ids, targets)
+                # the padding (the batch's and this engine's own) for what reads it (an MoE model's routing)
+                with forwarding({"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)}):
+                    output = self.stages[0](input_ids, position_ids, targets)
             else:
                 output = self._pipeline_forward_only(input_ids, targets)
         return output if output is None or is_head_loss(output) else output[:, :length]
@@ -338,8 +337,8 @@ class MegatronEngine(DistributedEngine):
                          extra_losses=None) -> torch.Tensor:
         if self.settings.pp == 1:
             return super().forward_backward(model, micro_batches, loss_fn, scale, extra_losses)
-        if extra_losses is not None:  # read_settings refuses MoE models with pipeline stages
-            raise NotImplementedError("extra losses through pipeline stages")
+        # pipelined, the schedule runs each micro-batch's backward: balancing losses ride on the activations
+        # (balancing_losses_on_activations) and `extra_losses` has nothing to hand over
         for batch in micro_batches:
             self._check_padding_side(batch)
         self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
@@ -353,8 +352,12 @@ class MegatronEngine(DistributedEngine):
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states
         head_targets = {"targets": targets} if self._head_loss and last in self.stage_ids else {}
+        # each micro-batch's padding, for what reads it (an MoE model's routing), with the shapes' stand-in first
+        masks = PipelinedMasks([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0) for b in micro_batches],
+                               stand_in_first=not self._schedule_ran)
+        self._schedule_ran = True
         # return_outputs=False: the schedule would otherwise keep every micro-batch's logits until the next step
-        with self.autocast(), self.sequence_layout(micro_batches[0]):
+        with self.autocast(), self.sequence_layout(micro_batches[0]), pipelining(masks):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
                                target=targets if last in self.stage_ids else None, return_outputs=False,
                                **head_targets)
@@ -399,6 +402,10 @@ class MegatronEngine(DistributedEngine):
         self.stages, self._tp_partial = [], []
 
     # ------------------------------------------------------------ Mixture-of-Experts
+    @property
+    def balancing_losses_on_activations(self) -> bool:
+        return self.settings.pp > 1
+
     @property
     def routing_group(self):
         """Under tensor (and so sequence) parallelism each tp rank routes its own 1/tp of every sequence."""
@@ -545,25 +552,24 @@ class MegatronEngine(DistributedEngine):
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
         """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
-        within a node and cp across. An MoE model (not split into stages, whole sequences): tp by ep, ep
-        dividing the experts and the dp ranks."""
+        within a node and cp across. An MoE model (whole sequences): tp by pp by ep, ep dividing the experts and
+        the dp ranks."""
         if world_size == 1:
             return []
         tensor_parallel = [tp for tp in _divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
             shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
         variants = []
-        if shape.experts:
-            for tp in [1, *tensor_parallel]:
-                dp = world_size // tp
-                for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0]:
-                    if tp * ep > 1 and world_size % tp == 0:
-                        variants.append(cls._variant(world_size, tp, 1, 1, ep))
-            return variants
         for tp in [1, *tensor_parallel]:
             for pp in _divisors(world_size // tp, 8):
-                if tp * pp == 1 or pp > shape.layers or (pp > 1 and shape.tied):
+                if pp > shape.layers or (pp > 1 and shape.tied):
                     continue
-                variants.append(cls._variant(world_size, tp, pp, 1))
+                dp = world_size // (tp * pp)
+                for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] \
+                        if shape.experts else [1]:
+                    if tp * pp * ep > 1:
+                        variants.append(cls._variant(world_size, tp, pp, 1, ep))
+        if shape.experts:  # whole sequences
+            return variants
         for cp in context_parallel_degrees(world_size, seq_length)[1:]:
             variants += [cls._variant(world_size, tp, 1, cp) for tp in tensor_parallel if world_size % (tp * cp) == 0]
         return variants
@@ -597,6 +603,11 @@ def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
     from seeing the padding)."""
     extra = length - tensor.shape[1]
     return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra > 0 else tensor
+
+
+def _attention_mask(batch: dict) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    return mask if mask is not None else torch.ones_like(batch["input_ids"])
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int, value: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
             for _ in tensors:  # take part in gathering every tensor
                 pass
     else:
-        state = engine.full_state_dict(model)
+        state = _whole_state(engine, model)
         if engine.is_main:
             state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
             _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
@@ -80,6 +80,14 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+def _whole_state(engine, model: torch.nn.Module) -> dict:
+    """Every tensor whole on the main rank (empty elsewhere): gathered tensor by tensor where the engine can,
+    which also brings other pipeline stages' tensors, else its full state dict."""
+    if not engine.exports_tensor_by_tensor:
+        return engine.full_state_dict(model)
+    return {name: tensor for name, tensor in engine.export_tensors(model) if tensor is not None}
 
 
 @contextmanager

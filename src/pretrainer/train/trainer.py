@@ -160,6 +160,8 @@ class PreTrainer:
         if self.moe is not None:  # each micro-batch starts where the engine runs it; tokens split as it splits them
             self.moe.watch_forwards(engine.forward_modules(self.model))
             self.moe.split_sequences(engine.routing_group)
+            if engine.balancing_losses_on_activations:
+                self.moe.attach_losses()
         self.model_memory = self._report_model_memory(checkpoint.stats if checkpoint is not None else None)
 
     def _report_model_memory(self, stats: LoadStats | None) -> dict:
