@@ -163,6 +163,36 @@ def test_a_model_filled_from_the_files_equals_from_pretrained(checkpoints, tmp_p
             assert filled.lm_head.weight is filled.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_an_moe_checkpoint_of_per_expert_tensors_fills_its_stacked_experts(tmp_path, family):
+    """Hub MoE files hold one matrix per expert (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj); the model stacks
+    them (gate and up concatenated). Filled from the files they equal from_pretrained, saved buffers included
+    (DeepSeek-V3's e_score_correction_bias), and saving writes the same tensors back."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import write_tiny_moe
+
+    folder = write_tiny_moe(tmp_path / family, family)
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    with torch.no_grad():
+        for buffer in source.buffers():
+            if buffer.is_floating_point() and buffer.dim() == 1 and buffer.numel() == 8:  # the routing bias
+                buffer.uniform_(-1, 1)
+    source.save_pretrained(folder)
+    files = load_file(folder / "model.safetensors")
+    assert any(".experts.0." in key for key in files)  # per expert in the files
+    filled = laid_out(folder, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours, theirs = filled.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    filled.save_pretrained(tmp_path / "again")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert again.keys() == files.keys() and all(torch.equal(again[k], files[k]) for k in files)
+
+
 def rewrite_without(folder: Path, target: Path, drop: str) -> Path:
     """A copy of `folder` whose shard holding `drop` no longer has it (the index still lists it)."""
     import shutil

@@ -147,6 +147,8 @@ def moe(tmp_path_factory):
                         {"name": "mixtral-megatron-tp2-ep2", "overrides": tp2_ep2,
                          "config": {**variants["mixtral-dropless"][0],
                                     "save_dir": str(root / "mixtral-megatron-tp2-ep2")}},
+                        {"name": "qwen3-megatron-tp2-ep2-from-hf", "overrides": tp2_ep2,
+                         "config": {**from_hf, "save_dir": str(root / "megatron-tp2-ep2-from-hf")}},
                         {"name": "qwen3-megatron-pp2-ep2", "overrides": [*megatron_ep2, "plugin_args.pp_degree=2"],
                          "config": {"save_dir": str(root / "megatron-pp2-ep2")}},
                         {"name": "qwen3-megatron-dp2-ep2-distributed-optimizer",
@@ -417,13 +419,24 @@ def test_an_expert_parallel_run_resumes_exactly_also_from_another_layout(moe, re
     assert {step: pytest.approx(row, rel=1e-6) for step, row in want.items()} == moe_rows(root / resumed)
 
 
-@pytest.mark.parametrize("name", ["fsdp-from-hf", "ep2-from-hf"])
+@pytest.mark.parametrize("name", ["fsdp-from-hf", "ep2-from-hf", "megatron-tp2-ep2-from-hf"])
 def test_a_trained_moe_folder_continues_on_fsdp_as_on_one_process(moe, name):
+    """An HF folder with one tensor per expert, read in slices: each rank reads only its part of every tensor,
+    its experts' rows included (fsdp: half of everything, the ep=2 experts' half too; megatron tp=2 x ep=2:
+    half of attention and half of the experts), and trains as one process that loaded it whole."""
     root, _ = moe
     want, have = train_losses(root / "single-from-hf"), train_losses(root / name)
     assert sorted(have) == sorted(want) == [1, 2]
     assert [have[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
     assert want[1] < train_losses(root / "single-qwen3")[1] - 0.01  # it starts from the trained weights
+    files = load_file(root / "single-qwen3" / "hf" / "model.safetensors")
+    total = sum(t.numel() * t.element_size() for t in files.values())
+    experts = sum(t.numel() * t.element_size() for key, t in files.items() if ".experts." in key)
+    read = next(r for r in read_metrics(root / name) if r.get("event") == "start")["weights_read_bytes"]
+    if name.startswith("megatron"):  # tp halves all but the MoE blocks (router whole), ep halves the experts
+        assert len(read) == 4 and max(read) < (total - experts) / 2 + experts / 2 + 0.02 * total
+    else:  # every byte read once, half on each rank
+        assert len(read) == 2 and sum(read) == pytest.approx(total, rel=1e-3) and max(read) < 0.52 * total
 
 
 def test_a_stopped_moe_run_resumes_exactly(moe):

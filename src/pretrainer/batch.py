@@ -59,13 +59,18 @@ def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def forwarding(batch: dict):
-    """`batch` is the one being forwarded (for an engine that runs the model's modules itself)."""
-    token = _forwarded_batch.set(batch)
+def _holding(variable: ContextVar, value):
+    """`variable` is `value` inside the block."""
+    token = variable.set(value)
     try:
         yield
     finally:
-        _forwarded_batch.reset(token)
+        variable.reset(token)
+
+
+def forwarding(batch: dict):
+    """`batch` is the one being forwarded (for an engine that runs the model's modules itself)."""
+    return _holding(_forwarded_batch, batch)
 
 
 def forwarded_attention_mask() -> torch.Tensor | None:
@@ -96,13 +101,9 @@ class PipelinedMasks:
 _pipelined_masks: ContextVar[PipelinedMasks | None] = ContextVar("the pipelined micro-batches", default=None)
 
 
-@contextlib.contextmanager
 def pipelining(masks: PipelinedMasks):
-    token = _pipelined_masks.set(masks)
-    try:
-        yield
-    finally:
-        _pipelined_masks.reset(token)
+    """A pipeline schedule runs the micro-batches `masks` describes."""
+    return _holding(_pipelined_masks, masks)
 
 
 def pipelined_masks() -> PipelinedMasks | None:
@@ -115,25 +116,15 @@ def head_targets() -> torch.Tensor | None:
     return batch_targets(batch) if batch is not None else None
 
 
-@contextlib.contextmanager
 def targets_for_head(targets: torch.Tensor):
     """Hand `targets` to an output head that computes the loss itself, for an engine that runs the model's
     modules without `forward_logits` (pipeline stages)."""
-    token = _forwarded_batch.set({"shift_labels": targets})
-    try:
-        yield
-    finally:
-        _forwarded_batch.reset(token)
+    return _holding(_forwarded_batch, {"shift_labels": targets})
 
 
-@contextlib.contextmanager
 def per_token_losses():
     """Ask an output head that computes the loss itself for each token's loss rather than the sums."""
-    token = _token_losses_wanted.set(True)
-    try:
-        yield
-    finally:
-        _token_losses_wanted.reset(token)
+    return _holding(_token_losses_wanted, True)
 
 
 def wants_token_losses() -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from .hf_conversions import conversions_of
 from .hf_weights import CheckpointTensors, attach_checkpoint
 from .rope import apply_rope_settings
 from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth, row_grower
@@ -167,29 +168,20 @@ def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:
     logger.info("weights: %s (%d safetensors file(s)) is read as the engine lays the model out, each rank reading "
                 "only what it holds", spec.source, len(set(checkpoint.files.values())))
     _keep_generation_config(model, Path(spec.source))
-    # What from_pretrained records when no renaming or conversion matched the files: save_pretrained then writes
-    # the tensors in the same order as for a loaded model, so the export is the same bytes.
-    model._weight_conversions = []
+    # What from_pretrained records: the conversions the files needed (none: save_pretrained then writes the
+    # tensors in the same order as for a loaded model, so the export is the same bytes; per-expert tensors are
+    # written back per expert).
+    model._weight_conversions = checkpoint.used_conversions
     attach_checkpoint(model, checkpoint)
     return model
 
 
 def reads_checkpoint_in_slices(args, spec: ModelSpec) -> bool:
     """Whether an engine that can read its own slices of the checkpoint will (safetensors files whose names are
-    the model's, `sliced_weight_loading` on)."""
+    the model's, or converted by renamings and per-expert stacking only; `sliced_weight_loading` on)."""
     return bool(spec.has_weights and args.sliced_weight_loading and Path(spec.source).is_dir()
                 and any(Path(spec.source).glob("*.safetensors"))
-                and not _converts_weights_on_load(spec.config))
-
-
-def _converts_weights_on_load(config) -> bool:
-    """transformers renames or fuses this architecture's tensors as it loads them (the experts of MoE models in
-    transformers 5): the files' names are not the model's, so only `from_pretrained` can read them."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:  # a transformers release without conversions
-        return False
-    return bool(get_checkpoint_conversion_mapping(getattr(config, "model_type", "")))
+                and conversions_of(spec.config) is not None)
 
 
 def _keep_generation_config(model, folder: Path) -> None:

@@ -9,7 +9,9 @@ vocabulary grown for an extended tokenizer grows the embedding and head as they 
 
 Names: a parameter's name in the laid-out model is mapped to its name in the files by `checkpoint_name`
 (wrapper segments dropped), the one mapping export uses too. An output embedding tied to the input
-embedding reads the input embedding's tensor when the files hold only that one.
+embedding reads the input embedding's tensor when the files hold only that one. Where transformers converts
+the files' tensors as it loads them (an MoE model's per-expert matrices stacked into one parameter:
+hf_conversions.py), a rank reads its experts' rows of each, and only those.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..config import ConfigError
+from .hf_conversions import Conversions, Stacking, conversions_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +53,15 @@ class CheckpointTensors:
     """The tensors of one HF folder's safetensors files: where each lives, its shape, and sliced reads."""
 
     def __init__(self, folder: Path, files: dict[str, Path], shapes: dict[str, tuple], prefix: str,
-                 aliases: dict[str, str]):
+                 aliases: dict[str, str], conversions: Conversions | None = None):
         self.folder = folder
         self.files = files          # tensor name -> file
         self.shapes = shapes        # tensor name -> shape in the file
         self.prefix = prefix        # the model's base_model_prefix ("model"): a base-model checkpoint omits it
         self.aliases = aliases      # tied output embedding -> input embedding name
+        self.conversions = conversions or Conversions()
+        # model names read from per-expert tensors, with the spelling of the model's name in the files (locate)
+        self._stacked: dict[str, tuple[Stacking, str]] = {}
         self.stats = LoadStats()
         self._taken: set[str] = set()
         self.grower = None          # vocab_growth.RowGrower when the model's vocabulary is larger than the files'
@@ -101,16 +107,34 @@ class CheckpointTensors:
             except Exception as exc:  # safetensors raises its own error types for damaged files
                 raise ConfigError(f"{path}: cannot be read as safetensors ({str(exc)[:200]}); the file may be "
                                   "cut short: download it again") from None
-        return cls(folder, files, shapes, getattr(model, "base_model_prefix", "") or "", _tied_aliases(model))
+        return cls(folder, files, shapes, getattr(model, "base_model_prefix", "") or "", _tied_aliases(model),
+                   conversions_of(model.config) or Conversions())
+
+    @property
+    def used_conversions(self) -> list:
+        """transformers' conversion entries these files need: what `from_pretrained` records on the model, so
+        that saving reverts them."""
+        return self.conversions.used(self.files)
 
     # ------------------------------------------------------------ names
     def locate(self, name: str) -> str | None:
-        """The name in the files of the model's parameter `name`, or None when the files lack it."""
+        """The name in the files of the model's parameter `name`, or None when the files lack it. A tensor the
+        files hold per expert (the model stacks them) is located by the model's own name."""
         name = checkpoint_name(name)
         candidates = [name, self.aliases.get(name)]
         if self.prefix and name.startswith(self.prefix + "."):  # saved from the base model (no head)
             candidates.append(name[len(self.prefix) + 1:])
-        return next((c for c in candidates if c and c in self.files), None)
+        spelt = [spelling for c in candidates if c for spelling in self.conversions.file_candidates(c)]
+        found = next((c for c in spelt if c in self.files), None)
+        if found is not None:
+            return found
+        stacking = self.conversions.stacking(name)
+        if stacking is not None:
+            for spelling in self.conversions.file_candidates(name):
+                if all(part in self.files for part in stacking.file_names(spelling, 0)):
+                    self._stacked[name] = (stacking, spelling)
+                    return name
+        return None
 
     def check(self, model: torch.nn.Module) -> None:
         """Every parameter is in the files with the shape the config gives, before anything is read."""
@@ -119,6 +143,8 @@ class CheckpointTensors:
             found = self.locate(name)
             if found is None:
                 problems.append(f"tensor '{checkpoint_name(name)}' is missing from the checkpoint")
+            elif found in self._stacked:
+                problems += self._check_stacked(found, tuple(parameter.shape))
             elif tuple(self.shapes[found]) != self._stored_shape(found, tuple(parameter.shape)):
                 problems.append(f"tensor '{found}' in {self.files[found].name} has shape "
                                 f"{list(self.shapes[found])}; the config gives "
@@ -128,6 +154,21 @@ class CheckpointTensors:
             raise ConfigError(f"model_path {self.folder}: the weights do not match the model's config.json: "
                               + "; ".join(problems[:5]) + more + ". Check that config.json belongs to these "
                               "weight files (same model size and vocabulary)")
+
+    def _check_stacked(self, name: str, shape: tuple) -> list[str]:
+        """Every expert's parts are in the files, and stacked and concatenated they make `shape`."""
+        stacking, spelling = self._stacked[name]
+        parts = [stacking.file_names(spelling, expert) for expert in range(shape[0])]
+        missing = [part for names in parts for part in names if part not in self.files]
+        if missing:
+            return [f"tensor '{missing[0]}' is missing from the checkpoint ({len(missing)} expert tensor(s) of "
+                    f"'{name}')"]
+        first = [self.shapes[part] for part in parts[0]]
+        stacked = (shape[0], sum(s[0] for s in first), *first[0][1:])
+        if stacked != shape or any(self.shapes[part] != first[i] for names in parts for i, part in enumerate(names)):
+            return [f"the per-expert tensors '{parts[0][0]}', ... stack to {list(stacked)}; the config gives "
+                    f"{list(shape)} for '{name}'"]
+        return []
 
     def _stored_shape(self, name: str, shape: tuple) -> tuple:
         """The shape the files should hold for a parameter of `shape` (a grown matrix: the old rows)."""
@@ -142,7 +183,9 @@ class CheckpointTensors:
         start = time.perf_counter()
         local = target.to_local() if isinstance(target, DTensor) else target
         # One file open per tensor: its pages are unmapped again at once, so they never add up in RSS.
-        if name in self.grown:
+        if name in self._stacked:
+            data = self._read_stacked(name, target)
+        elif name in self.grown:
             data = self._grown_matrix(name)
             if isinstance(target, DTensor):
                 data = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None).to_local()
@@ -160,6 +203,37 @@ class CheckpointTensors:
         self.stats.bytes_read += data.numel() * data.element_size()
         self.stats.seconds += time.perf_counter() - start
         self._taken.add(name)
+
+    def _read_stacked(self, name: str, target: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor the files hold per expert: its experts, and of each its rows of the
+        concatenated parts and its columns, read slice by slice."""
+        from safetensors import safe_open
+
+        stacking, spelling = self._stacked[name]
+        index = _local_index(target) if isinstance(target, DTensor) else None
+        whole = index is None
+        if whole:
+            index = tuple(slice(0, size) for size in target.shape)
+        experts, rows, columns = index[0], index[1], index[2:]
+        handles = {}
+        stack = []
+        for expert in range(experts.start, experts.stop):
+            pieces, offset = [], 0
+            for part in stacking.file_names(spelling, expert):
+                height = self.shapes[part][0]
+                start, stop = max(rows.start - offset, 0), min(rows.stop - offset, height)
+                if start < stop:
+                    path = self.files[part]
+                    if path not in handles:
+                        handles[path] = safe_open(str(path), framework="pt")
+                    pieces.append(handles[path].get_slice(part)[(slice(start, stop), *columns)])
+                offset += height
+                self._taken.add(part)
+            stack.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        data = torch.stack(stack)
+        if whole and isinstance(target, DTensor):  # a layout without plain offsets: split here
+            data = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        return data
 
     def _grown_matrix(self, name: str) -> torch.Tensor:
         """The grown fp32 matrix `name`. Growing draws random rows from one generator, input embedding first: a

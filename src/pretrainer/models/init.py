@@ -8,8 +8,8 @@ or the order modules are visited, and no rank holds more than one module's full
 weights at a time.
 
 A model built for a checkpoint (`hf_weights.attach_checkpoint`) is filled from its files instead: each
-parameter found there is read (only this rank's slice), and only what the files lack (RoPE's computed
-buffers) goes through the init rule.
+parameter and saved buffer found there is read (only this rank's slice), and only what the files lack (RoPE's
+computed buffers) goes through the init rule.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int,
             if not tensors:
                 continue
         prefix = f"{name}." if name else ""
-        stored = {key: checkpoint.locate(prefix + key) for key in module._parameters if key in tensors} \
-            if checkpoint else {}
+        # parameters, and buffers a checkpoint keeps (DeepSeek-V3's e_score_correction_bias)
+        kept = [*module._parameters, *(k for k in module._buffers if k not in module._non_persistent_buffers_set)]
+        stored = {key: checkpoint.locate(prefix + key) for key in kept if key in tensors} if checkpoint else {}
         stored = {key: found for key, found in stored.items() if found is not None}
         if len(stored) < len(tensors):
             _init_module(model, module, name, tensors, seed)
