@@ -55,6 +55,7 @@ def moe(tmp_path_factory):
     models = {family: write_tiny_moe(root / family, family) for family in ("mixtral", "qwen3_moe", "deepseek_v3")}
     base = {**fast_config(models["qwen3_moe"], corpus, root / "unused"), "dp": 2, "eval_interval": 0, **BALANCED}
     (root / "zero3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (root / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     variants = {  # name: (config changes, overrides)
         "qwen3": ({}, []),
         "mixtral": ({"model_path": str(models["mixtral"]), "moe_aux_loss_type": "micro_batch",
@@ -124,6 +125,11 @@ def moe(tmp_path_factory):
                "config": {"save_dir": str(root / "megatron-tp2")}},
               {"name": "qwen3-megatron-ep2", "overrides": megatron_ep2,
                "config": {"save_dir": str(root / "megatron-ep2")}},
+              # DeepSeek-V3 (attention whole: pp, dp and ep only) with bias updates, ep=2
+              {"name": "deepseek-bias-megatron-ep2", "overrides": megatron_ep2,
+               "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-megatron-ep2")}},
+              {"name": "qwen3-zero2", "overrides": [f"deepspeed={root}/zero2.json"],
+               "config": {"save_dir": str(root / "zero2")}},
               # 31 positions: each row right-padded to 32 for tp=2, the padding routed but counted nowhere
               {"name": "qwen3-megatron-tp2-seq31", "overrides": [*tp2, "dp=1", "micro_batch_size=4"],
                "config": {**variants["qwen3-seq31"][0], "save_dir": str(root / "megatron-tp2-seq31")}},
@@ -338,7 +344,7 @@ def json_config(folder):
     return AutoConfig.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-recompute", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp-recompute", "zero2", "zero3"])
 def test_qwen3_moe_on_two_ranks_matches_one_process(moe, name):
     """Losses, gradient norms and routing metrics of every engine equal one process's; recomputation
     (activation checkpointing) replays the routers without counting them twice."""
@@ -390,11 +396,13 @@ def test_a_megatron_tensor_and_expert_parallel_run_resumes_exactly(moe):
 
 
 @pytest.mark.parametrize("family,single", [("mixtral-ep2", "single-mixtral"),
-                                           ("deepseek-bias-ep2", "single-deepseek-bias")])
+                                           ("deepseek-bias-ep2", "single-deepseek-bias"),
+                                           ("deepseek-bias-megatron-ep2", "single-deepseek-bias")])
 def test_expert_parallel_mixtral_capacity_and_deepseek_bias_match_one_process(moe, family, single):
     """Mixtral with per-micro-batch balancing and a capacity (drops by position) and DeepSeek-V3 (sigmoid grouped
-    routing, a shared expert, a dense first layer, bias updates) on ep=2 train as one process; the dropped
-    fraction and the moved bias are the same."""
+    routing, a shared expert, a dense first layer, bias updates; on fsdp and on the megatron engine, its
+    multi-head latent attention whole) on ep=2 train as one process; the dropped fraction and the moved bias are
+    the same."""
     root, _ = moe
     assert_same_moe_run(root / family, root / single)
     if family.startswith("mixtral"):

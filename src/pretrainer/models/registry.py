@@ -163,6 +163,15 @@ def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
                                          else config.max_position_embeddings)
 
 
+def parse_whole_attention_config(megatron_lm_plugin, model, batch_data) -> None:
+    """Decoders laid out like Llama's whose attention is not split over tensor-parallel ranks: OLMoE (q/k norms
+    over all heads) and DeepSeek-V3 (multi-head latent attention). They run pipeline stages, dp and ep."""
+    parse_llama_config(megatron_lm_plugin, model, batch_data)
+    megatron_lm_plugin.megatron_lm_default_args["parallel_split"] = "llama-whole-attention"
+
+
 # a key matches every model_type containing it: "qwen2" and "qwen3" take their MoE variants too
 for _model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3"):
     add_model_config_to_megatron_parser(_model_type)(parse_llama_config)
+for _model_type in ("olmoe", "deepseek_v3"):
+    add_model_config_to_megatron_parser(_model_type)(parse_whole_attention_config)

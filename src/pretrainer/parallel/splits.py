@@ -126,3 +126,15 @@ def moe_blocks(stage) -> list[torch.nn.Module]:
 
 
 register_split("llama", llama_parts, llama_tensor_parallel)
+
+
+def refuse_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
+    model_type = getattr(stage.config, "model_type", "this model")
+    raise ConfigError(f"plugin_args.tp_degree: {model_type}'s attention is not split over tensor-parallel ranks (its "
+                      "q/k norms span every head, or its attention is multi-head latent); use tp_degree 1 with "
+                      "pp_degree, dp and expert_parallel_degree")
+
+
+# Llama's module layout whose attention stays whole: OLMoE (q/k norms over all heads), DeepSeek-V3 (multi-head
+# latent attention); pipeline stages, dp and expert parallelism only
+register_split("llama-whole-attention", llama_parts, refuse_tensor_parallel)
