@@ -116,6 +116,11 @@ def moe(tmp_path_factory):
                "config": {**from_hf, "save_dir": str(root / "ep2-from-hf")}},
               {"name": "mixtral-ep2", "overrides": ep2,
                "config": {**variants["mixtral"][0], "save_dir": str(root / "mixtral-ep2")}},
+              # Mixtral dropless (per-sequence balancing): fsdp, ZeRO-3, ep=2
+              *[{"name": f"mixtral-dropless-{name}", "overrides": overrides,
+                 "config": {**variants["mixtral-dropless"][0], "save_dir": str(root / f"mixtral-dropless-{name}")}}
+                for name, overrides in (("fsdp", ["engine=fsdp"]), ("zero3", [f"deepspeed={root}/zero3.json"]),
+                                        ("ep2", ep2))],
               {"name": "deepseek-bias-ep2", "overrides": ep2,
                "config": {**variants["deepseek-bias"][0], "save_dir": str(root / "deepseek-bias-ep2")}}]
     # the megatron engine: tp=2 (sequence parallel: each tp rank routes its own tokens), ep=2 over the dp ranks
@@ -144,6 +149,9 @@ def moe(tmp_path_factory):
     tp2_ep2 = [*tp2, *megatron_ep2[1:]]
     launch_cases(base, [{"name": "qwen3-dp2-ep2", "overrides": [*ep2, "dp=4", "micro_batch_size=1"],
                          "config": {"save_dir": str(root / "dp2-ep2")}},
+                        {"name": "mixtral-dropless-dp2-ep2", "overrides": [*ep2, "dp=4", "micro_batch_size=1"],
+                         "config": {**variants["mixtral-dropless"][0],
+                                    "save_dir": str(root / "mixtral-dropless-dp2-ep2")}},
                         {"name": "qwen3-megatron-tp2-ep2", "overrides": tp2_ep2,
                          "config": {"save_dir": str(root / "megatron-tp2-ep2")}},
                         {"name": "qwen3-megatron-tp2-ep2-exit", "overrides": [*tp2_ep2, "exit_interval=3"],
@@ -393,6 +401,14 @@ def test_a_megatron_tensor_and_expert_parallel_run_resumes_exactly(moe):
     assert train_losses(resumed) == pytest.approx(train_losses(root / "megatron-tp2-ep2"), rel=1e-6)
     want = moe_rows(root / "megatron-tp2-ep2")
     assert {step: pytest.approx(row, rel=1e-6) for step, row in want.items()} == moe_rows(resumed)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero3", "ep2", "dp2-ep2"])
+def test_dropless_mixtral_matches_one_process_on_fsdp_zero3_and_expert_parallel(moe, name):
+    """Mixtral (8 experts, top-2, dropless, per-sequence balancing) on fsdp, ZeRO-3, fsdp ep=2 (2 ranks) and
+    dp=2 x ep=2 (4 ranks): losses, gradient norms and routing metrics equal one process's."""
+    root, _ = moe
+    assert_same_moe_run(root / f"mixtral-dropless-{name}", root / "single-mixtral-dropless")
 
 
 @pytest.mark.parametrize("family,single", [("mixtral-ep2", "single-mixtral"),
