@@ -259,6 +259,44 @@ def test_padding_counts_nowhere_in_the_routing(tmp_path):
     assert int(kept.sum()) == int(wanted.clamp(max=capacity).sum())
 
 
+def test_a_recomputed_router_uses_its_own_forwards_padding_when_other_forwards_ran_between(tmp_path):
+    """As a pipeline schedule runs them: two micro-batches with different padding forwarded, then both
+    backwards. With full activation checkpointing each layer's replay inside backward computes the balancing
+    losses again, with the mask of its own forward, not the last one: the gradients equal those without
+    recomputation."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrainer.batch import forward_logits
+    from pretrainer.models import checkpoint_name
+    from pretrainer.parallel.activation_checkpoint import RecomputeSettings, apply_activation_checkpointing
+
+    folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
+    ids = torch.randint(3, 4096, (2, 2, 16), generator=torch.Generator().manual_seed(1))
+    masks = torch.ones(2, 2, 16, dtype=torch.long)
+    masks[0, 0, 9:] = 0
+    masks[1, 1, 4:] = 0
+    grads = {}
+    for recompute in ("none", "full"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(json_config(folder)).train()
+        apply_activation_checkpointing(model, RecomputeSettings(recompute))
+        args = PreTrainingArguments(num_training_steps=1, micro_batch_size=2, dp=1, model_path=str(folder),
+                                    **BALANCED)
+        routing = MoeRouting(model, MoeSettings.of(args, model.config, "config.json"))
+        routing.begin_step(1.0)
+        losses = []
+        for micro in range(2):
+            forward_logits(model, {"input_ids": ids[micro], "attention_mask": masks[micro]})
+            losses.append(routing.take_losses())
+        for loss in losses:
+            loss.backward()
+        grads[recompute] = {checkpoint_name(name): p.grad.clone() for name, p in model.named_parameters()
+                            if p.grad is not None}
+    assert grads["full"].keys() == grads["none"].keys() and any("mlp.gate" in name for name in grads["none"])
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_a_capacity_factor_drops_what_a_count_outside_the_model_says(tmp_path, policy):
     """Capacity 1.0 of 3 x 16 tokens, top-2 of 8: each expert takes 12 assignments per micro-batch. The dropped

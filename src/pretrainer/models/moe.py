@@ -34,6 +34,7 @@ still computes the losses (and drops them), since the checkpoint checks that it 
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -57,6 +58,11 @@ class MoeRouting:
         self._weight: torch.Tensor | float = 0.0  # of one unit's balancing losses in the step's gradient
         self._rows = 0                            # sequences of the micro-batch being run
         self._valid: torch.Tensor | None = None   # its tokens (1) and padding (0) as this rank routes them
+        self._stand_in = False                    # the forward running is a pipeline's shape inference
+        # per layer, the masks of the step's recorded router calls not yet replayed: a recomputation inside
+        # backward (activation checkpointing) must use its own forward's mask, and under a pipeline schedule
+        # other micro-batches' forwards run in between (each stage replays its micro-batches in order)
+        self._replays: list[collections.deque] = []
         self._recording = False
         self._pending: list[torch.Tensor] = []
         self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
@@ -68,6 +74,7 @@ class MoeRouting:
         self._attach = False  # see attach_losses
         self._start_hooks = []
         self.watch_forwards([model])
+        self._replays = [collections.deque() for _ in self.routers]
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._routed, layer))
 
@@ -102,6 +109,8 @@ class MoeRouting:
     def begin_step(self, unit_weight: torch.Tensor | float) -> None:
         """`unit_weight`: the factor of one unit's losses (gradient_average_size / units in the global batch)."""
         self._weight = unit_weight
+        for queue in self._replays:
+            queue.clear()
 
     def take_losses(self) -> torch.Tensor | None:
         """The balancing losses of the forward just run (weighted, to add to its scaled loss); ends recording."""
@@ -123,14 +132,14 @@ class MoeRouting:
         if pipelined is not None:  # a pipeline stage's next micro-batch
             mask = pipelined.take(module)
             if mask is PipelinedMasks.STAND_IN:  # the schedule inferring shapes: no tokens of the run
-                self._recording, self._valid = False, None
+                self._recording, self._valid, self._stand_in = False, None, True
                 return
         if mask is not None and self._split > 1:  # this rank's part of each sequence (sequence parallelism)
             mask = mask.chunk(self._split, dim=1)[dist.get_rank(self._split_group)]
         self._valid = mask.reshape(-1) if mask is not None else None
 
     def _end_forward(self, module, args, output) -> None:
-        self._recording = False
+        self._recording = self._stand_in = False
 
     def _routed(self, layer: int, module, args, output):
         if not (module.training and torch.is_grad_enabled()):  # evaluation (dropless, as the exported model)
@@ -139,8 +148,13 @@ class MoeRouting:
         experts, top_k = self.settings.shape.experts, self.settings.shape.top_k
         tokens = logits.shape[0]
         units = self._rows if self.settings.aux_loss_type == "seq" else 1
-        valid = self._valid if self._valid is not None and self._valid.numel() == tokens else None
-        valid = valid.to(device=logits.device, dtype=torch.bool) if valid is not None else None
+        if self._recording:
+            valid = self._valid if self._valid is not None and self._valid.numel() == tokens else None
+            valid = valid.to(device=logits.device, dtype=torch.bool) if valid is not None else None
+            self._replays[layer].append(valid)
+        else:  # a replay inside backward takes its forward's mask; the shape inference, none
+            queue = self._replays[layer]
+            valid = queue.popleft() if queue and not self._stand_in else None
         # A recomputation (activation checkpointing, inside backward) runs the same operations, as the
         # checkpoint requires, and keeps nothing.
         s = self.settings

@@ -128,11 +128,14 @@ def moe_blocks(stage) -> list[torch.nn.Module]:
 register_split("llama", llama_parts, llama_tensor_parallel)
 
 
+WHOLE_ATTENTION = {"olmoe": "its q/k norms span every head", "deepseek_v3": "its attention is multi-head latent"}
+
+
 def refuse_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
-    model_type = getattr(stage.config, "model_type", "this model")
-    raise ConfigError(f"plugin_args.tp_degree: {model_type}'s attention is not split over tensor-parallel ranks (its "
-                      "q/k norms span every head, or its attention is multi-head latent); use tp_degree 1 with "
-                      "pp_degree, dp and expert_parallel_degree")
+    model_type = str(getattr(stage.config, "model_type", "this model"))
+    reason = WHOLE_ATTENTION.get(model_type, "its attention is not laid out like Llama's")
+    raise ConfigError(f"plugin_args.tp_degree: {model_type}'s attention is not split over tensor-parallel ranks "
+                      f"({reason}); use tp_degree 1 with pp_degree, dp and expert_parallel_degree")
 
 
 # Llama's module layout whose attention stays whole: OLMoE (q/k norms over all heads), DeepSeek-V3 (multi-head
