@@ -36,12 +36,15 @@ class Stacking:
 
 @dataclass(frozen=True)
 class Conversions:
-    renamings: tuple[Renaming, ...] = ()
-    stackings: tuple[Stacking, ...] = ()
-    mapping: tuple = ()  # transformers' own entries (saving reverts those that were used)
+    entries: tuple = ()  # (transformers' own entry, its Renaming or Stacking); saving reverts the used ones
+
+    @property
+    def renamings(self) -> list[Renaming]:
+        return [rule for _, rule in self.entries if isinstance(rule, Renaming)]
 
     def stacking(self, name: str) -> Stacking | None:
-        return next((s for s in self.stackings if name.endswith(s.target)), None)
+        return next((rule for _, rule in self.entries if isinstance(rule, Stacking) and name.endswith(rule.target)),
+                    None)
 
     def file_candidates(self, name: str) -> list[str]:
         """`name` as the files may spell it: itself, then with each renaming reversed."""
@@ -51,15 +54,11 @@ class Conversions:
         """transformers' entries that these files need (what from_pretrained records for saving)."""
         names = list(file_names)
         used = []
-        for entry, renaming in zip(self.mapping, self._by_entry()):
-            patterns = [renaming.files] if isinstance(renaming, Renaming) else \
-                [source.split("*")[0] for source in renaming.sources]
+        for entry, rule in self.entries:
+            patterns = [rule.files] if isinstance(rule, Renaming) else [source.split("*")[0] for source in rule.sources]
             if any(pattern in name for name in names for pattern in patterns):
                 used.append(entry)
         return used
-
-    def _by_entry(self) -> list:
-        return [*self.renamings, *self.stackings]
 
 
 def conversions_of(config) -> Conversions | None:
@@ -69,20 +68,16 @@ def conversions_of(config) -> Conversions | None:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a transformers release without conversions
         return Conversions()
-    mapping = get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or []
-    renamings, stackings = [], []
-    for entry in mapping:
+    entries = []
+    for entry in get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or []:
         sources, targets = list(entry.source_patterns), list(entry.target_patterns)
         operations = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(entry, "operations", [])]
         if type(entry).__name__ == "WeightRenaming" and len(sources) == len(targets) == 1 and not operations:
-            renamings.append(Renaming(model=targets[0], files=sources[0]))
+            entries.append((entry, Renaming(model=targets[0], files=sources[0])))
         elif (type(entry).__name__ == "WeightConverter" and len(targets) == 1
               and all(source.count("*") == 1 for source in sources)
               and operations in ([STACK], [STACK, CONCATENATE])):
-            stackings.append(Stacking(target=targets[0], sources=tuple(sources)))
+            entries.append((entry, Stacking(target=targets[0], sources=tuple(sources))))
         else:
             return None
-    # entries in the order of _by_entry: renamings first, then stackings
-    ordered = [e for e in mapping if type(e).__name__ == "WeightRenaming"] + \
-        [e for e in mapping if type(e).__name__ == "WeightConverter"]
-    return Conversions(tuple(renamings), tuple(stackings), tuple(ordered))
+    return Conversions(tuple(entries))

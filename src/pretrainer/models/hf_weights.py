@@ -16,6 +16,7 @@ hf_conversions.py), a rank reads its experts' rows of each, and only those.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -108,7 +109,7 @@ class CheckpointTensors:
                 raise ConfigError(f"{path}: cannot be read as safetensors ({str(exc)[:200]}); the file may be "
                                   "cut short: download it again") from None
         return cls(folder, files, shapes, getattr(model, "base_model_prefix", "") or "", _tied_aliases(model),
-                   conversions_of(model.config) or Conversions())
+                   conversions_of(model.config))
 
     @property
     def used_conversions(self) -> list:
@@ -215,25 +216,34 @@ class CheckpointTensors:
         if whole:
             index = tuple(slice(0, size) for size in target.shape)
         experts, rows, columns = index[0], index[1], index[2:]
-        handles = {}
-        stack = []
-        for expert in range(experts.start, experts.stop):
-            pieces, offset = [], 0
-            for part in stacking.file_names(spelling, expert):
-                height = self.shapes[part][0]
-                start, stop = max(rows.start - offset, 0), min(rows.stop - offset, height)
-                if start < stop:
-                    path = self.files[part]
-                    if path not in handles:
-                        handles[path] = safe_open(str(path), framework="pt")
-                    pieces.append(handles[path].get_slice(part)[(slice(start, stop), *columns)])
-                offset += height
-                self._taken.add(part)
-            stack.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-        data = torch.stack(stack)
+        shape = [len(range(s.start, s.stop)) for s in index]
+        data = torch.empty(shape, dtype=self._dtype(stacking.file_names(spelling, 0)[0]))
+        with contextlib.ExitStack() as files:
+            handles = {}
+            for held, expert in enumerate(range(experts.start, experts.stop)):
+                offset, filled = 0, 0
+                for part in stacking.file_names(spelling, expert):
+                    height = self.shapes[part][0]
+                    start, stop = max(rows.start - offset, 0), min(rows.stop - offset, height)
+                    if start < stop:
+                        path = self.files[part]
+                        if path not in handles:
+                            handles[path] = files.enter_context(safe_open(str(path), framework="pt"))
+                        data[held, filled:filled + stop - start] = \
+                            handles[path].get_slice(part)[(slice(start, stop), *columns)]
+                        filled += stop - start
+                    offset += height
+                    self._taken.add(part)
         if whole and isinstance(target, DTensor):  # a layout without plain offsets: split here
             data = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None).to_local()
         return data
+
+    def _dtype(self, name: str) -> torch.dtype:
+        """The files' dtype of tensor `name` (an empty read)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_slice(name)[:0].dtype
 
     def _grown_matrix(self, name: str) -> torch.Tensor:
         """The grown fp32 matrix `name`. Growing draws random rows from one generator, input embedding first: a

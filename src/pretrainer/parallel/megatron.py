@@ -107,7 +107,7 @@ class MegatronEngine(DistributedEngine):
             self.expert_mesh = init_device_mesh(self.device.type, (dims.dp // dims.ep, dims.ep, dims.pp, dims.cp,
                                                                    dims.tp),
                                                 mesh_dim_names=("expert_replicas", "ep", "pp", "cp", "tp"))
-        self._routes_split = False  # MoE blocks route each tp rank's own part of the tokens (see routing_group)
+        self._routes_tokens = False  # this rank's stages hold MoE blocks (their routing reads the padding)
         self._tp_partial: list[tuple[torch.nn.Module, str]] = []  # see _sum_partial_gradients_over_tp
         self._stage_experts: list[torch.nn.Module] = []  # the split experts modules of the stage being built
         self.stages: list[DecoderStage] = []
@@ -195,7 +195,7 @@ class MegatronEngine(DistributedEngine):
             steps = self.parallelism(data_parallel, tensor_parallel)
             if self.expert_mesh is not None:
                 steps = replace(steps, expert_parallel=self._split_experts)
-            self._routes_split |= s.tp > 1 and bool(moe_blocks(stage))
+            self._routes_tokens |= bool(moe_blocks(stage))
             self.stages.append(parallelize(stage, steps))
         if not is_meta:
             _release_other_stages(parts, self.stages)
@@ -326,8 +326,10 @@ class MegatronEngine(DistributedEngine):
                 position_ids = batch.get("position_ids")
                 if position_ids is not None:
                     position_ids = _pad(position_ids, input_ids.shape[1], 0)
-                # the padding (the batch's and this engine's own) for what reads it (an MoE model's routing)
-                with forwarding({"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)}):
+                # an MoE model's routing reads the padding (the batch's and this engine's own)
+                padding = {"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)} \
+                    if self._routes_tokens else {}
+                with forwarding(padding):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
                 output = self._pipeline_forward_only(input_ids, targets)
@@ -352,9 +354,9 @@ class MegatronEngine(DistributedEngine):
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states
         head_targets = {"targets": targets} if self._head_loss and last in self.stage_ids else {}
-        # each micro-batch's padding, for what reads it (an MoE model's routing), with the shapes' stand-in first
+        # an MoE model's routing reads each micro-batch's padding, after the shapes' stand-in forward
         masks = PipelinedMasks([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0) for b in micro_batches],
-                               stand_in_first=not self._schedule_ran)
+                               stand_in_first=not self._schedule_ran) if self._routes_tokens else None
         self._schedule_ran = True
         # return_outputs=False: the schedule would otherwise keep every micro-batch's logits until the next step
         with self.autocast(), self.sequence_layout(micro_batches[0]), pipelining(masks):
@@ -409,7 +411,7 @@ class MegatronEngine(DistributedEngine):
     @property
     def routing_group(self):
         """Under tensor (and so sequence) parallelism each tp rank routes its own 1/tp of every sequence."""
-        return self.mesh.get_group("tp") if self._routes_split else None
+        return self.mesh.get_group("tp") if self._routes_tokens and self.settings.tp > 1 else None
 
     def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False):
         self._sum_partial_gradients_over_tp(model)
