@@ -23,8 +23,11 @@ lint: setup-test
 docs: setup-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Two pytest workers (pytest-xdist): one's launches fill the cores the other's leave idle (tests/conftest.py says
+# which tests share a worker). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: lint docs
-	$(VENV)/bin/python -m pytest -q --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 clean:
 	rm -rf runs build .pytest_cache

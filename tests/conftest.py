@@ -24,6 +24,41 @@ if "PRETRAINER_CACHE_DIR" not in os.environ:
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
+# `make test` runs pytest in two workers (pytest-xdist) whose launches overlap: a test that starts processes and
+# waits for them, or runs on one core, leaves a core to the other worker. A module's tests stay together on one
+# worker, so a module-scoped fixture (a shared torchrun job) runs once. `accelerate launch` and the `deepspeed`
+# launcher bind port 29500 unless told otherwise, and the seeds' commands are run as they are, so the modules
+# that run them share one worker and never launch at the same time.
+SHARED_WORKER = {"test_deepspeed": "fixed-port-launchers", "test_megatron": "fixed-port-launchers"}
+# The longest groups (measured, one worker) start first, so no long one is left to run alone at the end; this
+# only orders the queue: a group not named here runs after them, in file order.
+LONGEST_FIRST = ("test_cli", "fixed-port-launchers", "test_faults", "test_moe", "test_engines")
+
+
+def worker_group(module_path: str) -> str:
+    stem = Path(module_path.split("::", 1)[0]).stem
+    return SHARED_WORKER.get(stem, stem)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))  # stable: modules keep order
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, pytest runs one process
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkerGroups(LoadScopeScheduling):
+        """Whole groups (worker_group) to a worker, in the order collected."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep LONGEST_FIRST's order, not xdist's largest-count-first
+    return WorkerGroups(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

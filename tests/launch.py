@@ -8,6 +8,8 @@ its output, so a failing launch says what it ran and how it ended.
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,33 @@ def environment(threads: int | None = 1, **extra: str) -> dict:
         env["OMP_NUM_THREADS"] = str(threads)
     env.update(extra)
     return env
+
+
+def cores_per_worker() -> int:
+    """The cores one pytest worker may keep busy: all of them in a plain pytest run, a share under pytest-xdist.
+    A process of more threads than that waits on its own threads whenever the other worker runs (OpenMP's
+    threads spin at each barrier for a thread that has no core), which made a 2-thread run 5x slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def listening_port() -> int:
+    """A free port for a rendezvous that several processes are told of: below the kernel's ephemeral range, so no
+    process of the other pytest worker gets it for an outgoing connection or a bind to port 0 between this check
+    and the launcher's bind; and away from the launchers' default 29500."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = [p for p in range(20000, min(ephemeral_low, 32768)) if abs(p - 29500) > 100]
+    for port in random.Random(os.getpid()).sample(candidates, 50):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def pretrainer(*args) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -100,11 +101,14 @@ def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path):
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     for case in spec["cases"]:
+        start = time.perf_counter()
         try:
             run_case(spec["base"], case)
         except BaseException:
             print(f"{FAILED}{case['name']} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
             raise
+        if os.environ.get("RANK", "0") == "0":  # where a shared job's time goes (the test's output on failure)
+            print(f"multi_run: case {case['name']}: {time.perf_counter() - start:.1f} s", flush=True)
     destroy_process_group(barrier=True)  # once, last, with gloo's workers let finish (parallel/world.py)
 
 

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from helpers import CORPUS, QUICKSTART_MODEL, eval_losses, read_metrics, train_losses
-from launch import BIN, REPO, cli_in_process, pretrainer, run, run_ok, torchrun
+from launch import BIN, REPO, cli_in_process, cores_per_worker, pretrainer, run, run_ok, torchrun
 
 
 def write_config(path: Path, config: dict) -> Path:
@@ -63,7 +63,8 @@ def test_seed_script_contract_under_each_launcher(base_config, tmp_path, launche
 def test_quickstart_as_documented(tmp_path):
     """The README's quickstart config, unchanged but for its output folder: eval loss falls, hf/ loads."""
     save_dir = tmp_path / "quickstart"
-    run_ok(pretrainer("train", "examples/quickstart.yaml", f"save_dir={save_dir}"), threads=None, timeout=900)
+    run_ok(pretrainer("train", "examples/quickstart.yaml", f"save_dir={save_dir}"), threads=cores_per_worker(),
+           timeout=900)
     evals = eval_losses(save_dir)
     steps = sorted(evals)
     assert evals[steps[-1]] < evals[steps[0]] - 1.0, evals  # clearly falling

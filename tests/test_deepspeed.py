@@ -219,3 +219,18 @@ def test_deepspeed_launcher_runs_the_cli(base_config, tmp_path):
     done = run_ok([BIN / "deepspeed", "--num_accelerators", "2", *pretrainer("train", config)], timeout=400)
     assert "engine=deepspeed world_size=2" in done.stdout + done.stderr
     assert sorted(train_losses(tmp_path / "run")) == [1, 2]
+
+
+def test_py_cpuinfo_is_asked_once_a_process():
+    """DeepSpeed's CPU ops ask py-cpuinfo for the CPU's flags again and again, and each answer costs a Python
+    process; the engine keeps the first answer (DeepSpeedEngine.setup)."""
+    import cpuinfo
+
+    from pretrainer.parallel.deepspeed import ask_cpuinfo_once
+
+    ask_cpuinfo_once()
+    ask_cpuinfo_once()  # a second engine in the same process does not wrap it again
+    first = cpuinfo.get_cpu_info()
+    assert cpuinfo.get_cpu_info() is first and "flags" in first
+    assert cpuinfo.get_cpu_info.cache_info().misses == 1 and not hasattr(cpuinfo.get_cpu_info.__wrapped__,
+                                                                         "cache_info")

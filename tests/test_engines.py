@@ -25,7 +25,7 @@ from helpers import (
     write_layout_check,
     write_task,
 )
-from launch import BIN, REPO, environment, pretrainer, run, run_ok, torchrun
+from launch import BIN, REPO, environment, listening_port, pretrainer, run, run_ok, torchrun
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.config import ConfigError
@@ -293,12 +293,8 @@ def test_two_ranks_share_one_tokenization_of_train_data(setup, tmp_path):
 
 def test_multi_node_rendezvous(setup, tmp_path):
     """Two torchrun 'nodes' (one process each) meeting through c10d rendezvous, as on a cluster."""
-    import socket
-
     root, config, single_dir = setup
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = listening_port()
     save_dir = tmp_path / "two-nodes"
     caches = [tmp_path / f"node-{rank}-cache" for rank in range(2)]  # node-local token caches
     nodes = [subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",

@@ -74,9 +74,7 @@ def model_parallel_state():
 
     created = not dist.is_initialized()
     if created:
-        from pretrainer.parallel.world import _free_port
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import logging
 
@@ -29,6 +30,18 @@ CHECKPOINT_TAG = "deepspeed"
 # On CPU, ZeRO-3's per-layer gathers leave the heap far above the live tensors (see fsdp.py): a multiple of
 # the model's fp32 bytes, with full recompute and without, measured on bench/plan_accuracy.py's 27M model.
 CPU_GATHER_RETENTION = {"full": 3.6, "other": 4.1}
+
+
+def ask_cpuinfo_once() -> None:
+    """DeepSpeed's CPU ops ask py-cpuinfo for the CPU's flags each time they check or load (CPU Adam under
+    offload: 3 times a rank at start), and py-cpuinfo starts a Python process per question (about 1 s of CPU
+    each). The answer cannot change while this process runs, so the first one is kept for the rest."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed then reads lscpu itself
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
 
 
 def require_deepspeed() -> None:
@@ -78,6 +91,7 @@ class DeepSpeedEngine(DistributedEngine):
     def setup(self, model, optimizer, scheduler, build_optimizer, build_scheduler):
         import deepspeed
 
+        ask_cpuinfo_once()
         if self.settings.filled and self.is_main:
             logger.info("DeepSpeed config: filled %s", ", ".join(f"{k}={v}" for k, v in self.settings.filled.items()))
         model = parallelize(model, self.parallelism(data_parallel=self._materialize))

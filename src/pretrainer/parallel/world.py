@@ -18,7 +18,6 @@ import gc
 import logging
 import os
 import platform
-import socket
 import time
 from dataclasses import dataclass
 
@@ -102,7 +101,8 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
             if launch_world_size() > 1:
                 raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the "
                                   "processes with torchrun, accelerate launch or deepspeed")
-            options.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            # A group of one meets in this process's memory: no port to pick, none another process could take.
+            options.update(store=dist.HashStore(), rank=0, world_size=1)
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             options.update(_restart_store(options["timeout"]))
         dist.init_process_group(**options)
@@ -178,9 +178,3 @@ def _restart_store(timeout: datetime.timedelta) -> dict:
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     return {"store": dist.PrefixStore(f"pretrainer/attempt{attempt}/", store), "rank": rank,
             "world_size": world_size}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
