@@ -45,14 +45,15 @@ def listening_port() -> int:
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
     candidates = [p for p in range(20000, min(ephemeral_low, 32768)) if abs(p - 29500) > 100]
-    for port in random.Random(os.getpid()).sample(candidates, 50):
+    for port in random.Random(os.getpid()).sample(candidates, min(50, len(candidates))):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 20000-32767")
+    raise RuntimeError(f"no free port in 20000-{min(ephemeral_low, 32768) - 1} (below the ephemeral range "
+                       "/proc/sys/net/ipv4/ip_local_port_range starts)")
 
 
 def pretrainer(*args) -> list:
