@@ -1,7 +1,7 @@
 # The two commands of the README:  `make quickstart`  and  `make test`.
 VENV ?= .venv
 
-.PHONY: setup setup-test quickstart lint docs test clean
+.PHONY: setup setup-test quickstart lint docs test test-fast clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
@@ -28,6 +28,11 @@ docs: setup-test
 TEST_WORKERS ?= 2
 test: lint docs
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+
+# The in-process tier only (no torchrun, CLI or launcher processes: tests/conftest.py marks those `processes`),
+# for a quick check while changing code; `make test` is the whole suite.
+test-fast: setup-test
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m "not processes" tests
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     ns = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
-    from pretrainer.plan.device import runtime_baseline
+    from pretrainer.plan.device_spec import runtime_baseline
 
     baselines = {kind: runtime_baseline(kind) / 2**20 for kind in ("single", "deepspeed")}
     baseline = baselines["single"]

@@ -3,11 +3,15 @@ Helpers that tests import live in helpers.py (and launching commands in launch.p
 
 from __future__ import annotations
 
+import ast
 import atexit
+import inspect
 import os
 import shutil
+import subprocess as subprocess_module
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -40,9 +44,51 @@ def worker_group(module_path: str) -> str:
     return SHARED_WORKER.get(stem, stem)
 
 
+# Two tiers. A test that starts processes (torchrun, the console entry, accelerate, a shared torchrun job) is
+# marked `processes`, found from its source: it, a fixture it uses or a function of tests/ they call reaches
+# `subprocess` (launch.py's run/run_ok/start do). `make test-fast` runs the others: in-process tests only.
+TESTS = Path(__file__).parent
+
+
+def _starts_processes(function, seen: set) -> bool:
+    if not inspect.isfunction(function) or function in seen:
+        return False
+    seen.add(function)
+    source_file = inspect.getsourcefile(function)
+    if source_file is None or Path(source_file).parent != TESTS:
+        return False
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    scope = function.__globals__
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if {"subprocess", "launch", "multi_run"} & set(names):
+                return True
+        elif isinstance(node, ast.Name):
+            target = scope.get(node.id)
+            if target is subprocess_module or _starts_processes(target, seen):
+                return True
+    return False
+
+
+def _uses_processes(item: pytest.Item) -> bool:
+    seen: set = set()
+    definitions = getattr(item, "_fixtureinfo", None)
+    fixtures = [d.func for defs in (definitions.name2fixturedefs.values() if definitions else ()) for d in defs]
+    return any(_starts_processes(f, seen) for f in [getattr(item, "function", None), *fixtures])
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _uses_processes(item):
+            item.add_marker(pytest.mark.processes)
     rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))  # stable: modules keep order
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "processes: starts processes (torchrun, the CLI, launchers); "
+                            "`make test-fast` leaves these out")
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, pytest runs one process

@@ -161,7 +161,7 @@ def layout_check(trainer) -> dict:
     planned = {"weights": states.weights, "optimizer": states.optimizer, "gradient_ranks": layout.dims.gradient_ranks,
                "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout),
                "expert_ranks": layout.dims.ep}
-    return {"engine": run.engine, "dtype": run.dtype, "planned": planned,
+    return {"engine": run.engine.name, "dtype": run.dtype, "planned": planned,
             "held": dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer))}
 
 

@@ -115,7 +115,7 @@ def test_a_nan_loss_skips_the_update_and_the_run_goes_on(base_config, tmp_path):
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[2] != losses[2]  # the NaN is logged as it was
     assert all(losses[s] == losses[s] for s in (1, 3, 4, 5, 6))
-    assert trainer.skipped_updates == 1
+    assert trainer.skips.total == 1
     assert all(torch.isfinite(v).all() for v in trainer.model.state_dict().values())
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
@@ -183,7 +183,8 @@ def test_no_space_and_a_failing_writer_are_clear_errors_that_keep_the_previous_c
     assert (root / "latest").read_text() == "step-3" and ckpt.verify_checkpoint(root / "step-3") is None
 
     trainer = PreTrainer(PreTrainingArguments(**config))  # resumes at step 3
-    monkeypatch.setattr(trainer.engine, "save_state", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(ckpt.checkpoint_io, "save_state",
+                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(ckpt.CheckpointError, match=r"writing checkpoint .*step-6 failed .*No space left.*step-3 is "
                                                    "intact"):
         trainer.train()
@@ -318,7 +319,7 @@ def test_loss_spike_rule_skips_a_step_far_above_the_running_mean(base_config, tm
     assert [(r["step"], r["reason"]) for r in skipped] == [(8, "loss spike")]
     losses = train_losses(tmp_path / "run")
     assert losses[8] > 2 * sum(losses[s] for s in range(3, 8)) / 5 and losses[9] < losses[8] / 2
-    assert trainer.skipped_updates == 1
+    assert trainer.skips.total == 1
 
 
 def test_report_command_rebuilds_the_report_of_a_run(base_config, tmp_path):

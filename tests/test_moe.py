@@ -248,7 +248,7 @@ def test_padding_counts_nowhere_in_the_routing(tmp_path):
     assert row["moe_z_loss"] == pytest.approx(sum(z) / 6, rel=1e-6)
     assert float(added) == pytest.approx(0.01 * sum(aux) + 0.001 * sum(z), rel=1e-6)
 
-    from pretrainer.models.moe import capacity_mask
+    from pretrainer.models.moe_routing import capacity_mask
     weights = layers[0].softmax(-1).topk(2, dim=-1)
     kept = capacity_mask(weights.values, weights.indices, 8, 1.0, "position", tokens)
     assert not kept[~tokens].any()  # padding is never kept
@@ -267,7 +267,7 @@ def test_a_recomputed_router_uses_its_own_forwards_padding_when_other_forwards_r
     from transformers import AutoModelForCausalLM
 
     from pretrainer.batch import forward_logits
-    from pretrainer.models import checkpoint_name
+    from pretrainer.config.names import parameter_name
     from pretrainer.parallel.activation_checkpoint import RecomputeSettings, apply_activation_checkpointing
 
     folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
@@ -290,7 +290,7 @@ def test_a_recomputed_router_uses_its_own_forwards_padding_when_other_forwards_r
             losses.append(routing.take_losses())
         for loss in losses:
             loss.backward()
-        grads[recompute] = {checkpoint_name(name): p.grad.clone() for name, p in model.named_parameters()
+        grads[recompute] = {parameter_name(name): p.grad.clone() for name, p in model.named_parameters()
                             if p.grad is not None}
     assert grads["full"].keys() == grads["none"].keys() and any("mlp.gate" in name for name in grads["none"])
     for name, grad in grads["none"].items():
@@ -307,7 +307,7 @@ def test_a_capacity_factor_drops_what_a_count_outside_the_model_says(tmp_path, p
 
     from transformers import AutoModelForCausalLM
 
-    from pretrainer.models.moe import capacity_mask
+    from pretrainer.models.moe_routing import capacity_mask
 
     folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
     ids = torch.randint(3, 4096, (3, 16), generator=torch.Generator().manual_seed(1))
@@ -357,7 +357,7 @@ def test_each_moe_family_trains_with_its_routing_metrics_and_exports_its_logits(
               "save_interval": 0, **BALANCED, "moe_capacity_factor": 1.5}
     with PreTrainer(PreTrainingArguments(**config)) as trainer:
         trainer.train()
-        layers = trainer.moe.layers
+        layers = trainer.extensions[0].routing.layers
         ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
         trainer.model.eval()
         with torch.no_grad():

@@ -116,7 +116,7 @@ def test_log_rows_carry_mfu_phases_and_memory(base_config, tmp_path):
     for row in rows:
         assert row["step_tokens"] == 2 * 2 * 32  # micro-batch 2 x accumulation 2 x seq 32, no padding
         assert row["tokens_per_s"] == pytest.approx(row["step_tokens"] / (row["elapsed_ms"] / 1000))
-        assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * trainer.flops.per_token / 0.05e12)
+        assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * trainer.facts.flops.per_token / 0.05e12)
         assert row["data_ms"] + row["compute_ms"] + row["optimizer_ms"] <= row["elapsed_ms"] * 1.01
         assert row["compute_ms"] > row["data_ms"] and row["peak_mem_mb"] > 50
 

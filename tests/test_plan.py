@@ -25,11 +25,12 @@ def write_config(path: Path, config: dict) -> Path:
 def layout_of(engine: str, world: int, per_node: int, micro: int, accumulation: int, seq: int, dtype: str,
               settings=None, cp: int = 1, **fields):
     """A planner layout of `engine` with its `settings` on `world` processes, as the engine splits them."""
-    from pretrainer.parallel import Layout, engine_class
+    from pretrainer.parallel import Layout, engine_entry
 
-    cls = engine_class(engine)
+    entry = engine_entry(engine)
+    cls = entry.cls
     sequence_parallel, schedule = cls.parallel_style(settings)
-    return Layout(engine, cls.parallel_dims(world, cp, settings), micro, accumulation, seq, dtype, per_node,
+    return Layout(entry, cls.parallel_dims(world, cp, settings), micro, accumulation, seq, dtype, per_node,
                   settings=settings, sequence_parallel=sequence_parallel, pipeline_schedule=schedule, **fields)
 
 def plan_json(*args) -> dict:
@@ -97,7 +98,7 @@ def test_zero_model_states_agree_with_deepspeeds_own_estimators(stage, offload_o
 
     from pretrainer.parallel.deepspeed_config import DeepSpeedSettings
     from pretrainer.plan import estimate, model_shape
-    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.device_spec import device_spec
 
     config = AutoConfig.from_pretrained(REPO / "examples" / "models" / "llama-2-7b" / "config.json")
     shape = model_shape(config)
@@ -148,7 +149,7 @@ def _refusal_check(rss_limit_mb: float, command: list) -> tuple:
 
 
 def test_a_7b_fp32_run_is_refused_before_allocating(tmp_path):
-    from pretrainer.plan.device import available_ram
+    from pretrainer.plan.device_spec import available_ram
 
     budget = [] if available_ram() < 100 * 2**30 else ["device_memory=24GB"]  # machines with more RAM: as here
     done, peak_mb = _refusal_check(2000, pretrainer("train", PLAN_7B, "engine=single", "dp=1", "dtype=fp32",
@@ -280,7 +281,7 @@ def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_c
                                                                                                   tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pretrainer.parallel.fsdp import CPU_GATHER_RETENTION
+    from pretrainer.parallel.fsdp_plan import CPU_GATHER_RETENTION
 
     config = write_config(tmp_path / "run.yaml", base_config)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_config["model_path"]))
@@ -309,7 +310,7 @@ def test_tensor_parallel_layers_recomputed_in_full_count_a_larger_cpu_heap():
 
     from pretrainer.parallel.megatron_settings import MegatronSettings
     from pretrainer.plan import estimate, model_shape
-    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.device_spec import device_spec
     from pretrainer.plan.estimate import CPU_HEAP_OVERHEAD, CPU_HEAP_OVERHEAD_TP_RECOMPUTE
 
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
@@ -369,7 +370,7 @@ def test_pipeline_stages_are_estimated_apart_and_the_higher_peak_is_the_plan():
     from pretrainer.config import ParallelDims
     from pretrainer.parallel.megatron_settings import MegatronSettings
     from pretrainer.plan import estimate, model_shape
-    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.device_spec import device_spec
     from pretrainer.plan.estimate import _estimate_rank, rank_parts
 
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
@@ -411,7 +412,7 @@ def test_plan_and_train_agree_on_the_loss_chunk_with_a_custom_loss(base_config, 
         trainer = PreTrainer(args)
         trainer.train()
         chunks[custom] = (plan_for_command(args, None, None, "cpu", None).estimate.layout.loss_chunk,
-                          trainer.loss_chunk_size)
+                          trainer.facts.loss_chunk_size)
     assert chunks[True] == (0, 0) and chunks[False][0] == chunks[False][1] > 0
 
 
@@ -425,9 +426,9 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     from transformers import AutoConfig
 
     from helpers import small_corpus_file, write_tiny_moe
-    from pretrainer.parallel.fsdp import FSDPSettings
+    from pretrainer.parallel.fsdp_plan import FSDPSettings
     from pretrainer.plan import estimate, model_shape
-    from pretrainer.plan.device import device_spec
+    from pretrainer.plan.device_spec import device_spec
     from pretrainer.plan.estimate import _communication_seconds, rank_parts
     from pretrainer.plan.search import candidate_layouts
 
@@ -441,10 +442,10 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     hf = AutoConfig.from_pretrained(folder)
     shape = model_shape(hf)
     candidates = candidate_layouts(layout_of("fsdp", 4, 2, 1, 1, 32, "fp32", FSDPSettings()), shape, lambda micro: 0)
-    offered = {(c.engine, c.tp, c.dims.ep) for c in candidates}
+    offered = {(c.engine.name, c.tp, c.dims.ep) for c in candidates}
     assert {("fsdp", 1, 2), ("fsdp", 1, 4), ("megatron", 1, 2), ("megatron", 1, 4), ("megatron", 2, 2)} <= offered
     assert not [c for c in candidates if c.cp > 1]  # whole sequences
-    assert ("megatron", 2, 2) in {(c.engine, c.pp, c.dims.ep) for c in candidates}
+    assert ("megatron", 2, 2) in {(c.engine.name, c.pp, c.dims.ep) for c in candidates}
     assert "engine=megatron" in {layout["overrides"][0] for layout in plan["layouts"]}
     assert shape.expert_layers == 2 and shape.expert_parameters == 2 * 3 * 8 * 64 * 64
     ep2 = layout_of("fsdp", 4, 1, 1, 2, 32, "fp32", FSDPSettings(reshard_after_forward=False))

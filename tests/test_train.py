@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_hf_export_loads_and_reproduces_the_training_loss(base_config):
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert len(tokenizer) == 4096 and (hf / "model.safetensors").is_file()
     final_eval = eval_losses(base_config["save_dir"])[6]
-    from pretrainer.train.evaluate import evaluate
+    from pretrainer.train.validation import evaluate
 
     reloaded = evaluate(model, trainer.eval_dataloader, trainer.engine, base_config["eval_iters"])["eval_loss"]
     assert reloaded == pytest.approx(final_eval, rel=1e-6)
@@ -279,3 +280,42 @@ def test_unreadable_weights_are_a_config_error_naming_the_folder(base_config, tm
     (folder / "model.safetensors").write_bytes(b"\x00" * 100)  # a download cut short
     with pytest.raises(ConfigError, match=f"model_path {folder}: its weights cannot be loaded"):
         PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(folder)}))
+
+
+def test_a_checkpoint_written_before_saved_state_became_components_resumes_exactly(tmp_path):
+    """tests/data/checkpoint-bf69caf: step 3 of a 6-step run, saved by the code before saved state was registered
+    components (tests/stored_checkpoint.py made it). Resumed now, steps 4-6 give the losses that code gave, and
+    the losses of an uninterrupted run of today's code."""
+    from stored_checkpoint import SAVED_AT, STORED, stored_run_config
+
+    config = stored_run_config(tmp_path, tmp_path / "resumed")
+    shutil.copytree(STORED / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    run(config)
+    resumed = train_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]  # it started from step 3
+    then = {int(step): loss for step, loss in json.loads((STORED / "resumed_losses.json").read_text()).items()}
+    assert resumed == pytest.approx(then, rel=1e-5)
+    run(config, save_dir=str(tmp_path / "straight"))
+    straight = train_losses(tmp_path / "straight")
+    assert {step: straight[step] for step in resumed} == pytest.approx(resumed, rel=1e-5)
+    assert SAVED_AT == 3
+
+
+def test_optimizer_state_keyed_by_position_is_read_by_its_metadata(base_config, tmp_path):
+    """Checkpoints from before pipeline ranks needed per-name optimizer groups keyed optimizer state by group
+    position; the checkpoint's metadata says which layout it holds, and either loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from pretrainer.train import checkpoint_io
+
+    config = {**base_config, "num_training_steps": 2, "save_dir": None, "eval_interval": 0, "save_interval": 0}
+    trained = run(config)
+    for options, name in ((checkpoint_io.KEYED_BY_POSITION, "by-position"), (checkpoint_io.KEYED_BY_NAME, "by-name")):
+        dcp.save(checkpoint_io._state(trained.model, trained.optimizer, options), checkpoint_id=str(tmp_path / name))
+        fresh = PreTrainer(PreTrainingArguments(**config))
+        checkpoint_io.load_state(fresh.engine, tmp_path / name, fresh.model, fresh.optimizer)
+        for (key, a), b in zip(trained.model.state_dict().items(), fresh.model.state_dict().values()):
+            assert torch.equal(a, b), (name, key)
+        moments = [(trained.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+                   for p, q in zip(trained.model.parameters(), fresh.model.parameters())]
+        assert moments and all(torch.equal(a, b) for a, b in moments), name

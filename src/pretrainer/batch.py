@@ -145,10 +145,11 @@ def is_head_loss(output: torch.Tensor) -> bool:
     return output.dim() == 1 and output.shape[0] == 2
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    if is_head_loss(logits):  # the output head computed the summed loss itself (chunked)
-        return logits[0]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+def loss_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed token loss of a forward's `output`: logits, or an output head's own `[summed loss, correct]`."""
+    if is_head_loss(output):  # the output head computed the summed loss itself (chunked)
+        return output[0]
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
 
 

@@ -96,3 +96,8 @@ class ParallelDims:
             parts.append(f"shard={self.shard}")
         parts += [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(self, name) > 1]
         return " ".join(parts)
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    """The divisors of `n` up to `limit`, ascending (degrees a layout may split `n` ranks or rows into)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

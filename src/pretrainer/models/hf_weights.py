@@ -7,7 +7,7 @@ to the master dtype one tensor at a time. No rank ever holds the whole model, in
 reads whole tensors, module by module, and partitions each module at once: see `init.materialize`.) A
 vocabulary grown for an extended tokenizer grows the embedding and head as they are read (`grow_vocabulary`).
 
-Names: a parameter's name in the laid-out model is mapped to its name in the files by `checkpoint_name`
+Names: a parameter's name in the laid-out model is mapped to its name in the files by `parameter_name` (config/names.py)
 (wrapper segments dropped), the one mapping export uses too. An output embedding tied to the input
 embedding reads the input embedding's tensor when the files hold only that one. Where transformers converts
 the files' tensors as it loads them (an MoE model's per-expert matrices stacked into one parameter:
@@ -28,18 +28,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..config import ConfigError
+from ..config.names import parameter_name
 from .hf_conversions import Conversions, Stacking, conversions_of
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 _ATTRIBUTE = "_pretrainer_checkpoint_tensors"  # on the model until the engine materialises it
-
-
-def checkpoint_name(name: str) -> str:
-    """A parameter's name in HF files: the module path without wrappers that engines insert."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 @dataclass
@@ -121,7 +116,7 @@ class CheckpointTensors:
     def locate(self, name: str) -> str | None:
         """The name in the files of the model's parameter `name`, or None when the files lack it. A tensor the
         files hold per expert (the model stacks them) is located by the model's own name."""
-        name = checkpoint_name(name)
+        name = parameter_name(name)
         candidates = [name, self.aliases.get(name)]
         if self.prefix and name.startswith(self.prefix + "."):  # saved from the base model (no head)
             candidates.append(name[len(self.prefix) + 1:])
@@ -143,7 +138,7 @@ class CheckpointTensors:
         for name, parameter in model.named_parameters():
             found = self.locate(name)
             if found is None:
-                problems.append(f"tensor '{checkpoint_name(name)}' is missing from the checkpoint")
+                problems.append(f"tensor '{parameter_name(name)}' is missing from the checkpoint")
             elif found in self._stacked:
                 problems += self._check_stacked(found, tuple(parameter.shape))
             elif tuple(self.shapes[found]) != self._stored_shape(found, tuple(parameter.shape)):
@@ -282,7 +277,7 @@ def _local_index(target: DTensor) -> tuple | None:
 def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
     """The weight names of the input embedding and the output head (None where the model has none)."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    modules = {id(module): checkpoint_name(name) for name, module in model.named_modules()}
+    modules = {id(module): parameter_name(name) for name, module in model.named_modules()}
     found = []
     for getter in (get_in, get_out):
         module = getter() if getter is not None else None

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..config.names import parameter_name
 from .hf_weights import take_checkpoint
 
 
@@ -99,8 +100,7 @@ def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed:
     devices = [device.index or 0] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "cpu" else "cuda"):
         # Wrapper modules (activation checkpointing) do not change which seed a layer gets.
-        plain_name = name.replace("._checkpoint_wrapped_module", "")
-        torch.manual_seed((seed * 1_000_003 + zlib.crc32(plain_name.encode())) % 2**63)
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(parameter_name(name).encode())) % 2**63)
         model._init_weights(module)
     for key, sharded in originals.items():
         full = _get(module, key)

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, OptimizerSettings
+from ..config.names import parameter_name
 from .muon import MuonAdamW
 
 
@@ -35,12 +36,6 @@ def _dims(param: torch.Tensor) -> int:
     return len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 parameter's own shape, not its empty stub
 
 
-def plain_name(name: str) -> str:
-    """A parameter's name without the segments wrappers insert (private attributes: `_orig_mod`,
-    `_checkpoint_wrapped_module`, ...), as the name globs are written."""
-    return ".".join(part for part in name.split(".") if not part.startswith("_"))
-
-
 def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
     """The trained parameters Muon updates, by id, with their names: every matrix (2-D, or 3-D stacked experts)
     except the input embedding and the output head; then `muon_params` globs added and `adamw_params` globs
@@ -48,7 +43,7 @@ def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
     named = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            named.setdefault(id(param), (plain_name(name), param))
+            named.setdefault(id(param), (parameter_name(name), param))
     table = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:

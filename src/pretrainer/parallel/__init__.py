@@ -2,10 +2,10 @@
 (`world`), the parallelism they apply (`parallelize`), and what they answer the planner (`layout`)."""
 
 from .engine import Engine, EngineOptions, SingleEngine
-from .factory import create_engine, engine_class, select_engine
 from .layout import Layout
 from .precision import Precision
+from .registry import ENGINES, EngineEntry, create_engine, engine_class, engine_entry, select_engine
 from .world import World, join_world, planned_world
 
-__all__ = ["Engine", "EngineOptions", "Layout", "Precision", "SingleEngine", "World", "create_engine", "engine_class",
-           "join_world", "planned_world", "select_engine"]
+__all__ = ["ENGINES", "Engine", "EngineEntry", "EngineOptions", "Layout", "Precision", "SingleEngine", "World",
+           "create_engine", "engine_class", "engine_entry", "join_world", "planned_world", "select_engine"]

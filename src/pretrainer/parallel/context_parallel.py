@@ -26,7 +26,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..batch import IGNORE, batch_targets
@@ -156,15 +155,7 @@ def install(model: torch.nn.Module, degree: int) -> None:
                 "attention all-gathers keys and values over them", degree)
 
 
-def create(degree: int, rank: int, world_size: int, pad_token_id: int = 0) -> ContextParallel:
-    """The cp group of `rank`: consecutive ranks [d*cp, (d+1)*cp) form data replica d's group."""
-    if world_size % degree:
-        raise ConfigError(f"key 'context_parallel_degree': {degree} does not divide the {world_size} processes; "
-                          f"launch dp x {degree} processes")
-    group = None
-    for start in range(0, world_size, degree):  # every rank creates every group, in the same order
-        members = list(range(start, start + degree))
-        created = dist.new_group(members)
-        if rank in members:
-            group = created
-    return ContextParallel(degree, rank % degree, group, pad_token_id)
+def context_parallel_degrees(world_size: int, seq_length: int) -> list[int]:
+    """1, and the cp degrees worth planning for this world and sequence: 2-8 ranks, chunks of 512+ tokens."""
+    return [1] + [cp for cp in (2, 4, 8) if not (world_size % cp or seq_length % (2 * cp)
+                                                   or seq_length // cp < 1024)]

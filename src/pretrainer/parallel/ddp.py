@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .context_parallel import context_parallel_degrees
 from .distributed import DistributedEngine
 from .parallelize import parallelize
 
@@ -30,7 +31,7 @@ class DDPEngine(DistributedEngine):
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module
 
-    def gradient_group_size(self, model: torch.nn.Module) -> int:
+    def measured_gradient_ranks(self, model: torch.nn.Module) -> int:
         return model.process_group.size()
 
     # ---- the planner's questions ----
@@ -40,9 +41,3 @@ class DDPEngine(DistributedEngine):
             return []
         return [{"dims": cls.parallel_dims(world_size, cp, None)} for cp in context_parallel_degrees(world_size,
                                                                                                      seq_length)]
-
-
-def context_parallel_degrees(world_size: int, seq_length: int) -> list[int]:
-    """1, and the cp degrees worth planning for this world and sequence: 2-8 ranks, chunks of 512+ tokens."""
-    return [1] + [cp for cp in (2, 4, 8) if not (world_size % cp or seq_length % (2 * cp)
-                                                   or seq_length // cp < 1024)]

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from ..models import checkpoint_name
+from ..config.names import parameter_name
 from . import context_parallel
 from .engine import Engine
 
@@ -24,13 +23,16 @@ class DistributedEngine(Engine):
 
     joins_process_group = True
 
-    def __init__(self, options, world):
-        super().__init__(options, world)
-        self.context = self.context_group(self.dims.cp) if self.dims.cp > 1 else None
+    def __init__(self, options, world, meshes):
+        super().__init__(options, world, meshes)
+        cp = self.dims.cp
+        self.context = context_parallel.ContextParallel(cp, meshes.context_rank(), meshes.context(),
+                                                        multiple=self.context_multiple) if cp > 1 else None
 
-    def context_group(self, degree: int) -> context_parallel.ContextParallel | None:
-        """This rank's context-parallel group (consecutive ranks)."""
-        return context_parallel.create(degree, self.rank, self.world_size)
+    @property
+    def context_multiple(self) -> int:
+        """What each rank's piece of a sequence must be a multiple of (sequence parallelism splits it again)."""
+        return 1
 
     # ------------------------------------------------------------ context parallelism
     def shard_batch(self, batch: dict) -> dict:
@@ -38,7 +40,7 @@ class DistributedEngine(Engine):
 
     def release(self) -> None:
         self.context = None
-        self._checkpoint_group = self._host_group = None
+        self.meshes.release()
 
     def install_context_parallel(self, model: torch.nn.Module) -> None:
         """Context-parallel attention on the whole model (the first of the parallelize steps)."""
@@ -65,20 +67,12 @@ class DistributedEngine(Engine):
         with self.sequence_layout():
             super().backward(loss)
 
-    def save_state_async(self, folder, model, optimizer):
-        # The background writer coordinates over its own gloo group, so its collectives never interleave
-        # with the training loop's on the main group.
-        if getattr(self, "_checkpoint_group", None) is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder),
-                              process_group=self._checkpoint_group)
-
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
         """One tensor at a time (see Engine.export_tensors): the ranks holding a tensor gather it whole (a
         DTensor's shards over its own mesh), and the first of them sends it to the main rank unless that is
         the main rank itself. Ranks that do not hold a tensor (other pipeline stages) hold it on the meta
         device; every rank sees the same names in the same order."""
-        state = {checkpoint_name(k): v for k, v in self.unwrap(model).state_dict().items()}
+        state = {parameter_name(k): v for k, v in self.unwrap(model).state_dict().items()}
         holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
         sender = {}
         for rank, names in enumerate(holders):
@@ -119,8 +113,6 @@ class DistributedEngine(Engine):
         return tensor.item()
 
     def any_rank(self, flag: bool) -> bool:
-        if getattr(self, "_host_group", None) is None:  # CPU tensors need a gloo group beside NCCL
-            self._host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._host_group)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.meshes.host())
         return bool(value.item())

@@ -16,18 +16,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
 
 from ..batch import batch_targets, forward_logits
 from ..config import ParallelDims
-from ..models import checkpoint_name, has_meta_tensors, materialize
+from ..config.names import parameter_name
+from ..models import has_meta_tensors, materialize
 from .activation_checkpoint import RecomputeSettings
 from .expert_parallel import expert_ranks
 from .gradient_norm import clip_, global_norm
@@ -37,12 +34,6 @@ from .precision import Precision
 from .world import World
 
 logger = logging.getLogger(__name__)
-
-# Optimizer state and hyperparameters keyed by parameter name (`param_groups.<name>.lr`), not by group
-# position: ranks that hold different parameters (pipeline stages) save and load their own groups, and a
-# checkpoint loads on any other layout.
-CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
 
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
@@ -83,8 +74,8 @@ class Engine(LayoutAnswers, ABC):
     # Runs over the world's process group (joined before the run is resolved; one process is a group of one).
     joins_process_group = False
 
-    def __init__(self, options: EngineOptions, world: World):
-        self.options, self.world = options, world
+    def __init__(self, options: EngineOptions, world: World, meshes=None):
+        self.options, self.world, self.meshes = options, world, meshes
         self.dims, self.settings = options.dims, options.settings
         self.device = world.device
         self.precision = Precision(options.dtype, self.device)
@@ -135,12 +126,6 @@ class Engine(LayoutAnswers, ABC):
     def data_world_size(self) -> int:
         """How many replicas read different data."""
         return self.dims.dp
-
-    @property
-    def gradient_average_size(self) -> int:
-        """Over how many ranks' gradients the engine averages (the loop scales the loss to undo it): those that
-        hold the same parameters, dp x cp."""
-        return self.dims.gradient_ranks
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's part of a host batch (context parallelism splits sequences; others keep it whole)."""
@@ -271,39 +256,13 @@ class Engine(LayoutAnswers, ABC):
         """Whether `flag` is set on any rank (a host-side collective: never waits for the device)."""
         return flag
 
-    def save_state(self, folder, model: torch.nn.Module, optimizer) -> None:
-        """Write model and optimizer state into `folder` (every rank takes part)."""
-        dcp.save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder))
+    def save_own_state(self, folder) -> None:
+        """Write model and optimizer state in the engine's own format (engines whose checkpoint_format is not
+        "dcp"; the others' state is written by train/checkpoint_io.py)."""
+        raise NotImplementedError
 
-    def save_state_async(self, folder, model: torch.nn.Module, optimizer):
-        """Stage the state in host memory and write it in the background; returns a future."""
-        return dcp.async_save(self.checkpoint_state(model, optimizer), checkpoint_id=str(folder), no_dist=True)
-
-    def load_state(self, folder, model: torch.nn.Module, optimizer) -> None:
-        options = CHECKPOINT_OPTIONS
-        state = self.checkpoint_state(model, optimizer)
-        try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except (RuntimeError, CheckpointException) as exc:
-            if "Missing key in checkpoint state_dict: optimizer.param_groups." not in str(exc):
-                raise
-            # Written with optimizer state keyed by parameter-group position (the layout before pipeline
-            # ranks needed per-name groups; one process or data parallel): read that layout.
-            options = StateDictOptions()
-            state = self.checkpoint_state(model, optimizer, options)
-            dcp.load(state, checkpoint_id=str(folder))
-        self.load_checkpoint_state(model, optimizer, state, options)
-
-    def checkpoint_state(self, model: torch.nn.Module, optimizer, options: StateDictOptions = CHECKPOINT_OPTIONS
-                         ) -> dict:
-        """Model and optimizer state for torch.distributed.checkpoint (sharded where the engine shards)."""
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def load_checkpoint_state(self, model: torch.nn.Module, optimizer, state: dict,
-                              options: StateDictOptions = CHECKPOINT_OPTIONS) -> None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
+    def load_own_state(self, folder) -> None:
+        raise NotImplementedError
 
     def full_state_dict(self, model: torch.nn.Module) -> dict:
         """The whole model's weights on CPU, for HF export (complete on the main rank only)."""
@@ -314,7 +273,7 @@ class Engine(LayoutAnswers, ABC):
         the main rank on the CPU, None on the others. Every rank iterates to the end (each takes part in
         gathering each tensor), and no rank holds more than one whole tensor at a time."""
         for name, tensor in self.unwrap(model).state_dict().items():
-            yield checkpoint_name(name), tensor.detach().cpu()
+            yield parameter_name(name), tensor.detach().cpu()
 
     def materialize_if_meta(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         if has_meta_tensors(model):
@@ -353,14 +312,14 @@ class Engine(LayoutAnswers, ABC):
     # ---- what this rank really holds (the planner's answers are checked against it) ----
     def held_state(self, model: torch.nn.Module, optimizer) -> HeldState:
         return HeldState(tensor_bytes(model.parameters()), self.optimizer_state_bytes(optimizer),
-                         self.gradient_group_size(model), self.shard_group_size(),
+                         self.measured_gradient_ranks(model), self.shard_group_size(),
                          isinstance(self.autocast(), torch.autocast), expert_ranks(self.unwrap(model)))
 
     def optimizer_state_bytes(self, optimizer) -> int:
         return tensor_bytes(t for state in optimizer.state.values() for t in state.values()
                             if isinstance(t, torch.Tensor))
 
-    def gradient_group_size(self, model: torch.nn.Module) -> int:
+    def measured_gradient_ranks(self, model: torch.nn.Module) -> int:
         """Ranks of the process group this engine reduces gradients over."""
         return 1
 

@@ -6,20 +6,25 @@ whether it autocasts, reads the checkpoint in slices, gathers layers, offloads t
 collectives a step runs, which other layouts of the same world it could use, and the `key=value` overrides
 that select a layout. `LayoutAnswers` holds the answers of a plain torch engine (whole fp32 weights on every
 rank, autocast, AdamW's two moments); the engines override what they do differently, next to the code that
-does it, and `tests/test_layout_answers.py` holds each answer to what the constructed engine really holds.
+does it, and `assert_layout_answers` (tests/helpers.py, run on real ranks by the engine tests) holds each
+answer to what the constructed engine really holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import ParallelDims
+
+if TYPE_CHECKING:
+    from .registry import EngineEntry
 
 
 @dataclass(frozen=True)
 class Layout:
-    engine: str                   # single | ddp | fsdp | deepspeed | megatron
+    engine: "EngineEntry"         # the engine's registry entry (registry.py)
     dims: ParallelDims
     micro_batch: int              # sequences per forward on one replica
     accumulation: int             # micro-batches per optimizer step
@@ -35,9 +40,7 @@ class Layout:
 
     @property
     def engine_class(self):
-        from .factory import engine_class  # the engines import this module
-
-        return engine_class(self.engine)
+        return self.engine.cls
 
     @property
     def world_size(self) -> int:
@@ -64,7 +67,7 @@ class Layout:
         return self.micro_batch * self.accumulation * self.dp
 
     def describe(self) -> str:
-        parts = [f"engine={self.engine}", f"processes={self.world_size}", f"dp={self.dp}"]
+        parts = [f"engine={self.engine.name}", f"processes={self.world_size}", f"dp={self.dp}"]
         parts += [f"{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
                                                          ("ep", self.dims.ep)) if value > 1]
         own = self.engine_class.describe_settings(self)
@@ -81,7 +84,7 @@ class Layout:
         """The `key=value` overrides that give this layout from any config of the same model and world (command
         line arguments: `shlex.join` them for a shell)."""
         cls = self.engine_class
-        keys = [f"engine={self.engine}", f"dp={self.dp}", f"micro_batch_size={self.micro_batch}",
+        keys = [f"engine={self.engine.name}", f"dp={self.dp}", f"micro_batch_size={self.micro_batch}",
                 f"gradient_accumulation_steps={self.accumulation}", f"activation_checkpointing={self.recompute}"]
         keys += cls.settings_overrides(self)
         if cls.supports_context_parallel:
@@ -125,7 +128,7 @@ class ModelStates:
 @dataclass(frozen=True)
 class HeldState:
     """What a constructed engine really holds on this rank, measured from its tensors and process groups: what
-    `model_states` and the dimensions predict (tests/test_layout_answers.py compares the two)."""
+    `model_states` and the dimensions predict (tests/helpers.py's assert_layout_answers compares the two)."""
     weights: int            # bytes of this rank's own weights (local shards, partitions, its stages)
     optimizer: int          # bytes of its optimizer state (moments, and master weights where kept apart)
     gradient_ranks: int     # ranks of the group its gradients are reduced over
@@ -178,7 +181,7 @@ class LayoutAnswers:
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
     supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
-    baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device.py)
+    baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
     muon_refusal = ""   # why not, where it does not

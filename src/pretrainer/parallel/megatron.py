@@ -29,25 +29,22 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from ..batch import IGNORE, PipelinedMasks, batch_targets, forwarding, is_head_loss, pipelining
-from ..config import ConfigError, ParallelDims, expert_shape
+from ..config import ConfigError, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
 from ..models.registry import parse_model_config
-from . import context_parallel
 from .activation_checkpoint import RecomputeSettings
-from .ddp import context_parallel_degrees
 from .distributed import DistributedEngine
 from .engine import to_device_async
 from .expert_parallel import shard_experts
-from .layout import Collective, Layout, ModelStates, RankShare, compute_bytes, optimizer_bytes, optimizer_note
+from .megatron_plan import MegatronLayoutAnswers
 from .megatron_settings import MegatronSettings, read_settings, unused_keys
 from .parallelize import ExpertSharding, parallelize, replicate_layers, shard_layers
-from .pipeline import DecoderStage, build_schedule, split_layers, stages_of_rank
+from .pipeline import DecoderStage, PipelineLoss, build_schedule, forward_in_order, split_layers, stages_of_rank
 from .splits import get_split, moe_blocks
 
 logger = logging.getLogger(__name__)
@@ -82,31 +79,20 @@ class MegatronModel(torch.nn.Module):
         return getattr(self, "lm_head", None)
 
 
-class MegatronEngine(DistributedEngine):
-    name = "megatron"
-    supports_context_parallel = True
-    supports_expert_parallel = True
+class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
+    """The planner's answers for this engine are in megatron_plan.py."""
 
-    def __init__(self, options, world):
-        super().__init__(options, world)
-        s, dims = self.settings, self.dims
+    name = "megatron"
+
+    def __init__(self, options, world, meshes):
+        super().__init__(options, world, meshes)
+        dims = self.dims
         self.dp = dims.dp
-        self.mesh = init_device_mesh(self.device.type, (dims.dp, dims.pp, dims.cp, dims.tp),
-                                     mesh_dim_names=("dp", "pp", "cp", "tp"))
+        self.mesh = meshes.model()
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
         # gradients and token counts are summed over the ranks holding the same parameters: dp x cp
-        self.data_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else self.mesh["dp"]
-        if dims.cp > 1:  # sequence parallelism splits each cp rank's tokens again over tp
-            self.context = context_parallel.ContextParallel(dims.cp, self.mesh.get_local_rank("cp"),
-                                                            self.mesh.get_group("cp"),
-                                                            multiple=s.tp if s.sequence_parallel else 1)
-        # expert parallelism: dp = (dp / ep) x ep, the ranks of an ep group at the same (pp, cp, tp) place of ep
-        # consecutive dp replicas; row-major like `mesh`, so every rank keeps its place
-        self.expert_mesh = None
-        if dims.ep > 1:
-            self.expert_mesh = init_device_mesh(self.device.type, (dims.dp // dims.ep, dims.ep, dims.pp, dims.cp,
-                                                                   dims.tp),
-                                                mesh_dim_names=("expert_replicas", "ep", "pp", "cp", "tp"))
+        self.data_mesh = meshes.data()
+        self.expert_mesh = meshes.experts() if dims.ep > 1 else None
         self._routes_tokens = False  # this rank's stages hold MoE blocks (their routing reads the padding)
         self._tp_partial: list[tuple[torch.nn.Module, str]] = []  # see _sum_partial_gradients_over_tp
         self._stage_experts: list[torch.nn.Module] = []  # the split experts modules of the stage being built
@@ -114,10 +100,15 @@ class MegatronEngine(DistributedEngine):
         self.stage_ids: list[int] = []
         self.schedule = None
         self.loss_weight = 1.0
-        self._loss_fn, self._loss_scale, self._loss_sums = None, 1.0, []
+        self.pipeline_loss = PipelineLoss()
         self._padding_checked = False
         self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
+
+    @property
+    def context_multiple(self) -> int:
+        """Sequence parallelism splits each cp rank's tokens again over tp."""
+        return self.settings.tp if self.settings.sequence_parallel else 1
 
     @classmethod
     def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
@@ -140,13 +131,6 @@ class MegatronEngine(DistributedEngine):
                               "redistributions through compiled layers fails in this torch version; compile "
                               "works with pp_degree and dp, or set compile: false")
         return settings
-
-    @classmethod
-    def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
-        """A `dp x pp x cp x tp` mesh; the distributed optimizer shards its state over dp."""
-        holders = world_size // (settings.tp * settings.pp)  # dp x cp ranks hold the same parameters
-        return ParallelDims(world_size, tp=settings.tp, pp=settings.pp, cp=cp,
-                            shard=holders if settings.distributed_optimizer and holders >= 1 else 1)
 
     @classmethod
     def replica_ranks(cls, args) -> int:
@@ -205,7 +189,7 @@ class MegatronEngine(DistributedEngine):
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
         if s.pp > 1:
             self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
-                                           s.num_micro_batches, self._pipeline_loss, self.device,
+                                           s.num_micro_batches, self.pipeline_loss, self.device,
                                            self.mesh.get_group("pp"))
         logger.info("megatron engine: %s; this rank (dp %d, pp %d, tp %d) holds stage(s) %s with layers %s",
                     s.describe(), self.dp_rank, self.pp_rank, self.tp_rank, self.stage_ids,
@@ -253,7 +237,7 @@ class MegatronEngine(DistributedEngine):
         """The routed experts over the ep ranks; their gradients are reduced over the dp / ep ranks holding the
         same ones, where the loop's scale expects an average over dp: 1 / ep evens that out."""
         self._stage_experts = shard_experts(stage, self.expert_mesh["ep"],
-                                            self.dims.expert_replicas / self.gradient_average_size)
+                                            self.dims.expert_replicas / self.dims.gradient_ranks)
 
     def _data_parallel(self, stage: DecoderStage) -> DecoderStage:
         """Gradients over dp x cp: all-reduced (`replicate`), or with the distributed optimizer reduce-scattered
@@ -332,7 +316,9 @@ class MegatronEngine(DistributedEngine):
                 with forwarding(padding):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
-                output = self._pipeline_forward_only(input_ids, targets)
+                output = forward_in_order(self.stage_ids, self.stages, self.settings.num_stages,
+                                          self.mesh.get_group("pp"), input_ids.to(self.device), targets,
+                                          self.autocast)
         return output if output is None or is_head_loss(output) else output[:, :length]
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float,
@@ -343,7 +329,7 @@ class MegatronEngine(DistributedEngine):
         # (balancing_losses_on_activations) and `extra_losses` has nothing to hand over
         for batch in micro_batches:
             self._check_padding_side(batch)
-        self._loss_fn, self._loss_scale, self._loss_sums = loss_fn, scale, []
+        self.pipeline_loss.begin(loss_fn, scale)
         # Every micro-batch gets the same shape (stages exchange fixed-size activations): a short last batch
         # of a user DataLoader gains rows whose targets are all ignored.
         length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
@@ -363,40 +349,7 @@ class MegatronEngine(DistributedEngine):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
                                target=targets if last in self.stage_ids else None, return_outputs=False,
                                **head_targets)
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        # The first step also calls the loss once on stand-in outputs (the schedule infers shapes): keep the
-        # micro-batches' own losses, the last ones.
-        for summed in self._loss_sums[len(self._loss_sums) - self.settings.num_micro_batches:]:
-            local += summed.double()
-        return local
-
-    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        summed = self._loss_fn(logits, targets)
-        self._loss_sums.append(summed.detach())
-        return summed * self._loss_scale
-
-    @torch.no_grad()
-    def _pipeline_forward_only(self, input_ids: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
-        """Run the stages in order, sending hidden states between pipeline ranks (evaluation)."""
-        s = self.settings
-        group = self.mesh.get_group("pp")
-        by_id = dict(zip(self.stage_ids, self.stages))
-        hidden = None
-        shards = s.tp if s.sequence_parallel else 1
-        shape = (input_ids.shape[0], input_ids.shape[1] // shards, self.stages[0].config.hidden_size)
-        for index in range(s.num_stages):
-            owner, previous = index % s.pp, (index - 1) % s.pp
-            if index > 0 and owner != previous:
-                if self.pp_rank == previous:
-                    dist.send(hidden.float().contiguous(), dst=dist.get_global_rank(group, owner), group=group)
-                elif self.pp_rank == owner:
-                    hidden = torch.empty(shape, dtype=torch.float32, device=self.device)
-                    dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
-            if self.pp_rank == owner:
-                with self.autocast():
-                    hidden = by_id[index](input_ids.to(self.device) if index == 0 else hidden, None,
-                                          targets if index == s.num_stages - 1 else None)
-        return hidden if s.num_stages - 1 in self.stage_ids else None
+        return self.pipeline_loss.window_sum(self.settings.num_micro_batches, self.device)
 
     def release(self) -> None:
         super().release()
@@ -452,7 +405,7 @@ class MegatronEngine(DistributedEngine):
             param.grad = DTensor.from_local(grad.to_local(), grad.device_mesh, placements, run_check=False,
                                             shape=grad.shape, stride=grad.stride())
 
-    def gradient_group_size(self, model: torch.nn.Module) -> int:
+    def measured_gradient_ranks(self, model: torch.nn.Module) -> int:
         return self.data_mesh.size()
 
     def shard_group_size(self) -> int:
@@ -482,114 +435,6 @@ class MegatronEngine(DistributedEngine):
         cp = f" x cp={self.context.degree}" if self.context else ""
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
-
-    # ---- the planner's questions ----
-    @classmethod
-    def reads_weight_slices(cls, settings) -> bool:
-        return True
-
-    @classmethod
-    def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
-        """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
-        s = layout.settings
-        ranges = split_layers(num_layers, s.num_stages, s.pipeline_layers)
-        held = [sum(len(ranges[i]) for i in stages_of_rank(rank, s.pp, s.num_stages)) for rank in (0, s.pp - 1)]
-        return held[0], held[1]
-
-    @classmethod
-    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """With the distributed optimizer each stage is FSDP2 without resharding after forward: fp32 shards over
-        dp x cp, every layer gathered from forward to backward (and autocast's copies), the gradients
-        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate), the moments
-        sharded. Otherwise a torch engine's states over the stage's tp share."""
-        shards = layout.dims.shard
-        if not layout.settings.distributed_optimizer or shards == 1:
-            return super().model_states(layout, shape, share, on_cpu)
-        n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
-        layer = shape.layer_parameters // layout.tp
-        copies = c * share.matmul if layout.dtype != "fp32" else 0
-        # split experts (their 1 / ep on this rank) are sharded over the dp / ep ranks holding them instead
-        experts = shape.expert_parameters // layout.dims.ep if layout.dims.ep > 1 else 0
-
-        def sharded(held: int) -> int:
-            own = experts * held / n if n else 0
-            return int((held - own) / shards + own / layout.dims.expert_replicas)
-
-        grads = 4 * sharded(t) + 4 * layer + (4 * t - 4 * sharded(t) if layout.accumulation > 1 else 0)
-        notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
-                 + (" + autocast's copies" if copies else ""),
-                 "optimizer": optimizer_note(layout, "sharded: the distributed optimizer")}
-        return ModelStates(4 * sharded(n), 4 * (n - sharded(n)) + copies, grads, sharded(optimizer_bytes(share)), 0,
-                           notes=notes)
-
-    @classmethod
-    def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
-        """tp splits all but the MoE blocks, which it leaves whole; ep splits their routed experts."""
-        whole = min(layers * shape.layer_moe_block_parameters, parameters)
-        experts = min(layers * shape.layer_expert_parameters, whole)
-        return (parameters - whole) // layout.tp + whole - experts + experts // layout.dims.ep
-
-    @classmethod
-    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """An all-reduce of the stage's gradients over dp x cp; with expert parallelism the experts' over the
-        dp / ep ranks holding them; the MoE blocks' (tp leaves them whole) summed over tp."""
-        dims = layout.dims
-        blocks, experts = shape.moe_block_parameters, shape.expert_parameters
-        split = dims.ep > 1
-        dense = trained - (experts if split else 0)
-        traffic = [Collective(2 * 4 * cls.held_parameters(layout, shape, dense, shape.layers) / dims.pp,
-                              dims.gradient_ranks, dims.tp * dims.pp)]
-        if split:
-            traffic.append(Collective(2 * 4 * experts / (dims.ep * dims.pp), dims.expert_replicas,
-                                      dims.tp * dims.pp * dims.ep))
-        if blocks and dims.tp > 1:
-            traffic.append(Collective(2 * 4 * (blocks - experts + experts / dims.ep) / dims.pp, dims.tp))
-        return traffic
-
-    @classmethod
-    def muon_gather_ranks(cls, layout: Layout) -> int:
-        """tp, and dp x cp too with the distributed optimizer (its matrices are FSDP2 shards)."""
-        return layout.tp * (layout.dims.shard if layout.settings.distributed_optimizer else 1)
-
-    @classmethod
-    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
-        within a node and cp across. An MoE model (whole sequences): tp by pp by ep, ep dividing the experts and
-        the dp ranks."""
-        if world_size == 1:
-            return []
-        tensor_parallel = [tp for tp in _divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
-            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
-        variants = []
-        for tp in [1, *tensor_parallel]:
-            for pp in _divisors(world_size // tp, 8):
-                if pp > shape.layers or (pp > 1 and shape.tied):
-                    continue
-                dp = world_size // (tp * pp)
-                for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] \
-                        if shape.experts else [1]:
-                    if tp * pp * ep > 1:
-                        variants.append(cls._variant(world_size, tp, pp, 1, ep))
-        if shape.experts:  # whole sequences
-            return variants
-        for cp in context_parallel_degrees(world_size, seq_length)[1:]:
-            variants += [cls._variant(world_size, tp, 1, cp) for tp in tensor_parallel if world_size % (tp * cp) == 0]
-        return variants
-
-    @classmethod
-    def _variant(cls, world_size: int, tp: int, pp: int, cp: int, ep: int = 1) -> dict:
-        settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
-        return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
-                "sequence_parallel": settings.sequence_parallel}
-
-    @classmethod
-    def settings_overrides(cls, layout: Layout) -> list[str]:
-        return [f"plugin_args.tp_degree={layout.tp}", f"plugin_args.pp_degree={layout.pp}",
-                f"plugin_args.sequence_parallelism={str(layout.sequence_parallel).lower()}"]
-
-
-def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _release_other_stages(parts, stages: list[DecoderStage]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask
 
@@ -123,3 +124,52 @@ def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_
     if len(stages) != 1:
         raise ConfigError(f"pipeline_schedule {schedule} runs one stage per rank; {len(stages)} were built")
     return (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], **options)
+
+
+class PipelineLoss:
+    """The loss a pipeline schedule calls on the last stage for each micro-batch: the loop's summed token loss,
+    scaled for the backward, with each micro-batch's sum kept for the step's loss."""
+
+    def __init__(self) -> None:
+        self.loss_fn, self.scale, self.sums = None, 1.0, []
+
+    def begin(self, loss_fn, scale) -> None:
+        """A new accumulation window: `loss_fn(logits, targets)` sums a micro-batch's token losses."""
+        self.loss_fn, self.scale, self.sums = loss_fn, scale, []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        summed = self.loss_fn(logits, targets)
+        self.sums.append(summed.detach())
+        return summed * self.scale
+
+    def window_sum(self, micro_batches: int, device: torch.device) -> torch.Tensor:
+        """This rank's summed loss over the window (zero off the last stage). The first step also calls the loss
+        once on stand-in outputs (the schedule infers shapes): the micro-batches' own losses are the last ones."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for summed in self.sums[len(self.sums) - micro_batches:]:
+            total += summed.double()
+        return total
+
+
+@torch.no_grad()
+def forward_in_order(stage_ids: list[int], stages: list[DecoderStage], num_stages: int, group, input_ids, targets,
+                     autocast) -> torch.Tensor | None:
+    """Run every stage in order without a schedule, sending hidden states between pipeline ranks (evaluation):
+    the last stage's output on the rank holding it, None elsewhere. `group`: the pipeline ranks."""
+    pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+    by_id = dict(zip(stage_ids, stages))
+    hidden = None
+    shape = (input_ids.shape[0], input_ids.shape[1] // stages[0].sequence_shards, stages[0].config.hidden_size)
+    for index in range(num_stages):
+        owner, previous = index % pp, (index - 1) % pp
+        if index > 0 and owner != previous:
+            if pp_rank == previous:
+                dist.send(hidden.float().contiguous(), dst=dist.get_global_rank(group, owner), group=group)
+            elif pp_rank == owner:
+                hidden = torch.empty(shape, dtype=torch.float32, device=input_ids.device)
+                dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
+        if pp_rank == owner:
+            with autocast():
+                hidden = by_id[index](input_ids if index == 0 else hidden, None,
+                                      targets if index == num_stages - 1 else None)
+    return hidden if num_stages - 1 in stage_ids else None

@@ -1,6 +1,6 @@
 """The memory a training process takes besides its model: two steps of a tiny model on one process, through
 what a run assembles (the resolved run, the engine, the tokenized data, the model, the optimizer), whose peak
-RSS the planner uses as the runtime's baseline (plan/device.py measures it once per machine and caches it).
+RSS the planner uses as the runtime's baseline (plan/device_spec.py measures it once per machine and caches it).
 
     python -m pretrainer.plan.baseline_run ENGINE   # prints the peak RSS in bytes
 """
@@ -49,28 +49,18 @@ def tiny_run(folder: Path, engine: str) -> None:
 def train_steps(args) -> None:
     """`num_training_steps` steps of `args`'s run, as `train` assembles it (without its loop's bookkeeping)."""
     from ..batch import count_targets, loss_sum, to_device
-    from ..data import DataPlacement, assemble_data
-    from ..models import build_model
-    from ..optim import build_optimizer, build_scheduler
-    from ..parallel import create_engine
-    from ..run import launch_world, resolve_run
+    from ..run import launch_world
+    from ..run.assembly import assemble_run
 
-    world = launch_world(args)
-    run = resolve_run(args, world)
-    engine = create_engine(run.engine, run.options, world)
-    placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
-                              engine.all_gather_object)
-    data = assemble_data(args, run.sizes, run.tokenizer, placement)
-    model, optimizer, scheduler = engine.setup(
-        build_model(args, run.model, read_slices=engine.reads_slices), None, None,
-        lambda m: build_optimizer(engine.trained_module(m), run.optimizer, engine.device),
-        lambda o: build_scheduler(o, run.schedule))
+    run = assemble_run(args, launch_world(args))
+    engine = run.engine
     for _ in range(args.num_training_steps):
-        batch = next(data.train)
-        scale = engine.gradient_average_size / max(int(count_targets(batch)), 1)
-        engine.forward_backward(model, [to_device(batch, engine.device)], loss_sum, scale)
-        engine.step(model, optimizer, args.clip_grad)
-        engine.finish_step(optimizer, scheduler)
+        batch = next(run.data.train)
+        scale = engine.dims.gradient_ranks / max(int(count_targets(batch)), 1)
+        engine.forward_backward(run.model, [to_device(batch, engine.device)], loss_sum, scale)
+        engine.step(run.model, run.optimizer, args.clip_grad)
+        engine.finish_step(run.optimizer, run.scheduler)
+    engine.close()
 
 
 def main() -> None:

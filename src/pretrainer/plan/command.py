@@ -9,7 +9,7 @@ import torch
 from ..config import ConfigError
 from ..parallel import planned_world
 from ..run import described_world_size, resolve_run
-from .device import device_spec
+from .device_spec import device_spec
 from .planner import Plan, make_plan
 
 GPU_DEVICES_PER_NODE = 8

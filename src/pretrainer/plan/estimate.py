@@ -8,7 +8,7 @@ from the layout's dimensions:
 - activations: the probed bytes (activations.py) x micro-batch x layers on the rank x micro-batches in flight
   (pipeline), plus the recomputed layer in backward;
 - logits: the output head's fp32 logits, log-softmax and their gradients (or one chunk of them);
-- runtime: the process before the model (device.py).
+- runtime: the process before the model (device_spec.py).
 The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of
 backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
 and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ..parallel.layout import Layout, RankShare, compute_bytes
 from .activations import probe
-from .device import DeviceSpec
+from .device_spec import DeviceSpec
 from .model_shape import ModelShape
 
 LOSS_BYTES_PER_LOGIT = 12    # fp32 logits (or log-softmax), and two gradients of that size at the start of backward
@@ -107,14 +107,14 @@ class Estimate:
 
 
 def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable: str | list = "all",
-             checkpoint: str = "none") -> Estimate:
+             weights: str = "none") -> Estimate:
     """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`;
-    `checkpoint`: how the run reads its weights: "none" (random init), "whole" (every rank loads the whole
+    `weights`: how the run reads its weights: "none" (random init), "whole" (every rank loads the whole
     model) or "slices" (an engine that lays the model out first reads only its own slices).
 
     Under pipeline parallelism the ranks differ (the first stage's hold the embedding and the most micro-batches
     in flight, the last stage's the head and its logits): the rank with the highest peak is the estimate."""
-    return max((_estimate_rank(layout, shape, config, device, trainable, checkpoint, part)
+    return max((_estimate_rank(layout, shape, config, device, trainable, weights, part)
                 for part in rank_parts(layout, shape, trainable)), key=lambda e: e.peak)
 
 
@@ -144,7 +144,7 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
                  in_flight[1], True, last_layers)]
 
 
-def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, checkpoint: str,
+def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, weights: str,
                    part: RankShare) -> Estimate:
     engine = layout.engine_class
     states = engine.model_states(layout, shape, part, device.kind == "cpu")
@@ -153,7 +153,7 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
         notes["parameters"] = f"the {part.stage} pipeline stage's " + notes["parameters"]
     activations, working = _activations(layout, shape, config, part, notes)
     logits = _logits(layout, shape) if part.head else 0
-    loading = _loading(layout, shape, checkpoint, notes)
+    loading = _loading(layout, shape, weights, notes)
     retained = _heap_retained(layout, shape, device, notes)
     communication = states.communication + _muon_buffers(layout, shape, part, notes)
     return Estimate(layout, states.parameters, states.gradients, states.optimizer, activations, working, logits,
@@ -190,12 +190,12 @@ def _heap_overhead(layout: Layout, device: DeviceSpec) -> float:
     return CPU_HEAP_OVERHEAD
 
 
-def _loading(layout: Layout, shape: ModelShape, checkpoint: str, notes: dict) -> int:
+def _loading(layout: Layout, shape: ModelShape, weights: str, notes: dict) -> int:
     """Host bytes while the weights are read: the whole model in fp32, or (reading slices) one tensor at a time
     beside the rank's own parameters, which the other terms already hold."""
-    if checkpoint == "none":
+    if weights == "none":
         return 0
-    if checkpoint == "slices" and layout.engine_class.reads_weight_slices(layout.settings):
+    if weights == "slices" and layout.engine_class.reads_weight_slices(layout.settings):
         notes["loading"] = "each rank reads its own slices of the checkpoint, one tensor at a time"
         return 4 * max(shape.embedding_parameters, shape.head_parameters, 1)
     notes["loading"] = "the checkpoint read whole in fp32 on every rank before the engine lays it out"

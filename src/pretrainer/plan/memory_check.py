@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..config import ConfigError
 from ..parallel import World
 from ..run import ResolvedRun
-from .device import device_spec
+from .device_spec import device_spec
 from .planner import make_plan
 from .render import size
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from ..run import ResolvedRun
-from .device import DeviceSpec
+from .device_spec import DeviceSpec
 from .estimate import Estimate, estimate
 from .model_shape import ModelShape, model_shape
 from .search import alternatives
@@ -35,6 +35,6 @@ def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Pl
     config = run.model_config
     shape = model_shape(config, run.vocab_size)
     layout = run.layout(devices_per_node)
-    own = estimate(layout, shape, config, device, run.trainable, run.checkpoint)
+    own = estimate(layout, shape, config, device, run.trainable, run.weights)
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
-                                                 run.checkpoint))
+                                                 run.weights))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from .device import CPU_BYTES_PER_S, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S
+from .device_spec import CPU_BYTES_PER_S, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S
 from .estimate import Estimate
 from .planner import Plan
 

@@ -7,15 +7,11 @@ offload, FSDP resharding and offload, tp/pp/cp degrees) and recomputation.
 
 from __future__ import annotations
 
-from ..parallel import Layout, engine_class
-from ..parallel.factory import ENGINES
+from ..config.dims import divisors
+from ..parallel import ENGINES, Layout
 from .estimate import Estimate, estimate
 
 RECOMPUTE = ("none", "selective", "full")
-
-
-def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _batch_splits(layout: Layout, dp: int) -> list[tuple[int, int]]:
@@ -23,16 +19,16 @@ def _batch_splits(layout: Layout, dp: int) -> list[tuple[int, int]]:
     per_replica, rest = divmod(layout.global_batch, dp)
     if rest or per_replica == 0:
         return []
-    return [(mb, per_replica // mb) for mb in _divisors(per_replica, 4 * layout.micro_batch)][-4:]
+    return [(mb, per_replica // mb) for mb in divisors(per_replica, 4 * layout.micro_batch)][-4:]
 
 
 def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
-    variants = [{"engine": name, **variant} for name in ENGINES
-                if layout.optimizer != "muon" or engine_class(name).trains_muon
-                if not shape.experts or engine_class(name).trains_moe
-                for variant in engine_class(name).layout_variants(layout.world_size, layout.devices_per_node, shape,
-                                                                  layout.seq_length)
+    variants = [{"engine": entry, **variant} for entry in ENGINES
+                if layout.optimizer != "muon" or entry.cls.trains_muon
+                if not shape.experts or entry.cls.trains_moe
+                for variant in entry.cls.layout_variants(layout.world_size, layout.devices_per_node, shape,
+                                                         layout.seq_length)
                 if not shape.experts or variant["dims"].cp == 1]  # an MoE model trains whole sequences
     variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first
     out = []
@@ -49,13 +45,13 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
 
 
 def alternatives(layout: Layout, shape, config, device, loss_chunk, trainable="all",
-                 checkpoint="none") -> list[Estimate]:
+                 weights="none") -> list[Estimate]:
     """Every candidate's estimate: those that fit, fastest first, then the rest, smallest first."""
     estimates = []
     for candidate in candidate_layouts(layout, shape, loss_chunk):
         if candidate == layout:
             continue
-        estimates.append(estimate(candidate, shape, config, device, trainable, checkpoint))
+        estimates.append(estimate(candidate, shape, config, device, trainable, weights))
     return sorted(estimates, key=rank)
 
 

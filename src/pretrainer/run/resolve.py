@@ -33,8 +33,9 @@ from ..models import (
     reads_checkpoint_in_slices,
     resolve_loss_chunk,
 )
-from ..parallel import EngineOptions, Layout, World, engine_class, join_world, planned_world, select_engine
+from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, planned_world, select_engine
 from ..parallel.activation_checkpoint import RecomputeSettings
+from ..parallel.registry import engines_that
 from .device import resolve_device, resolve_dtype
 
 logger = logging.getLogger("pretrainer")
@@ -42,7 +43,7 @@ logger = logging.getLogger("pretrainer")
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    engine: str                       # the engine's name (parallel/factory.py)
+    engine: EngineEntry               # the engine's registry entry (parallel/registry.py)
     options: EngineOptions            # the engine's part: dims, dtype, its settings, recompute, compile, seed
     sizes: BatchSizes
     model_config: object              # the HF config the model is built from
@@ -55,7 +56,7 @@ class ResolvedRun:
     dtype_reason: str | None = None   # why `dtype: auto` chose what it did
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
-    checkpoint: str = "none"          # the weights: none (random init), whole, or slices (readable rank by rank)
+    weights: str = "none"             # where the weights come from: none (random init), whole, or slices
     trainable: str | list = "all"     # trainable_parameters
     loss_chunk_setting: int | str = "auto"
     custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
@@ -75,7 +76,7 @@ class ResolvedRun:
 
     @property
     def engine_class(self):
-        return engine_class(self.engine)
+        return self.engine.cls
 
     @property
     def reads_weight_slices(self) -> bool:
@@ -105,15 +106,19 @@ class ResolvedRun:
                 + (f" moe=({self.moe.describe()})" if self.moe is not None else ""))
 
 
-def optimizer_settings(args, cls, name: str, dtype: str) -> OptimizerSettings:
-    if args.optimizer == "muon" and not cls.trains_muon:
-        raise key_error("optimizer", f"optimizer: muon is not available with engine {name}: {cls.muon_refusal} Use "
-                         "engine fsdp (ZeRO-3 style) or megatron with use_distributed_optimizer (ZeRO-1/2 style), "
-                         "which train Muon, or optimizer: adamw")
+def optimizer_settings(args, entry: EngineEntry, dtype: str) -> OptimizerSettings:
+    if args.loss_spike_factor and entry.cls.applies_every_update:
+        raise key_error("loss_spike_factor", f"loss_spike_factor is not available with engine {entry.name} "
+                        f"({entry.name} applies every update it is given); remove it or use engine "
+                        f"{engines_that(lambda c: not c.applies_every_update)}")
+    if args.optimizer == "muon" and not entry.cls.trains_muon:
+        raise key_error("optimizer", f"optimizer: muon is not available with engine {entry.name}: "
+                         f"{entry.cls.muon_refusal} Use engine {engines_that(lambda c: c.trains_muon)}, which "
+                         "train Muon, or optimizer: adamw")
     return OptimizerSettings.of(args, dtype)
 
 
-def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -> MoeSettings | None:
+def moe_settings(args, entry: EngineEntry, config, where: str, dims: ParallelDims) -> MoeSettings | None:
     """The MoE part of a model with experts, refused where this engine or layout cannot train it yet."""
     moe = MoeSettings.of(args, config, where)
     if moe is None:
@@ -121,9 +126,9 @@ def moe_settings(args, cls, name: str, config, where: str, dims: ParallelDims) -
             raise ConfigError(f"key 'expert_parallel_degree': {dims.ep} is set but {where} describes a dense model "
                               "(no experts to split); set it to 1")
         return None
-    if not cls.trains_moe:
-        raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {name} does not train: "
-                          f"{cls.moe_refusal} Use engine single, ddp, fsdp, deepspeed or megatron")
+    if not entry.cls.trains_moe:
+        raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {entry.name} does not train: "
+                          f"{entry.cls.moe_refusal} Use engine {engines_that(lambda c: c.trains_moe)}")
     if dims.cp > 1:
         raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
                           "sequences on each rank (its balancing losses are per sequence); set it to 1")
@@ -137,7 +142,7 @@ def launch_world(args) -> World:
     """The processes of this launch: the device from `device`, the process group joined where the engine the
     config asks for runs over one."""
     device = resolve_device(args.device)
-    if engine_class(select_engine(args)).joins_process_group:
+    if select_engine(args).cls.joins_process_group:
         return join_world(device, args.distributed_timeout_minutes)
     return planned_world(1, 1, device)
 
@@ -149,13 +154,13 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     its own model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: for
     a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
     the config's `dp` describes (`pretrainer plan --world-size`)."""
-    name = select_engine(args, world.size)
-    cls = engine_class(name)
+    entry = select_engine(args, world.size)
+    cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
     source = model_source(args, model_config) if check_model else None
     config = source.config if source is not None else model_config
     settings = cls.read_settings(args, config, world.size, dtype)
-    dims = parallel_dims(args, cls, name, world.size, settings, check_dp)
+    dims = parallel_dims(args, entry, world.size, settings, check_dp)
     if source is not None:
         spec = preflight(args, source, vocab_multiple=dims.vocab_multiple)
         tokenizer, where = spec.tokenizer, spec.config_source
@@ -168,28 +173,28 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
                                vocab)
-    moe = moe_settings(args, cls, name, config, where, dims)
+    moe = moe_settings(args, entry, config, where, dims)
     sequence_parallel, schedule = cls.parallel_style(settings)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
                             sizes.seq_length, sizes.micro_batch_size)
-    checkpoint = "none" if spec is None or not spec.has_weights else (
+    weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
-    return ResolvedRun(name, options, sizes, config, where, spec, tokenizer, chunk,
-                       optimizer_settings(args, cls, name, dtype), ScheduleSettings.of(args), reason,
-                       sequence_parallel, schedule, checkpoint, args.trainable_parameters, args.loss_chunk_size,
+    return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
+                       optimizer_settings(args, entry, dtype), ScheduleSettings.of(args), reason,
+                       sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
                        custom_loss, moe)
 
 
-def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: bool = True) -> ParallelDims:
+def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp: bool = True) -> ParallelDims:
     """The engine's dimensions for `world_size` processes, checked against `context_parallel_degree` and the
     config's `dp`."""
-    cp = args.context_parallel_degree
+    cls, cp = entry.cls, args.context_parallel_degree
+    splitters = engines_that(lambda c: c.supports_context_parallel)
     if cp > 1 and world_size == 1:
-        raise ConfigError(f"key 'context_parallel_degree': {cp} needs several processes and engine ddp, fsdp or "
-                          "megatron")
+        raise ConfigError(f"key 'context_parallel_degree': {cp} needs several processes and engine {splitters}")
     if cp > 1 and not cls.supports_context_parallel:
-        raise ConfigError(f"key 'context_parallel_degree': engine {name} does not split sequences over ranks; use "
-                          "engine ddp, fsdp or megatron")
+        raise ConfigError(f"key 'context_parallel_degree': engine {entry.name} does not split sequences over ranks; "
+                          f"use engine {splitters}")
     if cp > 1 and world_size % cp:
         raise ConfigError(f"key 'context_parallel_degree': {cp} does not divide the {world_size} processes; launch "
                           f"dp x {cp} processes")
@@ -197,8 +202,9 @@ def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: boo
     ep = args.expert_parallel_degree
     if ep > 1:
         if not cls.supports_expert_parallel:
-            raise ConfigError(f"key 'expert_parallel_degree': engine {name} holds every expert on every rank; use "
-                              "engine fsdp or megatron to split the experts over ranks, or expert_parallel_degree: 1")
+            raise ConfigError(f"key 'expert_parallel_degree': engine {entry.name} holds every expert on every rank; "
+                              f"use engine {engines_that(lambda c: c.supports_expert_parallel)} to split the experts "
+                              "over ranks, or expert_parallel_degree: 1")
         dims = dataclasses.replace(dims, ep=ep)
     if check_dp:
         dims.check_claimed_dp(args.dp)
@@ -207,7 +213,7 @@ def parallel_dims(args, cls, name: str, world_size: int, settings, check_dp: boo
 
 def described_world_size(args) -> int:
     """The processes a config describes: dp x the ranks of one replica of its engine (tp x pp x cp)."""
-    return args.dp * engine_class(select_engine(args, args.dp)).replica_ranks(args)
+    return args.dp * select_engine(args, args.dp).cls.replica_ranks(args)
 
 
 __all__ = ["ResolvedRun", "described_world_size", "launch_world", "resolve_run"]

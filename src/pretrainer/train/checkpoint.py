@@ -1,16 +1,15 @@
 """Resumable checkpoints in `save_dir/checkpoints/step-<N>/`.
 
-Model and optimizer state go through torch.distributed.checkpoint (each rank
-writes its own shards; a checkpoint can be loaded on another data-parallel size,
-which DCP reshards). Beside them: `extra_state_rank<R>.pt` (RNG, loss scaler,
-scheduler), `config.yaml`, and `trainer_state.json` (step, tokens, data position),
-written last. All of it goes into a hidden temporary folder that is renamed into
-place only when complete, so a folder named `step-<N>` is always whole; `latest`
-names the newest one. `manifest.json` lists every file with its size and CRC-32,
-and a checkpoint that no longer matches it (truncated, corrupted) is skipped on
-resume with a message naming the file. Before a save, the free space is checked
-against the previous checkpoint's size; after one, older checkpoints beyond the
-retention settings are deleted (never before the new one is complete).
+Model and optimizer state go through the engine (torch.distributed.checkpoint: each rank writes its own shards,
+and a checkpoint loads on another data-parallel size, which DCP reshards). Beside them, the run's registered
+state components (run_state.py): each rank's own in `extra_state_rank<R>.pt` (RNG, loss scaler, scheduler), the
+run's in `trainer_state.json` (tokens, data position, ...) with the step, engine and world size; then
+`config.yaml`; `trainer_state.json` is written last. All of it goes into a hidden temporary folder that is renamed
+into place only when complete, so a folder named `step-<N>` is always whole; `latest` names the newest one.
+`manifest.json` lists every file with its size and CRC-32, and a checkpoint that no longer matches it (truncated,
+corrupted) is skipped on resume with a message naming the file. Before a save, the free space is checked against
+the previous checkpoint's size; after one, older checkpoints beyond the retention settings are deleted (never
+before the new one is complete).
 """
 
 from __future__ import annotations
@@ -19,28 +18,28 @@ import contextlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..config import ConfigError
+from ..parallel.registry import BY_NAME
+from . import checkpoint_io
+from .checkpoint_io import DCP
 from .errors import CheckpointError
+from .run_state import RunState
 
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
-FORMAT_NAMES = {"dcp": "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
+FORMAT_NAMES = {DCP: "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
 
 
 def checkpoints_root(save_dir: str | Path) -> Path:
@@ -55,10 +54,12 @@ class Checkpointer:
     at the next save, or at the end of the run (`wait`). Every rank calls the same methods in order.
     """
 
-    def __init__(self, save_dir: str | Path, engine, async_save: bool = False, keep_last: int | None = None,
-                 keep_every: int | None = None, checksums: bool = True, interval: int | None = None):
+    def __init__(self, save_dir: str | Path, engine, state: RunState, config_yaml: str, config_hash: str,
+                 async_save: bool = False, keep_last: int | None = None, keep_every: int | None = None,
+                 checksums: bool = True, interval: int | None = None):
         self.root = checkpoints_root(save_dir)
-        self.engine = engine
+        self.engine, self.state = engine, state
+        self.config_yaml, self.config_hash = config_yaml, config_hash
         self.interval = interval
         self.last_saved_step: int | None = None
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
@@ -67,6 +68,13 @@ class Checkpointer:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
         self._pending = None
 
+    @classmethod
+    def of_run(cls, args, engine, state: RunState) -> "Checkpointer":
+        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval)."""
+        return cls(args.save_dir, engine, state, args.to_yaml(), args.config_hash(), args.async_checkpoint,
+                   keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
+                   checksums=args.checkpoint_checksums, interval=args.save_interval)
+
     def is_due(self, step: int) -> bool:
         """Whether `save_interval` asks for a checkpoint after this step."""
         return bool(self.interval) and step % self.interval == 0
@@ -74,8 +82,8 @@ class Checkpointer:
     def saved(self, step: int) -> bool:
         return self.last_saved_step == step
 
-    def save(self, step: int, *, model, optimizer, scheduler_state: dict, trainer_state: dict,
-             config_yaml: str) -> Path:
+    def save(self, step: int, *, model, optimizer) -> Path:
+        """Model and optimizer through the engine, and every registered component, as of `step`."""
         self.wait()
         self.last_saved_step = step
         engine = self.engine
@@ -86,21 +94,21 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         engine.barrier()  # the folder exists before any rank writes into it
         self._check_free_space()
-        state = {**trainer_state, "step": step, "world_size": engine.world_size, "engine": engine.name,
-                 "checkpoint_format": engine.checkpoint_format}
+        state = {**self.state.saved(per_rank=False), "config_hash": self.config_hash, "step": step,
+                 "world_size": engine.world_size, "engine": engine.name, "checkpoint_format": engine.checkpoint_format}
         try:
-            torch.save({"rng": rng_state(), "scaler": engine.precision.state_dict(), "scheduler": scheduler_state},
-                       tmp / f"extra_state_rank{engine.rank}.pt")
+            torch.save(self.state.saved(per_rank=True), tmp / f"extra_state_rank{engine.rank}.pt")
             with _single_process_ok():
                 if self.async_save:
-                    self._pending = (engine.save_state_async(tmp, model, optimizer), tmp, final, state, config_yaml)
+                    self._pending = (checkpoint_io.save_state_async(engine, tmp, model, optimizer), tmp, final,
+                                     state)
                     return final
-                engine.save_state(tmp, model, optimizer)
+                checkpoint_io.save_state(engine, tmp, model, optimizer)
         except OSError as exc:  # ENOSPC, EIO, ...: leave nothing half-written, keep the previous checkpoint
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"writing checkpoint {final} failed ({exc}); the previous checkpoint "
                                   f"{find_latest(self.root.parent, verify=False) or '(none)'} is intact") from None
-        self._complete(tmp, final, state, config_yaml)
+        self._complete(tmp, final, state)
         return final
 
     def _check_free_space(self) -> None:
@@ -129,16 +137,16 @@ class Checkpointer:
         never completed, so it is never resumed from; the background write ends on its own."""
         if self._pending is None:
             return
-        _, tmp, final, _, _ = self._pending
+        _, tmp, final, _ = self._pending
         self._pending = None
         logger.warning("checkpoint %s abandoned while being written: it stays incomplete (%s) and the run resumes "
                        "from the one before it", final.name, tmp.name)
 
-    def _complete(self, tmp: Path, final: Path, state: dict, config_yaml: str) -> None:
+    def _complete(self, tmp: Path, final: Path, state: dict) -> None:
         engine = self.engine
         engine.barrier()  # every rank's shards are on disk
         if engine.is_main:
-            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
             _fsync_dir(tmp)
             _write_json(tmp / MANIFEST, manifest(tmp, state, self.checksums))
             _write_json(tmp / STATE_FILE, state)  # written last: marks the folder complete
@@ -170,10 +178,12 @@ def read_trainer_state(path: str | Path) -> dict:
 
 
 def checkpoint_format(trainer_state: dict) -> str:
-    """How a checkpoint's model/optimizer state was written ("dcp" or "deepspeed")."""
-    # Checkpoints that predate the format field: only the deepspeed engine wrote its own format.
-    default = "deepspeed" if trainer_state.get("engine") == "deepspeed" else "dcp"
-    return trainer_state.get("checkpoint_format", default)
+    """How a checkpoint's model/optimizer state was written ("dcp" or an engine's own format)."""
+    if "checkpoint_format" in trainer_state:
+        return trainer_state["checkpoint_format"]
+    # written before the format was recorded: the format of the engine that wrote it
+    entry = BY_NAME.get(trainer_state.get("engine"))
+    return entry.cls.checkpoint_format if entry is not None else DCP
 
 
 def check_resumable(path: Path, trainer_state: dict, engine) -> None:
@@ -191,12 +201,24 @@ def check_resumable(path: Path, trainer_state: dict, engine) -> None:
                     engine.world_size, engine.name)
 
 
-def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:
-    """Restore model and optimizer in place; return this rank's extra state (RNG, scaler, scheduler)."""
+def load_checkpoint(path: str | Path, *, engine, model, optimizer, state: RunState) -> dict:
+    """Restore model and optimizer in place and every registered component of `state`; return the checkpoint's
+    trainer_state.json (its step, config hash, ...)."""
     path = Path(path)
+    trainer_state = read_trainer_state(path)
+    check_resumable(path, trainer_state, engine)
+    _load_engine_state(path, engine, model, optimizer)
+    extra_file = path / f"extra_state_rank{engine.rank}.pt"
+    if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
+        extra_file = path / "extra_state_rank0.pt"
+    state.restore(trainer_state, torch.load(extra_file, weights_only=False), str(path))
+    return trainer_state
+
+
+def _load_engine_state(path: Path, engine, model, optimizer) -> None:
     try:
         with _single_process_ok():
-            engine.load_state(path, model, optimizer)
+            checkpoint_io.load_state(engine, path, model, optimizer)
     except (RuntimeError, ValueError, CheckpointException) as exc:
         signs = ("missing key", "size mismatch", "shape")
         lines = [line.strip() for line in str(exc).splitlines() if any(s in line.lower() for s in signs)]
@@ -206,18 +228,12 @@ def load_checkpoint(path: str | Path, *, engine, model, optimizer) -> dict:
         raise ConfigError(f"{path} does not fit this run's model and optimizer ({reason[:300]}); it was written "
                           "for another model or layout. Resume it with the config it was written with (its "
                           "config.yaml), start a new save_dir, or set resume: none") from None
-    extra_file = path / f"extra_state_rank{engine.rank}.pt"
-    if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
-        extra_file = path / "extra_state_rank0.pt"
-    return torch.load(extra_file, weights_only=False)
 
 
 def load_model_weights(path: str | Path, *, engine, model) -> None:
     """Only the model's weights from a checkpoint written by a torch-native engine (for export)."""
-    state = {"model": get_model_state_dict(model)}
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+        checkpoint_io.load_model_weights(path, model)
 
 
 def is_complete(path: Path) -> bool:
@@ -287,6 +303,21 @@ def _crc32(path: Path) -> str:
     return f"{value:08x}"
 
 
+def elect_resume(world, resume: str, save_dir: str | None) -> Path | None:
+    """The checkpoint to resume from, chosen (and verified against its manifest) by the main rank only and the
+    same on every rank."""
+    outcome = None
+    if world.is_main:
+        try:
+            outcome = ("path", resolve_resume(resume, save_dir))
+        except ConfigError as exc:
+            outcome = ("error", str(exc))
+    kind, value = world.broadcast_object(outcome)
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
 def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
     if resume == "none":
         return None
@@ -307,21 +338,6 @@ def _single_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -114,11 +114,19 @@ class DownstreamEvaluator:
     def due_at_end(self, step: int) -> list[ScoredTask]:
         return self.tasks if self.last_step != step else []
 
-    def run(self, model, step: int, tasks: list[ScoredTask]) -> tuple[dict, dict]:
-        """(the metrics row, the scores by task) after scoring `tasks` at `step`."""
+    def run(self, model, step: int, tasks: list[ScoredTask]) -> dict:
+        """The metrics row after scoring `tasks` at `step` (the scores logged by the main rank)."""
         started = time.perf_counter()
         scores = score_tasks(model, self.engine, tasks, self.batch_tokens)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         self.last_step = step
-        return {"step": step, **metric_row(scores), "downstream_seconds": seconds}, scores
+        if self.engine.is_main:
+            logger.info("downstream step %d (%.1f s): %s", step, seconds, format_scores(scores))
+        return {"step": step, **metric_row(scores), "downstream_seconds": seconds}
+
+    def log_total(self, run_seconds: float) -> None:
+        """At the end: the time scoring took, next to the run's (it is kept out of step times and tokens/s)."""
+        if self.tasks and self.engine.is_main:
+            logger.info("downstream evaluation took %.1f s in all, %.1f%% of the run's %.1f s so far (kept out of "
+                        "step times and tokens/s)", self.seconds, 100 * self.seconds / run_seconds, run_seconds)

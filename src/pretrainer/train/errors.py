@@ -1,5 +1,7 @@
 """Errors that end a run, importable without torch (the command line maps them to exit codes)."""
 
+import logging
+
 
 class TrainingDiverged(RuntimeError):
     """Too many updates in a row were skipped for non-finite gradients."""
@@ -9,8 +11,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (no space, a failing disk); the previous one is untouched."""
 
 
+logger = logging.getLogger("pretrainer")
+
+
 class CollectiveFailure(RuntimeError):
     """A collective failed or timed out: another rank died or hangs."""
+
+
+def collective_failure(exc: BaseException, rank: int, step: int, timeout_minutes: float) -> CollectiveFailure:
+    """The one line a rank logs and raises when a collective of `step` failed under it."""
+    message = (f"rank {rank}: a collective failed at step {step} (after {timeout_minutes:g} min at most, "
+               "distributed_timeout_minutes); another rank died or hangs. Rerun the same command to resume from the "
+               f"last checkpoint. Cause: {str(exc).splitlines()[0][:300]}")
+    logger.error(message)
+    return CollectiveFailure(message)
 
 
 def is_collective_failure(exc: BaseException) -> bool:

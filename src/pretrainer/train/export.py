@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from ..config import torch_dtype as dtype_to_torch
-from ..models import checkpoint_name, tied_output_names
+from ..config.names import parameter_name
+from ..models import tied_output_names
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard
     sizes = {}
     for name, tensor in hf_model.state_dict().items():
         shape = getattr(parameters.get(name), "ds_shape", tensor.shape)  # a ZeRO-3 parameter's own shape
-        name = checkpoint_name(name)
+        name = parameter_name(name)
         if name not in tied:
             dtype = torch_dtype if tensor.is_floating_point() else tensor.dtype
             sizes[name] = torch.empty(shape, dtype=dtype, device="meta")

@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, PreTrainingArguments, check_writable_folder, read_downstream_tasks
-from ..models import build_model
-from ..parallel import create_engine
-from ..run import launch_world, resolve_run
+from ..parallel.registry import single_process_layout
+from ..run import launch_world
+from ..run.assembly import assemble_run
 from . import checkpoint as ckpt
 from .downstream import ScoredTask, format_scores, score_tasks
 from .export import export_hf
 
 logger = logging.getLogger("pretrainer")
 
-# A checkpoint's run layout, replaced when one process evaluates it.
-SINGLE_PROCESS_LAYOUT = ("engine=single", "dp=1", "context_parallel_degree=1", "deepspeed=null",
-                         "plugin_args=null", "fsdp_shard_size=null", "expert_parallel_degree=1")
+# A checkpoint's run layout, replaced when one process evaluates it: every engine's layout keys at their defaults.
+SINGLE_PROCESS_LAYOUT = tuple(single_process_layout({f.name: f.default for f in
+                                                     dataclasses.fields(PreTrainingArguments)}))
 
 
 @dataclass
@@ -43,18 +43,19 @@ class LoadedModel:
 def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedModel:
     """The model `args` configures on this launch's engine, with a checkpoint's weights when one is given
     (else those of `model_path`)."""
-    world = launch_world(args)
-    run = resolve_run(args, world)
-    engine = create_engine(run.engine, run.options, world)
-    if checkpoint is not None and ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) == "deepspeed":
-        engine.close()
+    if checkpoint is not None and ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) != ckpt.DCP:
         raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
                           "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
                           "zero_to_fp32.py on it")
-    model = engine.place(build_model(args, run.model, read_slices=engine.reads_slices))
+    assembled = assemble_run(args, launch_world(args), data=None)
+    loaded = LoadedModel(assembled.engine, assembled.resolved, assembled.model)
     if checkpoint is not None:
-        ckpt.load_model_weights(checkpoint, engine=engine, model=model)
-    return LoadedModel(engine, run, model)
+        try:
+            ckpt.load_model_weights(checkpoint, engine=loaded.engine, model=loaded.model)
+        except BaseException:
+            loaded.close()
+            raise
+    return loaded
 
 
 def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 import time
 from pathlib import Path
 
 from .svg_plot import heatmap, line_chart
+
+logger = logging.getLogger("pretrainer")
 
 # (file name, title, y label, [(row key, legend, row filter)])
 PLOTS = (
@@ -37,6 +40,14 @@ def read_rows(save_dir: Path) -> list[dict]:
     if not path.is_file():
         raise ReportError(f"{path} does not exist: give the save_dir of a run")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_report_logged(save_dir: str | Path) -> None:
+    """The report at the end of a run: where it went, or why there is none (never an error)."""
+    try:
+        logger.info("run report: %s", write_report(save_dir))
+    except ReportError as exc:
+        logger.info("no run report: %s", exc)
 
 
 def write_report(save_dir: str | Path) -> Path:

@@ -1,0 +1,146 @@
+"""What the fsdp engine tells the planner (parallel/layout.py's questions), next to the engine that does it: the
+bytes of model state a rank keeps (fp32 shards, the layers gathered in the compute dtype, gradients sharded or
+whole while micro-batches accumulate), the collectives of a step, the heap FSDP's gathers leave on a CPU, and
+the layouts of a world it offers (resharding, offload, ep, cp)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import ConfigError, ParallelDims
+from .context_parallel import context_parallel_degrees
+from .layout import (
+    Collective,
+    Layout,
+    LayoutAnswers,
+    ModelStates,
+    RankShare,
+    compute_bytes,
+    optimizer_bytes,
+    optimizer_note,
+)
+
+# On CPU, FSDP's per-layer gathers leave the heap far above the live tensors: activations are carved out of
+# the freed layer-sized buffers, so the next gather cannot reuse them and glibc's heap grows until a rank
+# holds about what a DDP rank does. A multiple of the model's fp32 bytes, with full recompute and without,
+# measured on bench/plan_accuracy.py's 27M model (2 ranks) and checked on its 5M and 82M models.
+CPU_GATHER_RETENTION = {"full": 2.9, "other": 1.6}
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    shard_size: int | None = None   # ranks per shard group (hybrid sharding); None: all of them
+
+
+class FSDPLayoutAnswers(LayoutAnswers):
+    supports_context_parallel = True
+    supports_expert_parallel = True
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings: FSDPSettings) -> ParallelDims:
+        """1-D: shard over all ranks. 2-D (hybrid): replicate across groups of `shard_size`, shard within."""
+        shard = settings.shard_size or world_size
+        if world_size % shard:
+            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {world_size} processes")
+        return ParallelDims(world_size, cp=cp, shard=shard)
+
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        return True
+
+    @classmethod
+    def autocasts(cls, layout: Layout) -> bool:
+        return False
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """fp32 shards; the layers being computed gathered in the compute dtype (every layer, from forward to
+        backward, without resharding); sharded gradients plus one layer's whole gradient before its reduce-
+        scatter, whole while micro-batches accumulate; sharded AdamW moments."""
+        settings, shards = layout.settings, layout.dims.shard
+        n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
+        root = shape.embedding_parameters + shape.head_parameters + shape.other_parameters
+        # expert parallelism: a rank gathers only its own experts (1 / ep of them); every state stays sharded
+        layer = shape.layer_parameters - _not_held_experts(layout, shape.layer_expert_parameters)
+        whole = n - _not_held_experts(layout, shape.expert_parameters)
+        notes = {"optimizer": optimizer_note(layout, "sharded")}
+        if settings.reshard_after_forward:
+            gathered = c * max(2 * layer, root + layer)
+            notes["parameters"] = "fp32 shards + the gathered layers being computed"
+        else:
+            gathered = c * (whole - n // shards)
+            notes["parameters"] = "fp32 shards + every layer gathered from forward to backward"
+        if layout.dims.ep > 1:
+            notes["parameters"] += f" (of the experts, this rank's 1/{layout.dims.ep})"
+        weights, grads, optimizer = 4 * n // shards, 4 * t // shards, optimizer_bytes(share) // shards
+        grads += 4 * layer
+        if layout.accumulation > 1:
+            grads += 4 * (whole - n + t) - 4 * t // shards
+            notes["gradients"] = "unsharded while micro-batches accumulate"
+        offload = 0
+        if settings.cpu_offload and not on_cpu:
+            offload = weights + 4 * t // shards + optimizer
+            weights, optimizer = 0, 0
+            grads -= 4 * t // shards
+        return ModelStates(weights, gathered, grads, optimizer, 0, offload, notes)
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """Each micro-batch gathers every layer (twice when resharded after forward); gradients are
+        reduce-scattered once."""
+        shards, c = layout.dims.shard, compute_bytes(layout.dtype)
+        gathers = 2 if layout.settings.reshard_after_forward else 1
+        experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below
+        traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True),
+                   Collective(4 * (trained - experts), shards)]
+        if experts:  # each rank's experts (1 / ep), over the ranks holding the same ones
+            replicas = layout.dims.expert_replicas
+            traffic += [Collective(gathers * c * experts / layout.dims.ep, replicas, layout.dims.ep, True),
+                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep)]
+        return traffic
+
+    @classmethod
+    def muon_gather_ranks(cls, layout: Layout) -> int:
+        return layout.dims.shard
+
+    @classmethod
+    def cpu_gather_retention(cls, layout: Layout) -> float:
+        if layout.dims.shard == 1:
+            return 0.0
+        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"]
+
+    @classmethod
+    def offloads_to_host(cls, layout: Layout) -> bool:
+        return layout.settings.cpu_offload
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size == 1:
+            return []
+        whole = cls.parallel_dims(world_size, 1, FSDPSettings())
+        variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
+                    for reshard in (True, False) for offload in (False, True)]
+        # an MoE model's experts split over ep of the ranks (each ep dividing the experts and the world)
+        splits = [ep for ep in range(2, world_size + 1) if shape.experts % ep == 0 and world_size % ep == 0]
+        variants += [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
+                     for ep in (splits if shape.experts else [])]
+        return variants + [{"dims": cls.parallel_dims(world_size, cp, FSDPSettings()), "settings": FSDPSettings()}
+                           for cp in context_parallel_degrees(world_size, seq_length)[1:]]
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        return [f"fsdp_reshard_after_forward={str(layout.settings.reshard_after_forward).lower()}",
+                f"fsdp_cpu_offload={str(layout.settings.cpu_offload).lower()}"]
+
+    @classmethod
+    def describe_settings(cls, layout: Layout) -> str:
+        settings = layout.settings
+        return f"reshard={settings.reshard_after_forward}" + (" cpu_offload" if settings.cpu_offload else "")
+
+
+def _not_held_experts(layout: Layout, experts: int) -> int:
+    """Of `experts` parameters, those a rank never gathers under expert parallelism (the other ranks' experts)."""
+    return experts - experts // layout.dims.ep

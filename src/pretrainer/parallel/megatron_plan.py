@@ -1,0 +1,139 @@
+"""What the megatron engine tells the planner (parallel/layout.py's questions), next to the engine that does it:
+which stages a pipeline rank holds, the bytes of model state a rank keeps (the distributed optimizer's FSDP2
+shards, or a torch engine's states over the stage's tp share), the collectives of a step, and the tp x pp (x cp,
+x ep) layouts of a world it offers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import ParallelDims
+from ..config.dims import divisors
+from .context_parallel import context_parallel_degrees
+from .layout import (
+    Collective,
+    Layout,
+    LayoutAnswers,
+    ModelStates,
+    RankShare,
+    compute_bytes,
+    optimizer_bytes,
+    optimizer_note,
+)
+from .megatron_settings import MegatronSettings
+from .pipeline import split_layers, stages_of_rank
+
+
+class MegatronLayoutAnswers(LayoutAnswers):
+    supports_context_parallel = True
+    supports_expert_parallel = True
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
+        """A `dp x pp x cp x tp` mesh; the distributed optimizer shards its state over dp."""
+        holders = world_size // (settings.tp * settings.pp)  # dp x cp ranks hold the same parameters
+        return ParallelDims(world_size, tp=settings.tp, pp=settings.pp, cp=cp,
+                            shard=holders if settings.distributed_optimizer and holders >= 1 else 1)
+
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        return True
+
+    @classmethod
+    def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
+        """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
+        s = layout.settings
+        ranges = split_layers(num_layers, s.num_stages, s.pipeline_layers)
+        held = [sum(len(ranges[i]) for i in stages_of_rank(rank, s.pp, s.num_stages)) for rank in (0, s.pp - 1)]
+        return held[0], held[1]
+
+    @classmethod
+    def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
+        """With the distributed optimizer each stage is FSDP2 without resharding after forward: fp32 shards over
+        dp x cp, every layer gathered from forward to backward (and autocast's copies), the gradients
+        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate), the moments
+        sharded. Otherwise a torch engine's states over the stage's tp share."""
+        shards = layout.dims.shard
+        if not layout.settings.distributed_optimizer or shards == 1:
+            return super().model_states(layout, shape, share, on_cpu)
+        n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
+        layer = shape.layer_parameters // layout.tp
+        copies = c * share.matmul if layout.dtype != "fp32" else 0
+        # split experts (their 1 / ep on this rank) are sharded over the dp / ep ranks holding them instead
+        experts = shape.expert_parameters // layout.dims.ep if layout.dims.ep > 1 else 0
+
+        def sharded(held: int) -> int:
+            own = experts * held / n if n else 0
+            return int((held - own) / shards + own / layout.dims.expert_replicas)
+
+        grads = 4 * sharded(t) + 4 * layer + (4 * t - 4 * sharded(t) if layout.accumulation > 1 else 0)
+        notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
+                 + (" + autocast's copies" if copies else ""),
+                 "optimizer": optimizer_note(layout, "sharded: the distributed optimizer")}
+        return ModelStates(4 * sharded(n), 4 * (n - sharded(n)) + copies, grads, sharded(optimizer_bytes(share)), 0,
+                           notes=notes)
+
+    @classmethod
+    def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
+        """tp splits all but the MoE blocks, which it leaves whole; ep splits their routed experts."""
+        whole = min(layers * shape.layer_moe_block_parameters, parameters)
+        experts = min(layers * shape.layer_expert_parameters, whole)
+        return (parameters - whole) // layout.tp + whole - experts + experts // layout.dims.ep
+
+    @classmethod
+    def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
+        """An all-reduce of the stage's gradients over dp x cp; with expert parallelism the experts' over the
+        dp / ep ranks holding them; the MoE blocks' (tp leaves them whole) summed over tp."""
+        dims = layout.dims
+        blocks, experts = shape.moe_block_parameters, shape.expert_parameters
+        split = dims.ep > 1
+        dense = trained - (experts if split else 0)
+        traffic = [Collective(2 * 4 * cls.held_parameters(layout, shape, dense, shape.layers) / dims.pp,
+                              dims.gradient_ranks, dims.tp * dims.pp)]
+        if split:
+            traffic.append(Collective(2 * 4 * experts / (dims.ep * dims.pp), dims.expert_replicas,
+                                      dims.tp * dims.pp * dims.ep))
+        if blocks and dims.tp > 1:
+            traffic.append(Collective(2 * 4 * (blocks - experts + experts / dims.ep) / dims.pp, dims.tp))
+        return traffic
+
+    @classmethod
+    def muon_gather_ranks(cls, layout: Layout) -> int:
+        """tp, and dp x cp too with the distributed optimizer (its matrices are FSDP2 shards)."""
+        return layout.tp * (layout.dims.shard if layout.settings.distributed_optimizer else 1)
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
+        within a node and cp across. An MoE model (whole sequences): tp by pp by ep, ep dividing the experts and
+        the dp ranks."""
+        if world_size == 1:
+            return []
+        tensor_parallel = [tp for tp in divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
+            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
+        variants = []
+        for tp in [1, *tensor_parallel]:
+            for pp in divisors(world_size // tp, 8):
+                if pp > shape.layers or (pp > 1 and shape.tied):
+                    continue
+                dp = world_size // (tp * pp)
+                for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] \
+                        if shape.experts else [1]:
+                    if tp * pp * ep > 1:
+                        variants.append(cls._variant(world_size, tp, pp, 1, ep))
+        if shape.experts:  # whole sequences
+            return variants
+        for cp in context_parallel_degrees(world_size, seq_length)[1:]:
+            variants += [cls._variant(world_size, tp, 1, cp) for tp in tensor_parallel if world_size % (tp * cp) == 0]
+        return variants
+
+    @classmethod
+    def _variant(cls, world_size: int, tp: int, pp: int, cp: int, ep: int = 1) -> dict:
+        settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
+        return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
+                "sequence_parallel": settings.sequence_parallel}
+
+    @classmethod
+    def settings_overrides(cls, layout: Layout) -> list[str]:
+        return [f"plugin_args.tp_degree={layout.tp}", f"plugin_args.pp_degree={layout.pp}",
+                f"plugin_args.sequence_parallelism={str(layout.sequence_parallel).lower()}"]

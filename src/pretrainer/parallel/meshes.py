@@ -1,0 +1,84 @@
+"""Every device mesh and process group of a run, made here and nowhere else, from its `ParallelDims`.
+
+An engine that runs over the world's process group is handed a `Meshes` for its dimensions and takes what it
+uses; each mesh is built on first use (every rank asks in the same order: engines build the same way on every
+rank) and kept here, so no group is made twice or made and dropped, and `release` lets go of all of them before
+the process group is destroyed. Rank order is Megatron's: tp innermost, then cp, then pp, then dp, so the ranks
+of one model replica are consecutive and every engine sees the same groups for the same dimensions.
+
+    model        (dp, pp, cp, tp)                      tensor, pipeline and context parallelism
+    data         dp x cp flattened (or dp)             the ranks holding the same parameters
+    sharding     (shard,) or (replicate, shard)        FSDP's mesh over every rank (hybrid: replicate groups)
+    experts      (expert_replicas, ep, pp, cp, tp)     expert parallelism: ep consecutive dp ranks split experts
+    context      the model mesh's cp group             context parallelism's all-gathers
+    host         a gloo group over every rank          host-side flags beside an accelerator's backend
+    checkpoint   a gloo group over every rank          the background checkpoint writer's own collectives
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..config import ParallelDims
+
+MODEL_DIMS = ("dp", "pp", "cp", "tp")
+EXPERT_DIMS = ("expert_replicas", "ep", "pp", "cp", "tp")
+
+
+class Meshes:
+    def __init__(self, dims: ParallelDims, device_type: str):
+        self.dims, self.device_type = dims, device_type
+        self._built: dict[str, object] = {}
+
+    def _once(self, name: str, build):
+        if name not in self._built:
+            self._built[name] = build()
+        return self._built[name]
+
+    def model(self) -> DeviceMesh:
+        d = self.dims
+        return self._once("model", lambda: init_device_mesh(self.device_type, (d.dp, d.pp, d.cp, d.tp),
+                                                            mesh_dim_names=MODEL_DIMS))
+
+    def data(self) -> DeviceMesh:
+        """The ranks holding the same parameters (gradients and token counts are summed over them): dp x cp."""
+        return self._once("data", lambda: self.model()["dp", "cp"]._flatten("dp_cp") if self.dims.cp > 1
+                          else self.model()["dp"])
+
+    def sharding(self) -> DeviceMesh:
+        """FSDP's mesh over every rank: 1-D, or (replicate, shard) for hybrid sharding."""
+        d = self.dims
+        if d.shard == d.world_size:
+            return self._once("sharding", lambda: init_device_mesh(self.device_type, (d.world_size,),
+                                                                   mesh_dim_names=("shard",)))
+        return self._once("sharding", lambda: init_device_mesh(self.device_type, (d.world_size // d.shard, d.shard),
+                                                               mesh_dim_names=("replicate", "shard")))
+
+    def experts(self) -> DeviceMesh:
+        """dp = (dp / ep) x ep: an ep group is ep consecutive dp replicas at the same (pp, cp, tp) place, so
+        every rank keeps its place of the model mesh."""
+        d = self.dims
+        return self._once("experts", lambda: init_device_mesh(self.device_type,
+                                                              (d.dp // d.ep, d.ep, d.pp, d.cp, d.tp),
+                                                              mesh_dim_names=EXPERT_DIMS))
+
+    def context(self):
+        """This rank's context-parallel group: the cp consecutive ranks splitting its sequences."""
+        return self.model().get_group("cp")
+
+    def context_rank(self) -> int:
+        return self.model().get_local_rank("cp")
+
+    def host(self):
+        """A group for host (CPU) tensors: the world's own under gloo, a gloo group beside another backend."""
+        return self._once("host", lambda: dist.group.WORLD if dist.get_backend() == "gloo"
+                          else dist.new_group(backend="gloo"))
+
+    def checkpoint(self):
+        """The background checkpoint writer's gloo group: its collectives never interleave with the loop's."""
+        return self._once("checkpoint", lambda: dist.new_group(backend="gloo"))
+
+    def release(self) -> None:
+        """Drop every mesh and group, so that destroying the process group frees them."""
+        self._built.clear()

@@ -1,0 +1,148 @@
+"""One assembly of a run, for every command that runs a model: `train`, `evaluate`, `export`, the lm-eval adapter
+and the planner's baseline run all go through `assemble_run`, so each puts a run together the same way:
+
+    resolve_run        the engine, its dimensions, the dtype, the model config and tokenizer, the sizes (once)
+    create_engine      the engine with its device meshes
+    before_build       an optional check before anything large is allocated (train's memory check)
+    assemble_data      this rank's train stream and eval batches (training only)
+    the model          built (or the one given), its trainable parameters chosen, the chunked loss installed,
+                       what the run trains read off it, its step extensions made (an MoE model's routing)
+    the engine's setup wrapped with its optimizer and schedule (training), or only placed (evaluate, export)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ConfigError
+from ..data import DataPlacement, RunData, assemble_data
+from ..models import (
+    LoadStats,
+    build_model,
+    count_parameters,
+    idle_expert_parameters,
+    install_chunked_loss,
+    pending_checkpoint,
+    select_trainable,
+)
+from ..optim import build_optimizer, build_scheduler
+from ..parallel import Engine, World, create_engine
+from ..perf import flops_per_token
+from ..perf.flops import FlopsCount
+from .extensions import StepExtension, step_extensions
+from .resolve import ResolvedRun, resolve_run
+
+logger = logging.getLogger("pretrainer")
+
+
+@dataclass(frozen=True)
+class DataSources:
+    """Where a training run's batches come from: the config's data (the default), the seed's datasets-provider
+    hook, or the user's own DataLoaders."""
+    train_dataloader: object = None
+    eval_dataloader: object = None
+    datasets_provider: object = None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the run trains, read off the model before an engine shards it (the start row records them)."""
+    parameters: int
+    trainable: int
+    vocab_rows: int
+    loss_chunk_size: int
+    flops: FlopsCount
+    load_stats: LoadStats | None  # how a checkpoint read in slices went (None: not read so)
+
+
+@dataclass
+class AssembledRun:
+    resolved: ResolvedRun
+    engine: Engine
+    model: torch.nn.Module
+    facts: ModelFacts
+    optimizer: object = None
+    scheduler: object = None
+    data: RunData | None = None
+    extensions: list[StepExtension] = field(default_factory=list)
+    predicted_memory: object = None   # what `before_build` returned (the memory plan's prediction)
+
+
+def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler=None,
+                 data: DataSources | None = DataSources(), before_build=None) -> AssembledRun:
+    """The run `args` describes on `world`. `model` (and `optimizer`, `lr_scheduler`): the user's own; `data`
+    None: no data and no optimizer (the model is only placed: evaluate, export); `before_build(args, resolved,
+    world)`: called before the data and the model take memory (not for a model already built)."""
+    resolved = resolve_run(args, world, model_config=model.config if model is not None else None,
+                           check_model=model is None or data is None or data.train_dataloader is None)
+    logger.info("run: %s", resolved.describe())
+    engine = create_engine(resolved.engine, resolved.options, world)
+    try:
+        return _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, before_build)
+    except BaseException:
+        engine.release()  # its meshes and groups go before the process group does
+        raise
+
+
+def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, model, optimizer, lr_scheduler,
+                 data: DataSources | None, before_build) -> AssembledRun:
+    training = data is not None
+    if optimizer is not None and engine.shards_parameters:
+        raise ConfigError(f"engine {engine.name} shards the model's parameters, so an optimizer made before "
+                          "sharding cannot be used; leave optimizer= unset (configure it with lr, adam_*, "
+                          "weight_decay)")
+    predicted = before_build(args, resolved, world) if before_build is not None and model is None else None
+    run_data = _assemble_data(args, resolved, engine, world, data) if training else None
+    built = model is None
+    if built:
+        model = build_model(args, resolved.model, read_slices=engine.reads_slices)
+    else:
+        model.config.use_cache = False
+    facts, extensions = _prepare_model(args, resolved, model, engine, training)
+    if not training:
+        return AssembledRun(resolved, engine, engine.place(model), facts, predicted_memory=predicted)
+    model, optimizer, lr_scheduler = engine.setup(
+        model, optimizer, lr_scheduler,
+        build_optimizer=lambda m: build_optimizer(engine.trained_module(m), resolved.optimizer, engine.device),
+        build_scheduler=lambda o: build_scheduler(o, resolved.schedule))
+    for extension in extensions:
+        extension.attach(engine, model)
+    return AssembledRun(resolved, engine, model, facts, optimizer, lr_scheduler, run_data, extensions, predicted)
+
+
+def _assemble_data(args, resolved: ResolvedRun, engine: Engine, world: World, sources: DataSources) -> RunData:
+    placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
+                              engine.all_gather_object, world.local_rank)
+    return assemble_data(args, resolved.sizes, resolved.tokenizer, placement,
+                         datasets_provider=sources.datasets_provider, train_dataloader=sources.train_dataloader,
+                         eval_dataloader=sources.eval_dataloader)
+
+
+def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: Engine, training: bool
+                   ) -> tuple[ModelFacts, list[StepExtension]]:
+    """Before the engine wraps it: the trainable parameters and the chunked loss (training), and what the run
+    trains, read off the whole model."""
+    parameters = count_parameters(model)
+    checkpoint = pending_checkpoint(model)  # read by the engine as it lays the model out
+    trainable = parameters
+    if training:
+        trainable = select_trainable(model, args.trainable_parameters)
+        _install_chunked_loss(resolved, model)
+    idle = idle_expert_parameters(model, resolved.moe.shape) if resolved.moe is not None else 0
+    facts = ModelFacts(parameters, trainable, model.get_input_embeddings().weight.shape[0],
+                       getattr(model.get_output_embeddings(), "loss_chunk_size", 0),
+                       flops_per_token(model, resolved.sizes.seq_length, idle),
+                       checkpoint.stats if checkpoint is not None else None)
+    return facts, step_extensions(model, resolved) if training else []
+
+
+def _install_chunked_loss(resolved: ResolvedRun, model: torch.nn.Module) -> None:
+    """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
+    chunk = resolved.loss_chunk
+    if chunk.reason:
+        logger.info("chunked loss not used: %s", chunk.reason)
+    if chunk.size:
+        install_chunked_loss(model, chunk.size, chunk.explicit)

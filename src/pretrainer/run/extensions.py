@@ -1,0 +1,107 @@
+"""What a model feature adds to every training step, behind one interface the loop calls without knowing the
+feature: losses added to each micro-batch's backward (already weighted), work before and after the optimizer
+step, metrics for the log, its line in the banner and its fields in the start row. A Mixture-of-Experts model's
+routing is one (balancing losses, routing statistics, aux-loss-free bias updates); later extra losses (output
+z-loss, multi-token prediction) join the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import MoeRouting
+
+
+class StepExtension:
+    """A feature's part in each step; every method is optional (the defaults do nothing)."""
+
+    def attach(self, engine, model: torch.nn.Module) -> None:
+        """After the engine has wrapped the model (`model`: what the loop calls forward on)."""
+
+    def begin_step(self, counts: torch.Tensor) -> None:
+        """Before the step's micro-batches; `counts`: the global [targets, useful tokens, rows] (device)."""
+
+    def extra_losses(self) -> torch.Tensor | None:
+        """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
+        return None
+
+    def end_step(self, applied: bool) -> None:
+        """After the optimizer step (`applied`: the update was not skipped)."""
+
+    def interval_row(self) -> dict:
+        """Metrics over the steps since the last logged row."""
+        return {}
+
+    def start_row(self) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        """Its part of the banner's model line ("" for none)."""
+        return ""
+
+
+class MoeStep(StepExtension):
+    """A Mixture-of-Experts model's routing in the loop (models/moe_routing.py's MoeRouting on the engine's ranks)."""
+
+    def __init__(self, model: torch.nn.Module, run):
+        self.run = run
+        self.routing = MoeRouting(model, run.moe)  # hooks the routers, before an engine wraps them
+        self.engine = None
+
+    def attach(self, engine, model: torch.nn.Module) -> None:
+        """Each micro-batch starts where the engine runs it; tokens are split as it splits them."""
+        self.engine = engine
+        self.routing.watch_forwards(engine.forward_modules(model))
+        self.routing.split_sequences(engine.routing_group)
+        if engine.balancing_losses_on_activations:
+            self.routing.attach_losses()
+
+    def begin_step(self, counts: torch.Tensor) -> None:
+        self.routing.begin_step(self._unit_weight(counts[2]))
+
+    def _unit_weight(self, global_rows: torch.Tensor):
+        """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
+        units (sequences, or micro-batches), after the engine's average over its dims.gradient_ranks ranks."""
+        engine = self.engine
+        if self.run.moe.aux_loss_type == "seq":
+            return engine.dims.gradient_ranks / global_rows.clamp(min=1).double()
+        return engine.dims.gradient_ranks / (self.run.sizes.gradient_accumulation_steps * engine.data_world_size)
+
+    def extra_losses(self) -> torch.Tensor | None:
+        return self.routing.take_losses()
+
+    def end_step(self, applied: bool) -> None:
+        self.routing.end_step(self._routing_sum, applied)
+
+    def _routing_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Routing counts and sums over every rank: each rank counts the tokens it routed itself."""
+        value = value.clone()
+        self.engine.sum_over_ranks(value)
+        return value
+
+    def interval_row(self) -> dict:
+        return self.routing.interval_row(self._routing_sum)
+
+    def start_row(self) -> dict:
+        return {"moe": self.run.moe.describe(), "experts_implementation": self.routing.experts_implementation}
+
+    def describe(self) -> str:
+        return f"Mixture-of-Experts: {self.run.moe.describe()}; experts computed by " \
+               f"{self.routing.experts_implementation}"
+
+
+def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
+    """The extensions the resolved run's model needs, made on the unwrapped model."""
+    return [MoeStep(model, run)] if run.moe is not None else []
+
+
+def combined_losses(extensions: list[StepExtension]):
+    """One `extra_losses` callable for the engine's forward_backward (None when no extension adds losses)."""
+    if not extensions:
+        return None
+
+    def extra() -> torch.Tensor | None:
+        losses = [loss for loss in (e.extra_losses() for e in extensions) if loss is not None]
+        return sum(losses[1:], losses[0]) if losses else None
+
+    return extra

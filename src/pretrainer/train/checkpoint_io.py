@@ -1,0 +1,72 @@
+"""How a checkpoint's model and optimizer state is written and read (checkpoint.py decides when and where).
+
+Torch-native engines: torch.distributed.checkpoint over the model's and optimizer's state dicts as the engine
+laid them out (DTensor shards, pipeline stages), with optimizer state keyed by parameter name, so that ranks
+holding different parameters save their own and a checkpoint loads on any other layout or engine. An engine
+whose `checkpoint_format` is its own (DeepSpeed's ZeRO shards) writes and reads it itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+DCP = "dcp"  # torch.distributed.checkpoint: what every torch-native engine writes, reshardable onto any layout
+KEYED_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+KEYED_BY_POSITION = StateDictOptions()  # how checkpoints were written before pipeline ranks needed names
+
+
+def save_state(engine, folder, model: torch.nn.Module, optimizer) -> None:
+    """Write model and optimizer state into `folder` (every rank takes part)."""
+    if engine.checkpoint_format != DCP:
+        engine.save_own_state(folder)
+        return
+    dcp.save(_state(model, optimizer, KEYED_BY_NAME), checkpoint_id=str(folder))
+
+
+def save_state_async(engine, folder, model: torch.nn.Module, optimizer):
+    """Stage the state in host memory and write it in the background; returns a future. Across processes the
+    writer coordinates over its own gloo group, so its collectives never interleave with the loop's."""
+    group = engine.meshes.checkpoint() if engine.meshes is not None else None
+    return dcp.async_save(_state(model, optimizer, KEYED_BY_NAME), checkpoint_id=str(folder), process_group=group,
+                          no_dist=group is None)
+
+
+def load_state(engine, folder, model: torch.nn.Module, optimizer) -> None:
+    """Read model and optimizer state from `folder` into the laid-out model and optimizer, in place."""
+    if engine.checkpoint_format != DCP:
+        engine.load_own_state(folder)
+        return
+    state = _state(model, optimizer, KEYED_BY_NAME)
+    options = KEYED_BY_NAME if _holds_keys(folder, state) else KEYED_BY_POSITION
+    if options is KEYED_BY_POSITION:
+        state = _state(model, optimizer, options)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
+
+
+def load_model_weights(folder, model: torch.nn.Module) -> None:
+    """Only the model's weights (export and evaluation of a torch-native engine's checkpoint)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
+
+
+def _state(model: torch.nn.Module, optimizer, options: StateDictOptions) -> dict:
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _holds_keys(folder, state: dict) -> bool:
+    """Whether the checkpoint keys optimizer state by parameter name as `state` does (read from its metadata)."""
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    groups = [key for key in state["optimizer"] if key.startswith("param_groups.")]
+    return not groups or f"optimizer.{groups[0]}" in saved

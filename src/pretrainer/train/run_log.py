@@ -1,0 +1,60 @@
+"""The run's rows, in one place: metrics.jsonl and the trackers (main rank), the history kept in memory
+(`PreTrainer.log_history`), rows produced inside a step and written after it, the throughput meter and the
+progress bar."""
+
+from __future__ import annotations
+
+import logging
+
+from ..perf import IntervalMeter, device_peak
+from .metrics import MetricsLog, Progress, format_eval_line, format_train_line
+from .trackers import open_trackers
+
+logger = logging.getLogger("pretrainer")
+
+
+class RunLog:
+    def __init__(self, args, engine, flops, recompute: str, history: list[dict]):
+        self.is_main = engine.is_main
+        trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
+            if engine.is_main else []
+        self.metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
+        self.meter = IntervalMeter(engine, flops, device_peak(engine.device, engine.precision.compute_dtype,
+                                                              args.peak_tflops), recompute)
+        self.history = history
+        self.progress: Progress | None = None
+        self._deferred: list[dict] = []
+
+    def record(self, row: dict) -> None:
+        self.metrics.write(row)
+        self.history.append(row)
+
+    def defer(self, row: dict) -> None:
+        """A row produced inside a step, written once the step is done."""
+        self._deferred.append(row)
+
+    def write_deferred(self) -> None:
+        for row in self._deferred:
+            self.record(row)
+        self._deferred.clear()
+
+    def start_progress(self, total: int, done: int) -> Progress:
+        self.progress = Progress(total, done, enabled=self.is_main)
+        return self.progress
+
+    def train_row(self, row: dict) -> None:
+        self.record(row)
+        if self.is_main:
+            self.progress.log(format_train_line(row, self.progress.eta(row["step"])))
+
+    def eval_row(self, row: dict) -> None:
+        self.record(row)
+        if self.is_main:
+            logger.info(format_eval_line(row))
+
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+    def close(self) -> None:
+        self.metrics.close()
