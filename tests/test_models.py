@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from helpers import write_tiny_model
@@ -75,3 +76,34 @@ def test_folder_with_weights_is_loaded_not_reinitialised(tmp_path):
     for (name, a), b in zip(original.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert loaded.config.use_cache is False
+
+
+@pytest.mark.parametrize("family, fields, expected", [
+    ("GPT2Config", dict(n_embd=64, n_head=4, n_layer=2), dict(intermediate=256, kv_heads=4, head_dim=16, tied=True)),
+    ("GPTNeoXConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96),
+     dict(intermediate=96, kv_heads=4, tied=False)),
+    ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, multi_query=True,
+                          new_decoder_architecture=False), dict(kv_heads=1, intermediate=256)),
+    ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, new_decoder_architecture=True,
+                          num_kv_heads=2), dict(kv_heads=2)),
+    ("PhiConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128),
+     dict(intermediate=128, kv_heads=4)),
+    ("GemmaConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                         num_key_value_heads=1, head_dim=32), dict(kv_heads=1, head_dim=32, tied=True)),
+    ("OlmoConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128),
+     dict(intermediate=128)),
+    ("MixtralConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                           num_key_value_heads=2), dict(kv_heads=2, tied=False)),
+    ("DeepseekV3Config", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128),
+     dict(intermediate=128)),
+])
+def test_every_family_reads_into_one_architecture(family, fields, expected):
+    """Each family's own field names (GPT-2's n_inner, Falcon's multi_query and num_kv_heads, ...) read into the
+    one shape that the planner, the megatron parser and the FLOPs count use."""
+    import transformers
+
+    from pretrainer.config.architecture import Architecture
+
+    arch = Architecture.of(getattr(transformers, family)(**fields))
+    assert (arch.layers, arch.hidden, arch.heads) == (2, 64, 4)
+    assert {key: getattr(arch, key) for key in expected} == expected

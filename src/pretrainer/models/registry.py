@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import ConfigError, expert_shape
+from ..config.architecture import Architecture
 
 MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Callable] = {}
 
@@ -67,21 +68,38 @@ class NetworkShape:
     megatron_args: dict
 
     def check_tensor_parallel(self, tp: int) -> None:
-        for what, count in (("num_attention_heads", self.num_attention_heads),
-                            ("num_key_value_heads (num_query_groups)", self.num_query_groups),
-                            ("intermediate_size (ffn_hidden_size)", self.ffn_hidden_size)):
-            if count % tp:
-                raise ConfigError(f"plugin_args.tp_degree={tp} does not divide the model's {what}={count}; "
-                                  f"choose a tp_degree that divides it")
+        problem = tensor_parallel_misfit(tp, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size)
+        if problem:
+            raise ConfigError(f"plugin_args.tp_degree={tp} does not divide the model's {problem}; choose a tp_degree "
+                              "that divides it")
 
     def check_pipeline(self, stages: int) -> None:
-        if self.num_layers < stages:
-            raise ConfigError(f"{stages} pipeline stages need at least {stages} decoder layers; the model has "
-                              f"{self.num_layers} (lower pp_degree or num_layers_per_virtual_pipeline_stage)")
-        if not self.untied_embeddings and stages > 1:
-            raise ConfigError("a model with tied input/output embeddings (tie_word_embeddings: true) cannot be split "
-                              "into pipeline stages here: the two ends live on different ranks. Untie them in "
-                              "config.json (Llama-2 is untied) or set pp_degree: 1")
+        problem = pipeline_misfit(stages, self.num_layers, tied=not self.untied_embeddings)
+        if problem:
+            raise ConfigError(f"{problem}: lower pp_degree or num_layers_per_virtual_pipeline_stage"
+                              + (", or untie the embeddings in config.json (Llama-2 is untied)" if "tied" in problem
+                                 else ""))
+
+
+def tensor_parallel_misfit(tp: int, heads: int, kv_heads: int, ffn: int) -> str | None:
+    """What tensor parallelism of degree `tp` cannot split evenly (attention heads, key/value heads, the MLP), or
+    None: the one rule for the engine's check and the planner's layouts."""
+    for what, count in (("num_attention_heads", heads), ("num_key_value_heads (num_query_groups)", kv_heads),
+                        ("intermediate_size (ffn_hidden_size)", ffn)):
+        if count % tp:
+            return f"{what}={count}"
+    return None
+
+
+def pipeline_misfit(stages: int, layers: int, tied: bool) -> str | None:
+    """Why a model cannot be cut into `stages` pipeline stages, or None (one rule for the engine, the stage split
+    and the planner's layouts)."""
+    if layers < stages:
+        return f"{stages} pipeline stages need at least {stages} decoder layers; the model has {layers}"
+    if tied and stages > 1:
+        return ("a model with tied input/output embeddings (tie_word_embeddings: true) cannot be split into "
+                "pipeline stages here: the two ends live on different ranks")
+    return None
 
 
 def parse_model_config(model, seq_length: int | None = None, batch_data: dict | None = None) -> NetworkShape:
@@ -126,28 +144,28 @@ def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
     """Llama-family decoders (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, and any model laid out
     the same way)."""
     config = model.config
-    heads = config.num_attention_heads
+    arch = Architecture.of(config)
     rope = getattr(config, "rope_parameters", None) or {}
     args = megatron_lm_plugin.megatron_lm_default_args
     args.update(
         model_type_name="gpt",
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=heads,
-        group_query_attention=(config.num_key_value_heads or heads) != heads,
-        num_query_groups=config.num_key_value_heads or heads,
-        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        ffn_hidden_size=config.intermediate_size,
-        orig_vocab_size=config.vocab_size,
-        padded_vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings,
+        num_layers=arch.layers,
+        hidden_size=arch.hidden,
+        num_attention_heads=arch.heads,
+        group_query_attention=arch.kv_heads != arch.heads,
+        num_query_groups=arch.kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate,
+        orig_vocab_size=arch.vocab,
+        padded_vocab_size=arch.vocab,
+        max_position_embeddings=arch.max_positions,
         normalization="RMSNorm",
         norm_epsilon=config.rms_norm_eps,
         swiglu=True,
         position_embedding_type="rope",
         rotary_base=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
         rope_scaling=rope.get("rope_type", "default") != "default",
-        untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
+        untie_embeddings_and_output_weights=not arch.tied,
         add_bias_linear=bool(getattr(config, "mlp_bias", False)),
         add_qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type.startswith("qwen2"),
         pretraining_flag=True,
@@ -156,7 +174,7 @@ def parse_llama_config(megatron_lm_plugin, model, batch_data) -> None:
     experts = expert_shape(config, "the model's config")
     if experts is not None:  # Megatron-Core's MoE arguments
         args.update(num_experts=experts.experts, moe_router_topk=experts.top_k,
-                    moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+                    moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", None) or arch.intermediate)
     if megatron_lm_plugin.seq_length is None:
         input_ids = (batch_data or {}).get("input_ids")
         megatron_lm_plugin.seq_length = (input_ids.shape[1] if input_ids is not None

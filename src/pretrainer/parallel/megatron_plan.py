@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from ..config import ParallelDims
 from ..config.dims import divisors
+from ..models.registry import pipeline_misfit, tensor_parallel_misfit
 from .context_parallel import context_parallel_degrees
 from .layout import (
     Collective,
@@ -110,11 +111,11 @@ class MegatronLayoutAnswers(LayoutAnswers):
         if world_size == 1:
             return []
         tensor_parallel = [tp for tp in divisors(min(devices_per_node, 8), 8) if tp > 1 and not (
-            shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp)]
+            tensor_parallel_misfit(tp, shape.heads, shape.kv_heads, shape.intermediate))]
         variants = []
         for tp in [1, *tensor_parallel]:
             for pp in divisors(world_size // tp, 8):
-                if pp > shape.layers or (pp > 1 and shape.tied):
+                if pipeline_misfit(pp, shape.layers, shape.tied):
                     continue
                 dp = world_size // (tp * pp)
                 for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] \

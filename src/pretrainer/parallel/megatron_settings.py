@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, ConfigError
+from ..config.architecture import Architecture
 from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -228,14 +229,11 @@ def unused_keys(args, model_config, settings: MegatronSettings) -> list[str]:
 
 
 def _hf_architecture(config) -> dict:
-    heads = config.num_attention_heads
-    return {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-            "num_attention_heads": heads, "num_query_groups": getattr(config, "num_key_value_heads", heads),
-            "ffn_hidden_size": getattr(config, "intermediate_size", None), "normalization": "RMSNorm",
-            "swiglu": True, "position_embedding_type": "rope",
-            "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
-            "group_query_attention": getattr(config, "num_key_value_heads", heads) != heads,
-            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+    arch = Architecture.of(config)
+    return {"num_layers": arch.layers, "hidden_size": arch.hidden, "num_attention_heads": arch.heads,
+            "num_query_groups": arch.kv_heads, "ffn_hidden_size": arch.intermediate, "normalization": "RMSNorm",
+            "swiglu": True, "position_embedding_type": "rope", "untie_embeddings_and_output_weights": not arch.tied,
+            "group_query_attention": arch.kv_heads != arch.heads, "max_position_embeddings": arch.max_positions,
             "add_bias_linear": bool(getattr(config, "mlp_bias", False))}
 
 

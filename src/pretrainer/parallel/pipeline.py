@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask
 
 from ..batch import targets_for_head
 from ..config import ConfigError
+from ..models.registry import pipeline_misfit
 from . import context_parallel
 from .splits import ModelParts
 
@@ -31,9 +32,9 @@ def split_layers(num_layers: int, num_stages: int, explicit: list | None = None)
     if explicit is not None:
         counts = list(explicit)
     else:
-        if num_layers < num_stages:
-            raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} decoder layers; the model "
-                              f"has {num_layers}: lower pp_degree or the virtual stages")
+        problem = pipeline_misfit(num_stages, num_layers, tied=False)
+        if problem:
+            raise ConfigError(f"{problem}: lower pp_degree or the virtual stages")
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
     ranges, start = [], 0

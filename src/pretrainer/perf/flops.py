@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.architecture import Architecture
+
 
 @dataclass(frozen=True)
 class FlopsCount:
@@ -68,11 +70,10 @@ def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_paramet
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
     matmul = total - embedding.numel() + (embedding.numel() if tied else 0)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    arch = Architecture.of(config)
     unique = {id(p): p for p in model.parameters()}
     frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
     if tied and not embedding.requires_grad:
         frozen += embedding.numel()  # the head's matmul, through the tied table
-    return FlopsCount(matmul - idle_expert_parameters, config.num_hidden_layers, heads, head_dim, seq_length,
-                      frozen, idle_expert_parameters)
+    return FlopsCount(matmul - idle_expert_parameters, arch.layers, arch.heads, arch.head_dim, seq_length, frozen,
+                      idle_expert_parameters)

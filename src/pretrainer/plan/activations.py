@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import expert_shape
+from ..config.architecture import Architecture
 from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS
 from .model_shape import one_layer_config
 
@@ -112,12 +113,11 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype) -> tuple[
 
 def tensor_parallel_config(config, tp: int):
     """The config of one tensor-parallel shard: heads, kv heads and ffn width divided by `tp`."""
-    shard = copy.deepcopy(config)
-    heads = config.num_attention_heads
-    shard.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    shard.num_attention_heads = heads // tp
-    shard.num_key_value_heads = max(1, (getattr(config, "num_key_value_heads", None) or heads) // tp)
-    shard.intermediate_size = config.intermediate_size // tp
+    shard, arch = copy.deepcopy(config), Architecture.of(config)
+    shard.head_dim = arch.head_dim
+    shard.num_attention_heads = arch.heads // tp
+    shard.num_key_value_heads = max(1, arch.kv_heads // tp)
+    shard.intermediate_size = arch.intermediate // tp
     return shard
 
 
@@ -161,11 +161,8 @@ def _formula(config, seq_length: int, compute: str, param: str) -> ActivationPro
     """Saved bytes of a Llama-like layer per sequence when the probe cannot run: the residual stream and norms
     (10 x hidden), the gated MLP (4 x ffn; an MoE layer's top_k experts and shared experts) and keys/values
     (2 x kv width), and an MoE router's outputs, in the compute dtype."""
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
-                                                                            or hidden // heads)
-    ffn = getattr(config, "intermediate_size", None) or 4 * hidden
+    arch = Architecture.of(config)
+    hidden, kv_width, ffn = arch.hidden, arch.kv_heads * arch.head_dim, arch.intermediate
     shape = expert_shape(config, "the model config")
     if shape is not None:  # each token goes through top_k experts (and the shared ones), at an even load
         expert_ffn = getattr(config, "moe_intermediate_size", None) or ffn

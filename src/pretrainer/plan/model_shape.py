@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import expert_shape
+from ..config.architecture import Architecture
 from ..models import find_experts, idle_expert_parameters
 from ..parallel.activation_checkpoint import decoder_layers
 from ..perf import FlopsCount
@@ -115,14 +116,12 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     idle = idle_expert_parameters(model, experts) if experts is not None else 0
     routed = find_experts(model) if experts is not None else []
     blocks = [m for m in model.modules() if any(child in routed for child in m.children())]
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    arch = Architecture.of(config)
     return ModelShape(
-        model_type=str(config.model_type), layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-        vocab=small.vocab_size, layer_parameters=layer, embedding_parameters=embedding.numel(),
-        head_parameters=head, other_parameters=total - in_layers - embedding.numel() - head,
+        model_type=arch.model_type, layers=arch.layers, hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads,
+        head_dim=arch.head_dim, intermediate=arch.intermediate, vocab=small.vocab_size, layer_parameters=layer,
+        embedding_parameters=embedding.numel(), head_parameters=head,
+        other_parameters=total - in_layers - embedding.numel() - head,
         layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
         idle_expert_parameters=idle, expert_parameters=sum(p.numel() for m in routed for p in m.parameters()),
         expert_layers=len(routed), moe_block_parameters=sum(p.numel() for b in blocks for p in b.parameters()),
