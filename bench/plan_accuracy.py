@@ -27,6 +27,7 @@ SIZES = {  # hidden, ffn, layers, heads, kv heads
     "M": (512, 1376, 8, 8, 4),
     "L": (768, 2048, 12, 12, 4),
 }
+ACCUMULATING = ["micro_batch_size=1", "gradient_accumulation_steps=4"]
 LAYOUTS = {  # processes, overrides
     "single": (1, ["engine=single", "dp=1"]),
     "ddp": (2, ["engine=ddp", "dp=2"]),
@@ -35,6 +36,13 @@ LAYOUTS = {  # processes, overrides
     "zero3": (2, ["engine=deepspeed", "dp=2", "deepspeed={zero_optimization: {stage: 3}}"]),
     "tp2": (2, ["engine=megatron", "dp=1", "plugin_args.tp_degree=2"]),
     "pp2": (2, ["engine=megatron", "dp=1", "plugin_args.pp_degree=2", "gradient_accumulation_steps=2"]),
+    # 4 ranks, 4 micro-batches of 1 per step: whole gradients while they accumulate, or sharded ones
+    "fsdp4-unsharded": (4, ["engine=fsdp", "dp=4", *ACCUMULATING, "accumulate_gradients=unsharded"]),
+    "fsdp4-sharded": (4, ["engine=fsdp", "dp=4", *ACCUMULATING, "accumulate_gradients=sharded"]),
+    # the megatron engine's data-parallel sharding: parameters gathered from forward to backward, or resharded
+    "optim-grads4": (4, ["engine=megatron", "dp=4", "plugin_args.data_parallel_sharding_strategy=optim_grads"]),
+    "optim-grads-params4": (4, ["engine=megatron", "dp=4",
+                                "plugin_args.data_parallel_sharding_strategy=optim_grads_params"]),
 }
 RECOMPUTE = ("none", "full")
 

@@ -37,6 +37,10 @@ ENGINES = {
     "fsdp-cpu-offload": ["engine=fsdp", "fsdp_cpu_offload=true"],
     "fsdp-hybrid": ["engine=fsdp", "fsdp_shard_size=1"],  # 2 replicas x 1 shard: the replicate dimension
     "fsdp-activation-checkpointing": ["engine=fsdp", "activation_checkpointing=full"],
+    # each micro-batch reduce-scatters (gradients stay sharded): 4 micro-batches of 1 per step on each rank (and
+    # 4 eval micro-batches of 1: the same held-out rows)
+    "fsdp-sharded-accumulation": ["engine=fsdp", "accumulate_gradients=sharded", "micro_batch_size=1",
+                                  "gradient_accumulation_steps=4", "eval_iters=4"],
     "ddp-selective-checkpointing": ["engine=ddp", "activation_checkpointing=selective"],
     "deepspeed-zero1": ["deepspeed={root}/zero1.json"],
     "deepspeed-zero2": ["deepspeed={root}/zero2.json"],
@@ -114,7 +118,10 @@ SAME_CHECKPOINT_PATH = {"fsdp-no-reshard", "fsdp-hybrid", "fsdp-activation-check
 
 BF16_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"], "deepspeed-zero2": ["deepspeed={root}/zero2.json"],
                 # the 4 rows of the single run's micro-batch on one replica of 2 tensor-parallel ranks
-                "megatron-tp2": ["engine=megatron", "plugin_args.tp_degree=2", "dp=1", "micro_batch_size=4"]}
+                "megatron-tp2": ["engine=megatron", "plugin_args.tp_degree=2", "dp=1", "micro_batch_size=4"],
+                # FSDP2 over dp with its mixed-precision policy (parameters gathered in bf16, no autocast)
+                "megatron-dp2-optim-grads-params": ["engine=megatron",
+                                                    "plugin_args.data_parallel_sharding_strategy=optim_grads_params"]}
 BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
 # Muon (hidden matrices) with AdamW (the rest): each engine that trains it, straight and stopped-then-resumed
 MUON_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"]}
@@ -230,8 +237,8 @@ def test_deepspeed_refuses_muon_with_the_reason(setup):
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 def test_bf16_on_two_ranks_tracks_fp32(setup, engine_runs, engine):
-    """bf16 (autocast for DDP and megatron, FSDP's mixed-precision policy with fp32 reduce, DeepSpeed's bf16)
-    for 2 steps."""
+    """bf16 (autocast for DDP and whole megatron stages, FSDP's mixed-precision policy with fp32 reduce for fsdp
+    and megatron's sharded data parallelism, DeepSpeed's bf16) for 2 steps."""
     root, config, single_dir = setup
     save_dir = root / f"bf16-{engine}"
     got, want = train_losses(save_dir), train_losses(single_dir)
@@ -371,3 +378,28 @@ def test_prepared_blend_on_two_ranks_matches_one_process_and_resumes_on_one(setu
                                                    f"save_dir={tmp_path / 'moved'}"])
     PreTrainer(args).train()
     assert_same_run(tmp_path / "moved", tmp_path / "single", rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "unsharded"])
+def test_sharded_accumulation_reduces_every_micro_batch_and_unsharded_waits(base_config, mode):
+    """accumulate_gradients: after a micro-batch that is not the step's last, `sharded` has reduce-scattered its
+    gradient into each parameter's shard; `unsharded` holds it whole inside FSDP (no shard gradient yet)."""
+    from pretrainer.batch import batch_targets, loss_sum, to_device
+
+    trainer = PreTrainer(PreTrainingArguments(**{**base_config, "engine": "fsdp", "accumulate_gradients": mode}))
+    try:
+        engine, model = trainer.engine, trainer.model
+        assert f"accumulate_gradients={mode}" in engine.describe()
+        batch = to_device(next(trainer.train_stream), engine.device)
+        with engine.no_sync(model):
+            loss_sum(engine.forward(model, batch), batch_targets(batch)).backward()
+        reduced = [p.grad is not None for p in model.parameters()]
+        assert all(reduced) if mode == "sharded" else not any(reduced)
+    finally:
+        trainer.engine.close()
+
+
+def test_accumulate_gradients_is_refused_where_gradients_are_whole(base_config):
+    with pytest.raises(ConfigError, match="key 'accumulate_gradients': accumulate_gradients: sharded is set but "
+                                          "engine single keeps whole gradients"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "accumulate_gradients": "sharded"}))

@@ -24,6 +24,7 @@ from helpers import (
     assert_same_downstream_scores,
     eval_losses,
     grad_norms,
+    read_metrics,
     train_losses,
     write_task,
     write_tiny_model,
@@ -83,7 +84,20 @@ FOUR_RANK = {
                                                                 "use_distributed_optimizer": True}}, "one-mbs4"),
     "dp2-cp2-distributed-optimizer": ({"dp": 2, "context_parallel_degree": 2,
                                        "plugin_args": {"use_distributed_optimizer": True}}, "one-mbs4"),
+    # parameters resharded after forward too (FSDP over dp composed with tp, and with pp)
+    "dp2-tp2-optim-grads-params": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True,
+                                                             "data_parallel_sharding_strategy": "optim_grads_params"}},
+                                   "one-mbs4"),
+    "dp2-pp2-optim-grads-params": ({"dp": 2, "plugin_args": {"pp_degree": 2,
+                                                             "data_parallel_sharding_strategy": "optim_grads_params"}},
+                                   "one-mbs4"),
+    # every micro-batch reduce-scatters its gradients (they stay sharded while micro-batches accumulate)
+    "dp2-tp2-sharded-accumulation": ({"dp": 2, "accumulate_gradients": "sharded",
+                                      "plugin_args": {"tp_degree": 2, "sequence_parallelism": True,
+                                                      "use_distributed_optimizer": True}}, "one-mbs4"),
 }
+# stopped after step 3 and run again: the resumed run's losses equal the uninterrupted one's
+FOUR_RANK_RESUMED = ("dp2-tp2-optim-grads-params", "dp2-pp2-optim-grads-params", "dp2-tp2-sharded-accumulation")
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +196,10 @@ def two_rank(base, tmp_path_factory) -> Path:
 def four_rank(base, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("four-rank")
     cases = [{"name": n, "config": {**c, "save_dir": str(root / n)}} for n, (c, _) in FOUR_RANK.items()]
+    for name in FOUR_RANK_RESUMED:
+        resumed = {**FOUR_RANK[name][0], "save_dir": str(root / f"{name}-resumed")}
+        cases += [{"name": f"{name}-exit", "config": {**resumed, "exit_interval": 3}},
+                  {"name": f"{name}-rerun", "config": resumed}]
     cases.append({"name": "padded-vocabulary",
                   "config": {**padded_vocabulary_case(root), "save_dir": str(root / "pad")}})
     launch_cases(base, cases, 4, root)
@@ -227,6 +245,15 @@ def test_four_rank_mesh_matches_one_process_and_exports_the_same_model(four_rank
     for key in expected:
         # Adam turns tiny gradient differences into updates of up to lr: compare at a fraction of one step
         torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", FOUR_RANK_RESUMED)
+def test_four_rank_sharded_layouts_resume_exactly(four_rank, name):
+    resumed = four_rank / f"{name}-resumed"
+    events = [(r["event"], r["step"]) for r in read_metrics(resumed) if "event" in r]
+    assert events == [("start", 0), ("resume", 3)]
+    assert train_losses(resumed) == train_losses(four_rank / name)
+    assert eval_losses(resumed) == eval_losses(four_rank / name)
 
 
 def test_plan_and_train_agree_on_the_padded_vocabulary_and_the_loss_chunk(four_rank, tmp_path):

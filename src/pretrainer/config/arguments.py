@@ -46,6 +46,7 @@ TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see parallel/activation_checkpoint.py
+ACCUMULATE_GRADIENTS = ("auto", "sharded", "unsharded")  # see run/resolve.py and plan/memory_check.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
@@ -162,6 +163,7 @@ class PreTrainingArguments:
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     fsdp_shard_size: int | None = None
+    accumulate_gradients: str = "auto"   # sharded | unsharded | auto (engines that shard gradients)
 
     def __post_init__(self) -> None:
         self._coerce_scientific_strings()
@@ -358,7 +360,8 @@ class PreTrainingArguments:
         choices = {"lr_decay_style": DECAY_STYLES, "engine": ENGINES, "activation_checkpointing":
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
                    "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
-                   "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES}
+                   "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
+                   "accumulate_gradients": ACCUMULATE_GRADIENTS}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:

@@ -52,6 +52,8 @@ class EngineOptions:
     seed: int = 0                       # the init of a model built on the meta device
     seq_length: int = 0
     micro_batch_size: int = 1
+    accumulate: str = "unsharded"       # sharded | unsharded (auto: decided by the memory plan) | auto
+    accumulate_reason: str = ""         # why, when auto chose it
 
 
 class Engine(LayoutAnswers, ABC):
@@ -336,8 +338,12 @@ class Engine(LayoutAnswers, ABC):
         self.world.close(barrier)
 
     def describe(self) -> str:
+        options = self.options
+        accumulate = f" accumulate_gradients={options.accumulate}" + (f" ({options.accumulate_reason})" if
+                                                                     options.accumulate_reason else "") \
+            if self.shards_gradients(self.settings) else ""
         return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.precision.dtype} "
-                f"activation_checkpointing={self.options.recompute.describe()}")
+                f"activation_checkpointing={options.recompute.describe()}{accumulate}")
 
 
 class SingleEngine(Engine):

@@ -88,6 +88,9 @@ class FSDPEngine(FSDPLayoutAnswers, DistributedEngine):
         return contextlib.nullcontext()  # FSDP's mixed-precision policy casts parameters itself
 
     def no_sync(self, model: torch.nn.Module):
+        if self.options.accumulate == "sharded":  # every micro-batch reduce-scatters: gradients stay sharded
+            return contextlib.nullcontext()
+
         @contextlib.contextmanager
         def skip_reduce_scatter():
             model.set_requires_gradient_sync(False)

@@ -38,6 +38,11 @@ class FSDPSettings:
 class FSDPLayoutAnswers(LayoutAnswers):
     supports_context_parallel = True
     supports_expert_parallel = True
+    can_shard_gradients = True
+
+    @classmethod
+    def shards_gradients(cls, settings) -> bool:
+        return True
 
     @classmethod
     def parallel_dims(cls, world_size: int, cp: int, settings: FSDPSettings) -> ParallelDims:
@@ -77,9 +82,11 @@ class FSDPLayoutAnswers(LayoutAnswers):
             notes["parameters"] += f" (of the experts, this rank's 1/{layout.dims.ep})"
         weights, grads, optimizer = 4 * n // shards, 4 * t // shards, optimizer_bytes(share) // shards
         grads += 4 * layer
-        if layout.accumulation > 1:
+        if layout.accumulation > 1 and not layout.accumulates_sharded:
             grads += 4 * (whole - n + t) - 4 * t // shards
             notes["gradients"] = "unsharded while micro-batches accumulate"
+        elif layout.accumulation > 1:
+            notes["gradients"] = "sharded: reduce-scattered every micro-batch"
         offload = 0
         if settings.cpu_offload and not on_cpu:
             offload = weights + 4 * t // shards + optimizer
@@ -90,16 +97,17 @@ class FSDPLayoutAnswers(LayoutAnswers):
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
         """Each micro-batch gathers every layer (twice when resharded after forward); gradients are
-        reduce-scattered once."""
+        reduce-scattered once a step, or every micro-batch when they accumulate sharded."""
         shards, c = layout.dims.shard, compute_bytes(layout.dtype)
         gathers = 2 if layout.settings.reshard_after_forward else 1
         experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below
+        each = layout.accumulates_sharded
         traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True),
-                   Collective(4 * (trained - experts), shards)]
+                   Collective(4 * (trained - experts), shards, per_micro_batch=each)]
         if experts:  # each rank's experts (1 / ep), over the ranks holding the same ones
             replicas = layout.dims.expert_replicas
             traffic += [Collective(gathers * c * experts / layout.dims.ep, replicas, layout.dims.ep, True),
-                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep)]
+                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep, each)]
         return traffic
 
     @classmethod

@@ -37,6 +37,7 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     loss_chunk: int = 0           # tokens per chunk of the fused head + loss; 0: full logits
     optimizer: str = "adamw"      # adamw | muon
+    accumulate: str = "unsharded"  # sharded: gradients reduce-scattered every micro-batch (engines that shard them)
 
     @property
     def engine_class(self):
@@ -78,7 +79,15 @@ class Layout:
             parts.append(f"loss_chunk={self.loss_chunk}")
         if self.optimizer != "adamw":
             parts.append(f"optimizer={self.optimizer}")
+        if self.accumulates_sharded:
+            parts.append("accumulate=sharded")
         return " ".join(parts)
+
+    @property
+    def accumulates_sharded(self) -> bool:
+        """Micro-batches accumulate sharded gradients (each reduce-scatters its own)."""
+        return self.accumulate == "sharded" and self.accumulation > 1 and self.engine_class.shards_gradients(
+            self.settings)
 
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give this layout from any config of the same model and world (command
@@ -91,6 +100,8 @@ class Layout:
             keys.append(f"context_parallel_degree={self.cp}")
         if cls.supports_expert_parallel:
             keys.append(f"expert_parallel_degree={self.dims.ep}")
+        if cls.shards_gradients(self.settings):
+            keys.append(f"accumulate_gradients={self.accumulate}")
         return keys
 
     def replace(self, **changes) -> "Layout":
@@ -187,6 +198,14 @@ class LayoutAnswers:
     muon_refusal = ""   # why not, where it does not
     trains_moe = True   # models with experts train here (each rank holds every expert: no expert parallelism)
     moe_refusal = ""
+
+    can_shard_gradients = False  # some layout of this engine shards gradients (see shards_gradients)
+
+    @classmethod
+    def shards_gradients(cls, settings) -> bool:
+        """Each rank keeps only its shard of each gradient after the step's reduction (reduce-scatter), so
+        micro-batches can accumulate sharded (`accumulate_gradients: sharded`) or whole until the last one."""
+        return False
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:

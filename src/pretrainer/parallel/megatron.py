@@ -4,11 +4,13 @@ machinery.
 A device mesh `dp x pp x cp x tp` (tp innermost, then context parallelism, as in Megatron). Each rank
 builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model and parallelizes each
 (parallelize.py): the model family's tensor-parallel split (`splits`, chosen by the model-config parser
-registry), activation recomputation as configured, compile, and data parallelism over `dp`: `replicate`
-(gradients all-reduced, like DDP), or with `use_distributed_optimizer` FSDP2 without resharding after forward (gradients
-reduce-scattered and the optimizer state sharded over dp, parameters gathered once per step: ZeRO-1/2
-style). With context parallelism (`context_parallel_degree`, see context_parallel.py) the cp ranks of a stage hold
-the same parameters and split every sequence, so gradients are reduced over dp x cp, as Megatron's dp-cp group
+registry), activation recomputation as configured, compile, and data parallelism over `dp`, by Megatron-Core's
+`data_parallel_sharding_strategy`: `no_shard` replicates (gradients all-reduced, like DDP); `optim_grads` (what
+`use_distributed_optimizer` selects) is FSDP2 without resharding after forward (gradients reduce-scattered and the
+optimizer state sharded over dp, parameters gathered once per step: ZeRO-2 style); `optim_grads_params` reshards
+parameters after forward as well (ZeRO-3 / FSDP composed with tp, pp, cp and ep). With context parallelism
+(`context_parallel_degree`, see context_parallel.py) the cp ranks of a stage hold the same parameters and split
+every sequence, so gradients are reduced over dp x cp, as Megatron's dp-cp group
 does. Mixture-of-Experts models (see `moe_blocks`): tensor parallelism leaves each MoE block whole and, under
 sequence parallelism (required), every tp rank routes its own tokens through it, so the block's gradients (like
 those of per-head norms) are summed over tp at the step; with `expert_parallel_degree` (ep) the experts are split
@@ -104,6 +106,13 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         self._padding_checked = False
         self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
+
+    def autocast(self):
+        """Whole stages compute under autocast; FSDP2 stages (the distributed optimizer over several ranks) are cast
+        by FSDP's mixed-precision policy instead."""
+        if self.settings.distributed_optimizer and self.data_mesh.size() > 1:
+            return contextlib.nullcontext()
+        return super().autocast()
 
     @property
     def context_multiple(self) -> int:
@@ -241,13 +250,14 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
 
     def _data_parallel(self, stage: DecoderStage) -> DecoderStage:
         """Gradients over dp x cp: all-reduced (`replicate`), or with the distributed optimizer reduce-scattered
-        with the optimizer state sharded (FSDP2 without resharding after forward: ZeRO-1/2 style). Split
-        experts are their own units over the ranks holding the same ones."""
+        with the optimizer state sharded (FSDP2; parameters resharded after forward with optim_grads_params).
+        Split experts are their own units over the ranks holding the same ones."""
         layers = list(stage.layers.values())
         experts = ExpertSharding(self._stage_experts, self.expert_mesh["expert_replicas"]) \
             if self.expert_mesh is not None else None
-        if self.settings.distributed_optimizer:
-            shard_layers(stage, self.data_mesh, layers, reshard_after_forward=False, experts=experts)
+        if self.settings.distributed_optimizer:  # FSDP's mixed-precision policy casts (no autocast then)
+            shard_layers(stage, self.data_mesh, layers, self.precision,
+                         reshard_after_forward=self.settings.reshard_parameters, experts=experts)
         else:
             replicate_layers(stage, self.data_mesh, layers, experts)
         return stage
@@ -263,6 +273,9 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
+        if self.options.accumulate == "sharded":  # the distributed optimizer's gradients stay sharded
+            return contextlib.nullcontext()
+
         @contextlib.contextmanager
         def skip_gradient_sync():
             wrapped = [stage for stage in self.stages if hasattr(stage, "set_requires_gradient_sync")]

@@ -28,6 +28,13 @@ from .pipeline import split_layers, stages_of_rank
 class MegatronLayoutAnswers(LayoutAnswers):
     supports_context_parallel = True
     supports_expert_parallel = True
+    can_shard_gradients = True
+
+    @classmethod
+    def shards_gradients(cls, settings: MegatronSettings) -> bool:
+        """The distributed optimizer reduce-scatters gradients (FSDP2 over dp x cp); without it they are all-reduced
+        whole."""
+        return settings.distributed_optimizer
 
     @classmethod
     def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
@@ -50,16 +57,16 @@ class MegatronLayoutAnswers(LayoutAnswers):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """With the distributed optimizer each stage is FSDP2 without resharding after forward: fp32 shards over
-        dp x cp, every layer gathered from forward to backward (and autocast's copies), the gradients
-        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate), the moments
-        sharded. Otherwise a torch engine's states over the stage's tp share."""
+        """With the distributed optimizer each stage is FSDP2 over dp x cp: fp32 shards, the layers gathered in the
+        compute dtype (FSDP's mixed-precision policy, no autocast) from forward to backward (every layer), or only
+        those being computed when parameters are resharded after forward (optim_grads_params); the gradients
+        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate unsharded), the
+        moments sharded. Otherwise a torch engine's states over the stage's tp share."""
         shards = layout.dims.shard
-        if not layout.settings.distributed_optimizer or shards == 1:
+        if not cls.shards_over_data(layout):
             return super().model_states(layout, shape, share, on_cpu)
         n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
         layer = shape.layer_parameters // layout.tp
-        copies = c * share.matmul if layout.dtype != "fp32" else 0
         # split experts (their 1 / ep on this rank) are sharded over the dp / ep ranks holding them instead
         experts = shape.expert_parameters // layout.dims.ep if layout.dims.ep > 1 else 0
 
@@ -67,12 +74,28 @@ class MegatronLayoutAnswers(LayoutAnswers):
             own = experts * held / n if n else 0
             return int((held - own) / shards + own / layout.dims.expert_replicas)
 
-        grads = 4 * sharded(t) + 4 * layer + (4 * t - 4 * sharded(t) if layout.accumulation > 1 else 0)
-        notes = {"parameters": "fp32 shards over dp x cp + every layer gathered from forward to backward"
-                 + (" + autocast's copies" if copies else ""),
-                 "optimizer": optimizer_note(layout, "sharded: the distributed optimizer")}
-        return ModelStates(4 * sharded(n), 4 * (n - sharded(n)) + copies, grads, sharded(optimizer_bytes(share)), 0,
-                           notes=notes)
+        whole_while_accumulating = layout.accumulation > 1 and not layout.accumulates_sharded
+        grads = 4 * sharded(t) + 4 * layer + (4 * t - 4 * sharded(t) if whole_while_accumulating else 0)
+        if layout.settings.reshard_parameters:  # the layers being computed gathered, the rest resharded
+            ends = (shape.embedding_parameters + shape.head_parameters + shape.other_parameters) // layout.tp
+            gathered = c * max(2 * layer, ends + layer)
+            held = f"fp32 shards over dp x cp + the layers being computed, gathered in {layout.dtype}"
+        else:  # fp32: the gathered copy is the parameter itself (measured); below it, a copy beside the shards
+            gathered = 4 * (n - sharded(n)) if c == 4 else c * n
+            held = f"fp32 shards over dp x cp + every layer gathered in {layout.dtype} from forward to backward"
+        notes = {"parameters": held,
+                 "optimizer": optimizer_note(layout, f"sharded: {layout.settings.sharding_strategy}")}
+        return ModelStates(4 * sharded(n), gathered, grads, sharded(optimizer_bytes(share)), 0, notes=notes)
+
+    @classmethod
+    def shards_over_data(cls, layout: Layout) -> bool:
+        """Each stage is FSDP2 over more than one rank (the distributed optimizer on dp x cp > 1)."""
+        return layout.settings.distributed_optimizer and layout.dims.shard > 1
+
+    @classmethod
+    def autocasts(cls, layout: Layout) -> bool:
+        """FSDP2's mixed-precision policy casts the gathered parameters itself; whole stages run under autocast."""
+        return not cls.shards_over_data(layout)
 
     @classmethod
     def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
@@ -83,17 +106,24 @@ class MegatronLayoutAnswers(LayoutAnswers):
 
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """An all-reduce of the stage's gradients over dp x cp; with expert parallelism the experts' over the
-        dp / ep ranks holding them; the MoE blocks' (tp leaves them whole) summed over tp."""
-        dims = layout.dims
+        """An all-reduce of the stage's gradients over dp x cp (every micro-batch when they accumulate sharded); with
+        expert parallelism the experts' over the dp / ep ranks holding them; the MoE blocks' (tp leaves them whole)
+        summed over tp."""
+        dims, each = layout.dims, layout.accumulates_sharded
         blocks, experts = shape.moe_block_parameters, shape.expert_parameters
         split = dims.ep > 1
         dense = trained - (experts if split else 0)
         traffic = [Collective(2 * 4 * cls.held_parameters(layout, shape, dense, shape.layers) / dims.pp,
-                              dims.gradient_ranks, dims.tp * dims.pp)]
+                              dims.gradient_ranks, dims.tp * dims.pp, each)]
         if split:
             traffic.append(Collective(2 * 4 * experts / (dims.ep * dims.pp), dims.expert_replicas,
-                                      dims.tp * dims.pp * dims.ep))
+                                      dims.tp * dims.pp * dims.ep, each))
+        settings = layout.settings
+        if cls.shards_over_data(layout):  # FSDP2 gathers the parameters in the compute dtype
+            reshard = settings.reshard_parameters
+            held = cls.held_parameters(layout, shape, shape.parameters, shape.layers) / dims.pp
+            traffic.append(Collective((2 if reshard else 1) * compute_bytes(layout.dtype) * held, dims.shard,
+                                      dims.tp * dims.pp, reshard))
         if blocks and dims.tp > 1:
             traffic.append(Collective(2 * 4 * (blocks - experts + experts / dims.ep) / dims.pp, dims.tp))
         return traffic
@@ -136,5 +166,8 @@ class MegatronLayoutAnswers(LayoutAnswers):
 
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:
+        settings = layout.settings
         return [f"plugin_args.tp_degree={layout.tp}", f"plugin_args.pp_degree={layout.pp}",
-                f"plugin_args.sequence_parallelism={str(layout.sequence_parallel).lower()}"]
+                f"plugin_args.sequence_parallelism={str(layout.sequence_parallel).lower()}",
+                f"plugin_args.use_distributed_optimizer={str(settings.distributed_optimizer).lower()}",
+                f"plugin_args.data_parallel_sharding_strategy={settings.sharding_strategy}"]

@@ -14,11 +14,17 @@ from ..config.architecture import Architecture
 from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Megatron-Core's data_parallel_sharding_strategy, as this engine runs each on FSDP2 over the dp x cp ranks:
+# whole parameters, gradients all-reduced; optimizer state and gradients sharded, parameters gathered from
+# forward to backward (ZeRO-2; what use_distributed_optimizer selects); and parameters resharded after forward
+# too (ZeRO-3 / FSDP), composed with tp, sp, pp, cp and ep.
+SHARDING_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
 
 # plugin_args keys this engine reads (besides the hooks and other_megatron_args).
 ENGINE_KEYS = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
                "recompute_activations", "use_distributed_optimizer", "num_layers_per_virtual_pipeline_stage",
-               "pipeline_schedule", "pipeline_layers", "other_megatron_args", "cp_degree")
+               "pipeline_schedule", "pipeline_layers", "other_megatron_args", "cp_degree",
+               "data_parallel_sharding_strategy")
 # plugin_args keys that the run's own keys already cover.
 COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length", "eval_iters": "eval_iters",
                 "eval_interval": "eval_interval", "megatron_dataset_flag": "megatron_dataset_flag",
@@ -27,7 +33,7 @@ COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length",
 # other_megatron_args keys read by this engine or the data pipeline.
 ENGINE_MEGATRON_KEYS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "sequence_parallel",
                         "tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
-                        "num_layers_per_virtual_pipeline_stage", "split"}
+                        "num_layers_per_virtual_pipeline_stage", "split", "data_parallel_sharding_strategy"}
 # other_megatron_args keys that describe the network: compared with the HF config.
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "normalization", "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights",
@@ -65,7 +71,8 @@ class MegatronSettings:
     pp: int = 1
     num_micro_batches: int = 1
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # optimizer state and gradients sharded over dp x cp (FSDP2)
+    reshard_parameters: bool = False     # parameters resharded after forward too (optim_grads_params)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     layers_per_virtual_stage: int | None = None
     pipeline_layers: list | None = None  # explicit decoder layers per stage, in stage order
@@ -81,13 +88,17 @@ class MegatronSettings:
                                  self.recompute_num_layers)
 
     @property
+    def sharding_strategy(self) -> str:
+        return SHARDING_STRATEGIES[self.distributed_optimizer + self.reshard_parameters]
+
+    @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"sequence_parallel={self.sequence_parallel}",
                  f"num_micro_batches={self.num_micro_batches}",
-                 f"distributed_optimizer={self.distributed_optimizer}"]
+                 f"data_parallel_sharding_strategy={self.sharding_strategy}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule} stages={self.num_stages}")
         if self.recompute_granularity:
@@ -122,13 +133,32 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
         num_micro_batches=args.gradient_accumulation_steps,
         # nothing to split with tp 1
         sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)) and tp > 1,
-        distributed_optimizer=bool(pick("use_distributed_optimizer", "use_distributed_optimizer", False)),
+        **_read_sharding(pick("use_distributed_optimizer", "use_distributed_optimizer", None),
+                         pick("data_parallel_sharding_strategy", "data_parallel_sharding_strategy", None)),
         layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
                                       "num_layers_per_virtual_pipeline_stage", None),
         pipeline_layers=plugin.get("pipeline_layers"),
     )
     settings = replace(settings, **_read_recompute(plugin, megatron, args.activation_checkpointing))
     return replace(settings, **_read_pipeline(settings, plugin, num_layers))
+
+
+def _read_sharding(distributed_optimizer, strategy) -> dict:
+    """`data_parallel_sharding_strategy` (Megatron-Core's names), or `use_distributed_optimizer` (optim_grads)."""
+    if strategy is None:
+        return {"distributed_optimizer": bool(distributed_optimizer)}
+    if strategy == "optim":
+        raise ConfigError("plugin_args.data_parallel_sharding_strategy: optim (ZeRO-1) is not offered: FSDP2 "
+                          "reduce-scatters gradients, so optim_grads (ZeRO-2) holds less for the same traffic; use "
+                          "optim_grads, or optim_grads_params to shard parameters too")
+    if strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(f"plugin_args.data_parallel_sharding_strategy: {strategy!r} is not one of "
+                          f"{', '.join(SHARDING_STRATEGIES)}")
+    index = SHARDING_STRATEGIES.index(strategy)
+    if distributed_optimizer is not None and bool(distributed_optimizer) != (index > 0):
+        raise ConfigError(f"plugin_args.use_distributed_optimizer={distributed_optimizer} and "
+                          f"data_parallel_sharding_strategy={strategy} disagree; set one of them")
+    return {"distributed_optimizer": index > 0, "reshard_parameters": index == 2}
 
 
 def _positive(key: str, value) -> int:

@@ -22,6 +22,11 @@ from ..perf.machine_cache import cached_measurement
 from ..perf.peak import measured_peak, processor_name, rated_peak
 
 GIB = 2**30
+
+
+def size(value: int) -> str:
+    """Bytes as MiB below 1 GiB, else GiB (how the planner writes memory)."""
+    return f"{value / GIB:,.1f} GiB" if value >= GIB else f"{value / 2**20:,.0f} MiB"
 # name pattern -> memory in GiB (first match wins: specific names first)
 DEVICE_MEMORY_GIB = (
     (r"H200", 141), (r"H100.*NVL", 94), (r"H100|H800", 80), (r"GH200", 96), (r"B200", 180), (r"H20\b", 96),

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from ..config import ConfigError
 from ..parallel import World
 from ..run import ResolvedRun
-from .device_spec import device_spec
+from .device_spec import device_spec, size
 from .planner import make_plan
-from .render import size
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +33,19 @@ class PredictedMemory:
         return {"predicted_peak_mem_mb": self.peak_bytes / 2**20, "device_memory_mb": self.device_memory_bytes / 2**20}
 
 
-def check_memory_before_build(args, run: ResolvedRun, world: World) -> PredictedMemory | None:
-    """`args`: preflight_memory_check and device_memory."""
+def check_memory_before_build(args, run: ResolvedRun, world: World
+                              ) -> tuple[ResolvedRun, PredictedMemory | None]:
+    """The run with `accumulate_gradients: auto` decided, and the predicted peak (None: no check).
+    `args`: preflight_memory_check and device_memory."""
     mode = args.preflight_memory_check
     if mode == "off" or run.model is None:
-        return None
+        return run, None
     memory = None if args.device_memory is None else str(args.device_memory)
     device = device_spec(run.dtype, world.local_size, None if world.device.type != "cpu" else "cpu", memory,
                          run.engine_class.baseline_engine, memory_key="key 'device_memory'")
     plan = make_plan(run, world.local_size, device)
+    if plan.accumulation is not None:
+        run = run.with_accumulation(*plan.accumulation)
     own = plan.estimate
     logger.info("memory plan: predicted peak %s per rank of %s (%s)", size(own.peak), size(device.memory_bytes),
                 device.memory_source)
@@ -51,7 +54,7 @@ def check_memory_before_build(args, run: ResolvedRun, world: World) -> Predicted
         if mode == "error":
             raise MemoryPlanError(message + "; or set preflight_memory_check: warn to try anyway")
         logger.warning("%s", message)
-    return PredictedMemory(own.peak, device.memory_bytes)
+    return run, PredictedMemory(own.peak, device.memory_bytes)
 
 
 def _refusal(plan) -> str:

@@ -4,20 +4,22 @@ without building the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ..run import ResolvedRun
-from .device_spec import DeviceSpec
+from .device_spec import DeviceSpec, size
 from .estimate import Estimate, estimate
 from .model_shape import ModelShape, model_shape
 from .search import alternatives
 
 
 class Plan:
-    """The estimate of a run's own layout; the alternatives are searched when first asked for."""
+    """The estimate of a run's own layout; the alternatives are searched when first asked for. `accumulation`:
+    how `accumulate_gradients: auto` was decided, (mode, why), or None when the run did not leave it to the plan."""
 
-    def __init__(self, shape: ModelShape, own: Estimate, search):
-        self.shape, self.estimate, self._search = shape, own, search
+    def __init__(self, shape: ModelShape, own: Estimate, search, accumulation: tuple[str, str] | None = None):
+        self.shape, self.estimate, self._search, self.accumulation = shape, own, search, accumulation
 
     @property
     def layout(self):
@@ -36,5 +38,21 @@ def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Pl
     shape = model_shape(config, run.vocab_size)
     layout = run.layout(devices_per_node)
     own = estimate(layout, shape, config, device, run.trainable, run.weights)
+    decided = None
+    if layout.accumulate == "auto":
+        own, decided = _decide_accumulation(own, shape, config, device, run)
+        layout = own.layout
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
-                                                 run.weights))
+                                                 run.weights), decided)
+
+
+def _decide_accumulation(whole: Estimate, shape, config, device: DeviceSpec, run: ResolvedRun
+                         ) -> tuple[Estimate, tuple[str, str]]:
+    """`accumulate_gradients: auto`: whole gradients while micro-batches accumulate (less traffic) where they fit,
+    else sharded ones (each micro-batch reduce-scatters its own)."""
+    if whole.fits:
+        why = f"auto: whole gradients fit, predicted {size(whole.peak)} of {size(device.memory_bytes)}"
+        return dataclasses.replace(whole, layout=whole.layout.replace(accumulate="unsharded")), ("unsharded", why)
+    sharded = estimate(whole.layout.replace(accumulate="sharded"), shape, config, device, run.trainable, run.weights)
+    return sharded, ("sharded", f"auto: whole gradients would need {size(whole.peak)} of "
+                                f"{size(device.memory_bytes)}; sharded {size(sharded.peak)}")

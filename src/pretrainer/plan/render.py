@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import shlex
 
-from .device_spec import CPU_BYTES_PER_S, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S
+from .device_spec import CPU_BYTES_PER_S, GIB, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S, size
 from .estimate import Estimate
 from .planner import Plan
 
-GIB = 2**30
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "logits", "communication", "runtime")
 DEFAULT_NOTES = {"gradients": "fp32", "optimizer": "AdamW moments (fp32)",
                  "logits": "fp32 logits or log-softmax and two gradients of that size (one chunk when chunked)",
                  "communication": "-"}
-
-
-def size(value: int) -> str:
-    """Bytes as MiB below 1 GiB, else GiB."""
-    return f"{value / GIB:,.1f} GiB" if value >= GIB else f"{value / 2**20:,.0f} MiB"
 
 
 def listed(plan: Plan, count: int) -> list[Estimate]:

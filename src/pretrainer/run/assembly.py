@@ -2,8 +2,9 @@
 and the planner's baseline run all go through `assemble_run`, so each puts a run together the same way:
 
     resolve_run        the engine, its dimensions, the dtype, the model config and tokenizer, the sizes (once)
+    before_build       an optional plan before anything large is allocated (train's memory check, which also
+                       decides `accumulate_gradients: auto`)
     create_engine      the engine with its device meshes
-    before_build       an optional check before anything large is allocated (train's memory check)
     assemble_data      this rank's train stream and eval batches (training only)
     the model          built (or the one given), its trainable parameters chosen, the chunked loss installed,
                        what the run trains read off it, its step extensions made (an MoE model's routing)
@@ -75,26 +76,32 @@ def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler
                  data: DataSources | None = DataSources(), before_build=None) -> AssembledRun:
     """The run `args` describes on `world`. `model` (and `optimizer`, `lr_scheduler`): the user's own; `data`
     None: no data and no optimizer (the model is only placed: evaluate, export); `before_build(args, resolved,
-    world)`: called before the data and the model take memory (not for a model already built)."""
+    world) -> (resolved, prediction)`: called before the engine, the data and the model take memory (not for a
+    model already built); it may decide what the run left to it (`accumulate_gradients: auto`)."""
     resolved = resolve_run(args, world, model_config=model.config if model is not None else None,
                            check_model=model is None or data is None or data.train_dataloader is None)
+    predicted = None
+    if before_build is not None and model is None:
+        resolved, predicted = before_build(args, resolved, world)
+    if resolved.options.accumulate == "auto":  # no memory plan decided it
+        resolved = resolved.with_accumulation("sharded", "auto: no memory plan (preflight_memory_check: off, or a "
+                                              "model passed in) to say whole gradients fit")
     logger.info("run: %s", resolved.describe())
     engine = create_engine(resolved.engine, resolved.options, world)
     try:
-        return _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, before_build)
+        return _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, predicted)
     except BaseException:
         engine.release()  # its meshes and groups go before the process group does
         raise
 
 
 def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, model, optimizer, lr_scheduler,
-                 data: DataSources | None, before_build) -> AssembledRun:
+                 data: DataSources | None, predicted) -> AssembledRun:
     training = data is not None
     if optimizer is not None and engine.shards_parameters:
         raise ConfigError(f"engine {engine.name} shards the model's parameters, so an optimizer made before "
                           "sharding cannot be used; leave optimizer= unset (configure it with lr, adam_*, "
                           "weight_decay)")
-    predicted = before_build(args, resolved, world) if before_build is not None and model is None else None
     run_data = _assemble_data(args, resolved, engine, world, data) if training else None
     built = model is None
     if built:

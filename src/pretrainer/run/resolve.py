@@ -93,7 +93,12 @@ class ResolvedRun:
         return Layout(self.engine, self.dims, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
                       sizes.seq_length, self.dtype, min(devices_per_node, self.dims.world_size),
                       self.recompute.mode, self.options.settings, self.sequence_parallel, self.pipeline_schedule,
-                      self.loss_chunk.size, self.optimizer.name)
+                      self.loss_chunk.size, self.optimizer.name, self.options.accumulate)
+
+    def with_accumulation(self, mode: str, reason: str) -> "ResolvedRun":
+        """This run with `accumulate_gradients: auto` decided (by the memory plan, see plan/memory_check.py)."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, accumulate=mode,
+                                                                     accumulate_reason=reason))
 
     def loss_chunk_for(self, micro_batch_size: int) -> int:
         """The loss chunk this run would resolve with another micro-batch (the planner's alternatives)."""
@@ -138,6 +143,23 @@ def moe_settings(args, entry: EngineEntry, config, where: str, dims: ParallelDim
     return moe
 
 
+def accumulation_mode(args, entry: EngineEntry, settings, sizes: BatchSizes) -> tuple[str, str]:
+    """`accumulate_gradients` for this engine: (mode, why). `auto` stays for the memory plan to decide where
+    micro-batches accumulate and the engine shards gradients; it is refused where the engine keeps whole
+    gradients (nothing to shard)."""
+    mode = args.accumulate_gradients
+    if not entry.cls.shards_gradients(settings):
+        if mode != "auto":
+            raise key_error("accumulate_gradients", f"accumulate_gradients: {mode} is set but engine {entry.name} "
+                            "keeps whole gradients on every rank (nothing to shard); remove it, or use engine "
+                            f"{engines_that(lambda c: c.can_shard_gradients)} (megatron with "
+                            "use_distributed_optimizer)")
+        return "unsharded", ""
+    if sizes.gradient_accumulation_steps == 1 and mode == "auto":
+        return "sharded", "one micro-batch per step"
+    return mode, ""
+
+
 def launch_world(args) -> World:
     """The processes of this launch: the device from `device`, the process group joined where the engine the
     config asks for runs over one."""
@@ -175,8 +197,9 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
                                vocab)
     moe = moe_settings(args, entry, config, where, dims)
     sequence_parallel, schedule = cls.parallel_style(settings)
+    accumulate, why = accumulation_mode(args, entry, settings, sizes)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
-                            sizes.seq_length, sizes.micro_batch_size)
+                            sizes.seq_length, sizes.micro_batch_size, accumulate, why)
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
