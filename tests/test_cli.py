@@ -148,3 +148,22 @@ def test_console_entry_exits_with_mains_code_after_threads_and_atexit():
     done = run([sys.executable, "-c", EXIT_PROGRAM], timeout=60)
     assert done.returncode == 3, done.stderr
     assert done.stdout.split("\n")[:2] == ["thread done", "atexit ran"]
+
+
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_integer_flags_are_range_checked(capsys, tmp_path, workers):
+    code, stderr = cli_in_process(capsys, "prepare", "--input", CORPUS, "--tokenizer", QUICKSTART_MODEL,
+                                  "--output-prefix", tmp_path / "p", "--workers", workers)
+    assert code == 2 and f"argument --workers: expected an integer >= 1, got '{workers}'" in stderr
+    assert not list(tmp_path.iterdir())  # nothing was tokenized
+    code, stderr = cli_in_process(capsys, "tokenizer", "train", "--input", CORPUS, "--vocab-size", "0",
+                                  "--output", tmp_path / "tok")
+    assert code == 2 and "argument --vocab-size: expected an integer >= 1, got '0'" in stderr
+
+
+def test_export_names_the_flag_it_was_given(base_config, tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(base_config))
+    code, stderr = cli_in_process(capsys, "export", config, "--checkpoint", tmp_path / "BAD")
+    assert code == 2 and "--checkpoint: " in stderr and "is not a complete checkpoint folder" in stderr
+    assert "key 'resume'" not in stderr

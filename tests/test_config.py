@@ -251,3 +251,36 @@ def test_every_key_is_documented_in_the_configuration_page():
     page = (EXAMPLES.parent / "docs" / "configuration.md").read_text()
     missing = [f.name for f in dataclasses.fields(PreTrainingArguments) if f"`{f.name}`" not in page]
     assert not missing, f"keys without a row in docs/configuration.md: {missing}"
+
+
+def test_a_key_given_twice_is_refused_naming_both_places(tmp_path):
+    path = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\nlr: 1.0e-3\nlr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"line 5: key 'lr' is given twice \(first on line 4\); keep one"):
+        PreTrainingArguments.from_yaml(path)
+    nested = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\nplugin_args:\n  tp_degree: 2\n"
+                             "  tp_degree: 4\n")
+    with pytest.raises(ConfigError, match="line 6: key 'tp_degree' is given twice"):
+        PreTrainingArguments.from_yaml(nested)
+    fine = write(tmp_path, "num_training_steps: 1\nmicro_batch_size: 1\ndp: 1\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice on the command line \('lr=1e-3' and 'lr=2e-3'\)"):
+        PreTrainingArguments.from_yaml(fine, ["lr=1e-3", "lr=2e-3"])
+    assert PreTrainingArguments.from_yaml(fine, ["lr=2e-3"]).lr == 2e-3
+
+
+@pytest.mark.parametrize("key, value", [("muon_lr", 0.02), ("muon_ns_steps", 3), ("muon_params", ["lm_head.*"]),
+                                        ("adamw_params", ["*.mlp.*"])])
+def test_muon_keys_are_refused_when_the_optimizer_is_not_muon(key, value):
+    base = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, key: value}
+    with pytest.raises(ConfigError, match=f"key '{key}': {key} is set but optimizer is adamw; set optimizer: muon or "
+                                          "remove it"):
+        PreTrainingArguments(**base)
+    assert getattr(PreTrainingArguments(**base, optimizer="muon"), key) == value
+
+
+@pytest.mark.parametrize("key, value, index", [("train_data", [["a.jsonl", "b.jsonl"]], 0),
+                                               ("eval_data", ["a.jsonl", {"path": "b"}], 1),
+                                               ("data_path", ["0.3", "prefix", True], 2)])
+def test_every_item_of_a_file_list_is_checked(key, value, index):
+    flag = {"megatron_dataset_flag": True} if key == "data_path" else {}
+    with pytest.raises(ConfigError, match=rf"key '{key}': {key}\[{index}\] is .* each item is a path"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, **{key: value}, **flag)

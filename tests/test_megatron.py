@@ -91,13 +91,21 @@ FOUR_RANK = {
     "dp2-pp2-optim-grads-params": ({"dp": 2, "plugin_args": {"pp_degree": 2,
                                                              "data_parallel_sharding_strategy": "optim_grads_params"}},
                                    "one-mbs4"),
+    # weights read in slices (each rank its tp x dp shard of each tensor) into resharded parameters
+    "dp2-tp2-optim-grads-params-from-saved-weights": (
+        {"dp": 2, "model_path": "{root}/weights", "plugin_args": {
+            "tp_degree": 2, "sequence_parallelism": True, "data_parallel_sharding_strategy": "optim_grads_params"}},
+        "weights-mbs4"),
     # every micro-batch reduce-scatters its gradients (they stay sharded while micro-batches accumulate)
     "dp2-tp2-sharded-accumulation": ({"dp": 2, "accumulate_gradients": "sharded",
                                       "plugin_args": {"tp_degree": 2, "sequence_parallelism": True,
                                                       "use_distributed_optimizer": True}}, "one-mbs4"),
 }
+# 8 ranks: hybrid sharding (replicate 2 x shard 2 over the dp ranks) composed with tp 2, parameters resharded
+HYBRID_TP = {"dp": 4, "fsdp_shard_size": 2, "plugin_args": {
+    "tp_degree": 2, "sequence_parallelism": True, "data_parallel_sharding_strategy": "optim_grads_params"}}
 # stopped after step 3 and run again: the resumed run's losses equal the uninterrupted one's
-FOUR_RANK_RESUMED = ("dp2-tp2-optim-grads-params", "dp2-pp2-optim-grads-params", "dp2-tp2-sharded-accumulation")
+FOUR_RANK_RESUMED = ("dp2-tp2-optim-grads-params", "dp2-pp2-optim-grads-params")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +162,9 @@ def references(base, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("references")
     out = {}
     models = {name: {"model_path": f"{model_root(base)}/{name}"} for name in ("qwen2", "tied", "weights")}
-    for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-seq31": {"seq_length": 31},
+    models["weights-mbs4"] = {**models["weights"], "micro_batch_size": 4}
+    for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-mbs8": {"micro_batch_size": 8},
+                        "one-seq31": {"seq_length": 31},
                         "one-muon": {"optimizer": "muon"},
                         "one-muon-mbs4": {"optimizer": "muon", "micro_batch_size": 4}, **models}.items():
         PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
@@ -195,7 +205,8 @@ def two_rank(base, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def four_rank(base, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("four-rank")
-    cases = [{"name": n, "config": {**c, "save_dir": str(root / n)}} for n, (c, _) in FOUR_RANK.items()]
+    cases = [{"name": n, "config": {**case_config(base, c), "save_dir": str(root / n)}}
+             for n, (c, _) in FOUR_RANK.items()]
     for name in FOUR_RANK_RESUMED:
         resumed = {**FOUR_RANK[name][0], "save_dir": str(root / f"{name}-resumed")}
         cases += [{"name": f"{name}-exit", "config": {**resumed, "exit_interval": 3}},
@@ -245,6 +256,46 @@ def test_four_rank_mesh_matches_one_process_and_exports_the_same_model(four_rank
     for key in expected:
         # Adam turns tiny gradient differences into updates of up to lr: compare at a fraction of one step
         torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def eight_rank(base, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("eight-rank")
+    resumed = {**HYBRID_TP, "save_dir": str(root / "resumed")}
+    launch_cases(base, [{"name": "hybrid-tp", "config": {**HYBRID_TP, "save_dir": str(root / "straight")}},
+                        {"name": "hybrid-tp-exit", "config": {**resumed, "exit_interval": 3}},
+                        {"name": "hybrid-tp-rerun", "config": resumed}], 8, root)
+    return root
+
+
+def test_eight_ranks_replicate_2_x_shard_2_x_tp_2_match_one_process_resume_and_export(eight_rank, references):
+    """HSDP x TP (fsdp_shard_size 2 of dp 4, tp 2, parameters resharded after forward), as the anchors run
+    above one node: losses equal one process, each rank holds the shard the planner counts, resume exact, the
+    export the same model."""
+    from safetensors.torch import load_file
+
+    straight = eight_rank / "straight"
+    assert_same_losses(straight, references["one-mbs8"])
+    (check, *_) = assert_layout_answers(straight, 8)
+    assert check["held"]["shard_ranks"] == 2 and check["held"]["gradient_ranks"] == 4
+    resumed = eight_rank / "resumed"
+    assert [(r["event"], r["step"]) for r in read_metrics(resumed) if "event" in r] == [("start", 0), ("resume", 3)]
+    assert train_losses(resumed) == train_losses(straight)
+    got = load_file(straight / "hf" / "model.safetensors")
+    expected = load_file(references["one-mbs8"] / "hf" / "model.safetensors")
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=2e-4)
+
+
+def test_resharded_parameters_are_read_in_tp_x_dp_slices(four_rank, base):
+    """dp=2 x tp=2 with optim_grads_params from an HF folder: each rank reads about a quarter of the weights (its tp
+    shard's dp shard of each tensor; norms are whole over tp), and trains as one process that loaded them whole
+    (test_four_rank_mesh_matches_one_process...)."""
+    name = "dp2-tp2-optim-grads-params-from-saved-weights"
+    read = next(r for r in read_metrics(four_rank / name) if r.get("event") == "start")["weights_read_bytes"]
+    total = (Path(model_root(base)) / "weights" / "model.safetensors").stat().st_size
+    assert len(read) == 4 and all(0.15 * total < r < 0.35 * total for r in read), (read, total)
 
 
 @pytest.mark.parametrize("name", FOUR_RANK_RESUMED)

@@ -212,8 +212,8 @@ def test_plan_for_a_named_device_and_sizes(base_config, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--world-size", "0"], "--world-size must be >= 1, got 0"),
-    (["--devices-per-node", "0"], "--devices-per-node must be >= 1, got 0"),
+    (["--world-size", "0"], "argument --world-size: expected an integer >= 1, got '0'"),
+    (["--devices-per-node", "0"], "argument --devices-per-node: expected an integer >= 1, got '0'"),
     (["--world-size", "3", "engine=megatron", "plugin_args.tp_degree=2"],
      "3 process(es) cannot be split into groups of tp=2 x pp=1 x context_parallel_degree=1 ranks"),
     (["--world-size", "2", "engine=single"], "engine: single runs one process, but 2 processes are planned"),

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
+from .config.loading import int_at_least
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
@@ -64,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "the layouts that fit")
     plan.add_argument("config", help="YAML config file")
     plan.add_argument("overrides", nargs="*", help="key=value overrides")
-    plan.add_argument("--world-size", type=int,
+    plan.add_argument("--world-size", type=int_at_least(1),
                       help="processes (default: what the config describes: dp x tp x pp x cp)")
-    plan.add_argument("--devices-per-node", type=int, help="processes per machine (default: 8 on GPUs, all on CPU)")
+    plan.add_argument("--devices-per-node", type=int_at_least(1),
+                      help="processes per machine (default: 8 on GPUs, all on CPU)")
     plan.add_argument("--device", help="the device to plan for: a GPU name (H100, A100-40GB, ...) or cpu "
                       "(default: this machine's)")
     plan.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: the device's)")
@@ -87,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tasks", action="append", metavar="FILE[,FILE...]",
                           help="task files, comma-separated or the flag repeated (default: the run's "
                           "downstream_evals); see docs/downstream-eval.md")
-    evaluate.add_argument("--limit", type=at_least(1), help="score at most this many records of each task")
-    evaluate.add_argument("--num-fewshot", type=at_least(0), help="solved examples before each context")
+    evaluate.add_argument("--limit", type=int_at_least(1), help="score at most this many records of each task")
+    evaluate.add_argument("--num-fewshot", type=int_at_least(0), help="solved examples before each context")
     evaluate.add_argument("--output", help="also write the scores to this JSON file")
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
@@ -102,15 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def at_least(low: int):
-    """An argparse type: an integer >= low."""
-    def parse(text: str) -> int:
-        if not text.lstrip("-").isdigit() or int(text) < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return int(text)
-    return parse
-
-
 def add_prepare_command(commands) -> None:
     prep = commands.add_parser("prepare", help="tokenize a corpus into Megatron-compatible .bin/.idx files")
     prep.add_argument("--input", nargs="+", required=True,
@@ -120,7 +113,7 @@ def add_prepare_command(commands) -> None:
     prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     prep.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output each")
     prep.add_argument("--append-eod", action="store_true", help="append the EOS token to every document")
-    prep.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
+    prep.add_argument("--workers", type=int_at_least(1), default=1, help="tokenizer worker processes")
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
     prep.add_argument("--shard", metavar="K/N", help="prepare only the K-th of N parts of the input files (K from 1; "
                       "files dealt round-robin), so N machines each write a part; train on the parts as a blend")
@@ -129,8 +122,9 @@ def add_prepare_command(commands) -> None:
     # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
     megatron = prep.add_argument_group("Megatron-LM preprocess_data.py compatibility")
     megatron.add_argument("--tokenizer-type", help="HuggingFaceTokenizer (the only kind: a tokenizer.json)")
-    megatron.add_argument("--partitions", type=int, default=1, help="accepted; the input is streamed in one pass")
-    megatron.add_argument("--log-interval", type=int, help="accepted; the progress bar shows live rates")
+    megatron.add_argument("--partitions", type=int_at_least(1), default=1,
+                          help="accepted; the input is streamed in one pass")
+    megatron.add_argument("--log-interval", type=int_at_least(1), help="accepted; the progress bar shows live rates")
     megatron.add_argument("--keep-sequential-samples", action="store_true", help="accepted; order is always kept")
     megatron.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
 

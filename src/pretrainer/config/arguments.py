@@ -25,9 +25,11 @@ from .errors import ConfigError, key_error
 from .loading import (
     allowed_types,
     apply_override,
+    check_unique_overrides,
     coerce_scientific,
     describe_types,
     field_names,
+    load_yaml,
     parse_size,
     plain,
     suggestion,
@@ -41,6 +43,9 @@ from .sizes import global_batch_size
 logger = logging.getLogger(__name__)
 
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+# keys that only mean something with optimizer: muon (set with another optimizer, they are refused)
+MUON_ONLY_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype",
+                  "muon_params", "adamw_params")
 ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
@@ -184,7 +189,9 @@ class PreTrainingArguments:
             raise ConfigError(f"config file {path} does not exist")
         text = path.read_text(encoding="utf-8")
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}, {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if data is None:
@@ -198,6 +205,7 @@ class PreTrainingArguments:
                   key_lines: dict[str, int] | None = None) -> "PreTrainingArguments":
         data = dict(data)
         names = field_names(PreTrainingArguments)
+        check_unique_overrides(overrides)
         for item in overrides:
             apply_override(data, item, names)
         key_lines = key_lines or {}
@@ -337,7 +345,20 @@ class PreTrainingArguments:
         self._check_optimization()
         self._check_loop()
         self._check_ranges()
+        self._check_path_lists()
         read_downstream_tasks(self.downstream_evals)
+
+    def _check_path_lists(self) -> None:
+        """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;
+        `data_path` may also hold Megatron's blend weights (numbers)."""
+        for name, numbers in (("train_data", False), ("eval_data", False), ("data_path", True)):
+            value = getattr(self, name)
+            for index, item in enumerate(value if isinstance(value, list) else ()):
+                if not (isinstance(item, str) and item.strip()) and not (
+                        numbers and isinstance(item, (int, float)) and not isinstance(item, bool)):
+                    raise key_error(name, f"{name}[{index}] is {item!r} ({type(item).__name__}); each item is a "
+                                    "path, a glob or a folder" + (" (or a blend weight)" if numbers else "")
+                                    + ", e.g. [data/a.jsonl, 'data/b/*.txt']")
 
     def _check_counts(self) -> None:
         for name in ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
@@ -405,6 +426,12 @@ class PreTrainingArguments:
         check_moe_keys(self)
 
     def _check_muon(self) -> None:
+        if self.optimizer != "muon":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            given = [name for name in MUON_ONLY_KEYS if getattr(self, name) != defaults[name]]
+            if given:
+                raise key_error(given[0], f"{given[0]} is set but optimizer is {self.optimizer}; set optimizer: muon "
+                                "or remove it")
         if not 0 <= self.muon_momentum < 1:
             raise key_error("muon_momentum", f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 1 <= self.muon_ns_steps < 100:

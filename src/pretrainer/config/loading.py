@@ -39,6 +39,51 @@ def apply_override(data: dict, item: str, names: set[str]) -> None:
     target[parts[-1]] = value
 
 
+def check_unique_overrides(overrides) -> None:
+    """A key given twice on the command line would silently take the last value: refused, naming both."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in seen:
+            raise ConfigError(f"key {key!r} is given twice on the command line ({seen[key]!r} and {item!r}); keep one")
+        seen[key] = item
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (the last would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: the base loader says what is wrong with it
+                break
+            if first is not None:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (first on line "
+                                  f"{first}); keep one")
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str):
+    """`yaml.safe_load`, refusing duplicate keys."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def int_at_least(minimum: int):
+    """An argparse `type` for a whole number >= `minimum` (the flag's name is added by argparse)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
 def coerce_scientific(value):
     """`"1e-5"` -> 1e-05, in nested mappings and lists too; anything else unchanged (the same object)."""
     if isinstance(value, dict):

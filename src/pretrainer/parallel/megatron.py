@@ -256,7 +256,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         experts = ExpertSharding(self._stage_experts, self.expert_mesh["expert_replicas"]) \
             if self.expert_mesh is not None else None
         if self.settings.distributed_optimizer:  # FSDP's mixed-precision policy casts (no autocast then)
-            shard_layers(stage, self.data_mesh, layers, self.precision,
+            shard_layers(stage, self.meshes.data_sharding(), layers, self.precision,
                          reshard_after_forward=self.settings.reshard_parameters, experts=experts)
         else:
             replicate_layers(stage, self.data_mesh, layers, experts)
@@ -422,7 +422,10 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         return self.data_mesh.size()
 
     def shard_group_size(self) -> int:
-        return self.data_mesh.size() if self.settings.distributed_optimizer else 1
+        if not self.settings.distributed_optimizer:
+            return 1
+        mesh = self.meshes.data_sharding()  # its last dimension shards (after `replicate` under hybrid sharding)
+        return mesh.size(mesh.ndim - 1)
 
     @property
     def gradient_holders(self) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ParallelDims
+from ..config import ConfigError, ParallelDims
 from ..config.dims import divisors
 from ..models.registry import pipeline_misfit, tensor_parallel_misfit
 from .context_parallel import context_parallel_degrees
@@ -40,8 +40,11 @@ class MegatronLayoutAnswers(LayoutAnswers):
     def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
         """A `dp x pp x cp x tp` mesh; the distributed optimizer shards its state over dp."""
         holders = world_size // (settings.tp * settings.pp)  # dp x cp ranks hold the same parameters
-        return ParallelDims(world_size, tp=settings.tp, pp=settings.pp, cp=cp,
-                            shard=holders if settings.distributed_optimizer and holders >= 1 else 1)
+        shard = (settings.shard_size or holders) if settings.distributed_optimizer and holders >= 1 else 1
+        if holders >= 1 and holders % shard:
+            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {holders} ranks holding the same "
+                              "parameters (dp x context_parallel_degree); use a divisor of it")
+        return ParallelDims(world_size, tp=settings.tp, pp=settings.pp, cp=cp, shard=shard)
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:
@@ -163,6 +166,14 @@ class MegatronLayoutAnswers(LayoutAnswers):
         settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
         return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
                 "sequence_parallel": settings.sequence_parallel}
+
+    @classmethod
+    def describe_settings(cls, layout: Layout) -> str:
+        settings = layout.settings
+        if not settings.distributed_optimizer:
+            return ""
+        hybrid = f" fsdp_shard_size={layout.dims.shard}" if layout.dims.shard < layout.dims.gradient_ranks else ""
+        return f"sharding={settings.sharding_strategy}{hybrid}"
 
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:

@@ -73,6 +73,7 @@ class MegatronSettings:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # optimizer state and gradients sharded over dp x cp (FSDP2)
     reshard_parameters: bool = False     # parameters resharded after forward too (optim_grads_params)
+    shard_size: int | None = None        # ranks per shard group of the sharded data parallelism (HSDP); None: all
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     layers_per_virtual_stage: int | None = None
     pipeline_layers: list | None = None  # explicit decoder layers per stage, in stage order
@@ -99,6 +100,8 @@ class MegatronSettings:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"sequence_parallel={self.sequence_parallel}",
                  f"num_micro_batches={self.num_micro_batches}",
                  f"data_parallel_sharding_strategy={self.sharding_strategy}"]
+        if self.shard_size:
+            parts.append(f"fsdp_shard_size={self.shard_size}")
         if self.pp > 1:
             parts.append(f"schedule={self.schedule} stages={self.num_stages}")
         if self.recompute_granularity:
@@ -139,6 +142,13 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
                                       "num_layers_per_virtual_pipeline_stage", None),
         pipeline_layers=plugin.get("pipeline_layers"),
     )
+    if args.fsdp_shard_size is not None:
+        if not settings.distributed_optimizer:
+            raise ConfigError("key 'fsdp_shard_size': the megatron engine shards its data-parallel state only with a "
+                              "sharding strategy; set plugin_args.data_parallel_sharding_strategy: optim_grads or "
+                              "optim_grads_params (hybrid sharding: replicate across groups of this many ranks), or "
+                              "remove fsdp_shard_size")
+        settings = replace(settings, shard_size=args.fsdp_shard_size)
     settings = replace(settings, **_read_recompute(plugin, megatron, args.activation_checkpointing))
     return replace(settings, **_read_pipeline(settings, plugin, num_layers))
 

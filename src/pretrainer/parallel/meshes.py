@@ -8,6 +8,7 @@ of one model replica are consecutive and every engine sees the same groups for t
 
     model        (dp, pp, cp, tp)                      tensor, pipeline and context parallelism
     data         dp x cp flattened (or dp)             the ranks holding the same parameters
+    data_sharding  (replicate, shard) over them        megatron's hybrid sharded data parallelism
     sharding     (shard,) or (replicate, shard)        FSDP's mesh over every rank (hybrid: replicate groups)
     experts      (expert_replicas, ep, pp, cp, tp)     expert parallelism: ep consecutive dp ranks split experts
     context      the model mesh's cp group             context parallelism's all-gathers
@@ -45,6 +46,16 @@ class Meshes:
         """The ranks holding the same parameters (gradients and token counts are summed over them): dp x cp."""
         return self._once("data", lambda: self.model()["dp", "cp"]._flatten("dp_cp") if self.dims.cp > 1
                           else self.model()["dp"])
+
+    def data_sharding(self) -> DeviceMesh:
+        """The data mesh as FSDP shards over it: 1-D, or (replicate, shard) for hybrid sharding of the ranks holding
+        the same parameters (groups of `shard` consecutive dp x cp ranks, replicated across)."""
+        d = self.dims
+        if d.shard == d.gradient_ranks:
+            return self.data()
+        flat = self.model()["dp", "cp"]._flatten("dp_cp")
+        return self._once("data_sharding", lambda: flat._unflatten(0, (d.gradient_ranks // d.shard, d.shard),
+                                                                   ("replicate", "shard")))
 
     def sharding(self) -> DeviceMesh:
         """FSDP's mesh over every rank: 1-D, or (replicate, shard) for hybrid sharding."""

@@ -45,7 +45,7 @@ ENGINES = (
     EngineEntry("deepspeed", DeepSpeedEngine, "ACCELERATE_USE_DEEPSPEED", selecting_key="deepspeed",
                 layout_keys=("deepspeed",)),
     EngineEntry("megatron", MegatronEngine, "ACCELERATE_USE_MEGATRON_LM",
-                layout_keys=("plugin_args", "context_parallel_degree", "expert_parallel_degree")),
+                layout_keys=("plugin_args", "fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree")),
 )
 ONE_PROCESS, MANY_PROCESSES = ENGINES[0], ENGINES[1]  # what `engine: auto` takes when nothing else asks
 BY_NAME = {entry.name: entry for entry in ENGINES}

@@ -318,7 +318,8 @@ def elect_resume(world, resume: str, save_dir: str | None) -> Path | None:
     return value
 
 
-def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
+def resolve_resume(resume: str, save_dir: str | None, given_as: str = "key 'resume'") -> Path | None:
+    """The checkpoint `resume` names (`given_as`: where the user wrote it, for the message)."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -327,8 +328,8 @@ def resolve_resume(resume: str, save_dir: str | None) -> Path | None:
     if not is_complete(path) and checkpoints_root(path).is_dir():  # a save_dir: take its newest checkpoint
         path = find_latest(path) or path
     if not is_complete(path):
-        raise ConfigError(f"key 'resume': {resume} is not a complete checkpoint folder (expected {STATE_FILE} "
-                                "inside, e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
+        raise ConfigError(f"{given_as}: {resume} is not a complete checkpoint folder (expected {STATE_FILE} inside, "
+                          "e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
     return path
 
 

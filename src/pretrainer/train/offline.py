@@ -60,7 +60,8 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedMod
 
 def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
     """Load a checkpoint's weights into the configured model and write it as an HF folder."""
-    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir) if (checkpoint or args.save_dir) else None
+    given_as = "--checkpoint" if checkpoint else "key 'save_dir'"
+    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir, given_as) if (checkpoint or args.save_dir) else None
     if path is None:
         raise ConfigError("no checkpoint to export: pass --checkpoint or set save_dir to a run with checkpoints")
     out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)

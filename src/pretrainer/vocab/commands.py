@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config import check_writable_folder
+from ..config.loading import int_at_least
 
 
 def add_tokenizer_commands(commands) -> None:
@@ -21,29 +22,29 @@ def add_tokenizer_commands(commands) -> None:
 
     train = actions.add_parser("train", help="train a tokenizer on a corpus; writes an HF tokenizer folder")
     corpus_options(train)
-    train.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary")
+    train.add_argument("--vocab-size", type=int_at_least(1), required=True, help="tokens in the vocabulary")
     train.add_argument("--output", required=True, help="folder to write (AutoTokenizer loads it)")
     train.add_argument("--type", choices=["bpe", "unigram"], default="bpe", dest="kind",
                        help="bpe: byte-level BPE (Llama-3 style) unless --byte-fallback; unigram: SentencePiece")
     train.add_argument("--byte-fallback", action="store_true",
                        help="a SentencePiece model with byte fallback, as Llama-2's (writes tokenizer.model too)")
-    train.add_argument("--workers", type=int, default=1, help="threads for SentencePiece training")
+    train.add_argument("--workers", type=int_at_least(1), default=1, help="threads for SentencePiece training")
 
     extend = actions.add_parser("extend", help="add tokens to a tokenizer; every old token keeps its id")
     extend.add_argument("--tokenizer", required=True, help="the base tokenizer folder (tokenizer.model or .json)")
     corpus_options(extend, required=False)
     extend.add_argument("--from", dest="source", help="take the new tokens from this tokenizer instead of "
                         "learning them from --input")
-    extend.add_argument("--add", type=int, required=True, help="at most this many new tokens")
+    extend.add_argument("--add", type=int_at_least(1), required=True, help="at most this many new tokens")
     extend.add_argument("--scripts", nargs="+", help="the scripts to add tokens for (e.g. CJK); default: those "
                         "the base covers poorly in the corpus")
     extend.add_argument("--output", required=True, help="folder to write")
-    extend.add_argument("--workers", type=int, default=1, help="threads for SentencePiece training")
+    extend.add_argument("--workers", type=int_at_least(1), default=1, help="threads for SentencePiece training")
 
     inspect = actions.add_parser("inspect", help="compare tokenizers on the same documents")
     inspect.add_argument("tokenizers", nargs="+", help="tokenizer folders; the first is the base")
     corpus_options(inspect)
-    inspect.add_argument("--max-bytes", type=int, help="read at most this many bytes of input")
+    inspect.add_argument("--max-bytes", type=int_at_least(1), help="read at most this many bytes of input")
     inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
