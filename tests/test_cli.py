@@ -156,9 +156,9 @@ def test_integer_flags_are_range_checked(capsys, tmp_path, workers):
                                   "--output-prefix", tmp_path / "p", "--workers", workers)
     assert code == 2 and f"argument --workers: expected an integer >= 1, got '{workers}'" in stderr
     assert not list(tmp_path.iterdir())  # nothing was tokenized
-    code, stderr = cli_in_process(capsys, "tokenizer", "train", "--input", CORPUS, "--vocab-size", "0",
-                                  "--output", tmp_path / "tok")
-    assert code == 2 and "argument --vocab-size: expected an integer >= 1, got '0'" in stderr
+    code, stderr = cli_in_process(capsys, "tokenizer", "train", "--input", CORPUS, "--vocab-size", "500",
+                                  "--workers", workers, "--output", tmp_path / "tok")
+    assert code == 2 and f"argument --workers: expected an integer >= 1, got '{workers}'" in stderr
 
 
 def test_export_names_the_flag_it_was_given(base_config, tmp_path, capsys):

@@ -71,6 +71,7 @@ class PreTrainer:
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
+        self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
         self.model_memory = model_ready_row(self.engine, run.facts.load_stats)
         self._setup_loop()
 
@@ -240,8 +241,7 @@ class PreTrainer:
         for extension in self.extensions:
             extension.begin_step(counts)
         with phases.device("compute"):
-            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale,
-                                                 combined_losses(self.extensions))
+            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale, self.extra_losses)
         spike = False
         if self.spike_guard is not None:  # reads the loss each step: one sync, only with the rule on
             step_loss = engine.reduce_sum(local_loss).item() / max(float(counts[0].item()), 1.0)

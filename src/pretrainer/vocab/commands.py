@@ -22,7 +22,7 @@ def add_tokenizer_commands(commands) -> None:
 
     train = actions.add_parser("train", help="train a tokenizer on a corpus; writes an HF tokenizer folder")
     corpus_options(train)
-    train.add_argument("--vocab-size", type=int_at_least(1), required=True, help="tokens in the vocabulary")
+    train.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary")
     train.add_argument("--output", required=True, help="folder to write (AutoTokenizer loads it)")
     train.add_argument("--type", choices=["bpe", "unigram"], default="bpe", dest="kind",
                        help="bpe: byte-level BPE (Llama-3 style) unless --byte-fallback; unigram: SentencePiece")
@@ -35,7 +35,7 @@ def add_tokenizer_commands(commands) -> None:
     corpus_options(extend, required=False)
     extend.add_argument("--from", dest="source", help="take the new tokens from this tokenizer instead of "
                         "learning them from --input")
-    extend.add_argument("--add", type=int_at_least(1), required=True, help="at most this many new tokens")
+    extend.add_argument("--add", type=int, required=True, help="at most this many new tokens")
     extend.add_argument("--scripts", nargs="+", help="the scripts to add tokens for (e.g. CJK); default: those "
                         "the base covers poorly in the corpus")
     extend.add_argument("--output", required=True, help="folder to write")
