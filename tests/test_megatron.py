@@ -388,6 +388,12 @@ def test_seed_megatron_yaml_maps_to_engine_settings_and_reports_what_it_ignores(
     ({"pp_degree": 2, "pipeline_layers": [1, 2]}, {}, "sums to 3, the model has 4 decoder layers"),
     ({"tp_degree": 2, "other_megatron_args": {"tensor_model_parallel_size": 4}}, {}, "disagree; set one of them"),
     ({"pipeline_schedule": "zero_bubble"}, {}, "is not one of gpipe, 1f1b, interleaved_1f1b"),
+    ({"data_parallel_sharding_strategy": "optim"}, {}, "is not offered: FSDP2 reduce-scatters gradients"),
+    ({"data_parallel_sharding_strategy": "full"}, {}, "'full' is not one of no_shard, optim_grads, optim_grads_params"),
+    ({"data_parallel_sharding_strategy": "optim_grads", "use_distributed_optimizer": False}, {},
+     "use_distributed_optimizer=False and data_parallel_sharding_strategy=optim_grads disagree"),
+    ({}, {"fsdp_shard_size": 2}, "key 'fsdp_shard_size': the megatron engine shards its data-parallel state only "
+                                 "with a sharding strategy"),
 ])
 def test_bad_plugin_args_are_clear_errors(plugin, extra, message):
     from pretrainer.parallel.megatron_settings import read_settings
@@ -396,6 +402,24 @@ def test_bad_plugin_args_are_clear_errors(plugin, extra, message):
                                    "gradient_accumulation_steps": 2, "plugin_args": plugin, **extra})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         read_settings(args, num_layers=4)
+
+
+def test_sharding_strategies_read_into_settings():
+    from pretrainer.parallel.megatron_plan import MegatronLayoutAnswers
+    from pretrainer.parallel.megatron_settings import read_settings
+
+    def settings(plugin, **extra):
+        return read_settings(PreTrainingArguments(num_training_steps=4, micro_batch_size=1, dp=4,
+                                                  plugin_args=plugin, **extra), num_layers=4)
+
+    assert settings({}).sharding_strategy == "no_shard"
+    assert settings({"use_distributed_optimizer": True}).sharding_strategy == "optim_grads"
+    ogp = settings({"data_parallel_sharding_strategy": "optim_grads_params"}, fsdp_shard_size=2)
+    assert (ogp.distributed_optimizer, ogp.reshard_parameters, ogp.shard_size) == (True, True, 2)
+    dims = MegatronLayoutAnswers.parallel_dims(8, 1, ogp)
+    assert (dims.dp, dims.shard, dims.replicate) == (8, 2, 4)
+    with pytest.raises(ConfigError, match="key 'fsdp_shard_size': 3 does not divide the 8 ranks"):
+        MegatronLayoutAnswers.parallel_dims(8, 1, settings({"use_distributed_optimizer": True}, fsdp_shard_size=3))
 
 
 def test_model_config_parser_registry(tiny_model):
