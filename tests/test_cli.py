@@ -167,3 +167,10 @@ def test_export_names_the_flag_it_was_given(base_config, tmp_path, capsys):
     code, stderr = cli_in_process(capsys, "export", config, "--checkpoint", tmp_path / "BAD")
     assert code == 2 and "--checkpoint: " in stderr and "is not a complete checkpoint folder" in stderr
     assert "key 'resume'" not in stderr
+
+
+def test_evaluate_checks_its_output_path_before_any_work(capsys, tmp_path):
+    code, stderr = cli_in_process(capsys, "evaluate", tmp_path / "no-run", "--tasks", tmp_path / "t.jsonl",
+                                  "--output", "/proc/nope/scores.json")
+    assert code == 2 and "--output: /proc/nope cannot be created or written" in stderr, stderr
+    assert "no-run" not in stderr  # the target was not even looked at

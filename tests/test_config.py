@@ -68,12 +68,12 @@ def test_scientific_coercion_is_recursive_and_needs_an_exponent(tmp_path):
         micro_batch_size: 1
         dp: 1
         lr: 3e-4
-        plugin_args: {a: {b: 2E-3}, c: ["1e2", "0.5"]}
+        plugin_args: {other_megatron_args: {a: {b: 2E-3}, c: ["1e2", "0.5"]}}
     """)
     args = PreTrainingArguments.from_yaml(path)
     assert args.lr == 3e-4
-    assert args.plugin_args["a"]["b"] == 2e-3
-    assert args.plugin_args["c"] == [100.0, "0.5"]
+    assert args.megatron_args["a"]["b"] == 2e-3
+    assert args.megatron_args["c"] == [100.0, "0.5"]
 
 
 @pytest.mark.parametrize("missing", ["num_training_steps", "micro_batch_size", "dp"])
@@ -284,3 +284,12 @@ def test_every_item_of_a_file_list_is_checked(key, value, index):
     flag = {"megatron_dataset_flag": True} if key == "data_path" else {}
     with pytest.raises(ConfigError, match=rf"key '{key}': {key}\[{index}\] is .* each item is a path"):
         PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, **{key: value}, **flag)
+
+
+def test_a_plugin_args_typo_is_refused_with_the_nearest_name():
+    with pytest.raises(ConfigError, match="plugin_args.tp_degre is neither a setting of the megatron engine nor a "
+                                          "field of accelerate's MegatronLMPlugin; did you mean 'tp_degree'"):
+        PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, plugin_args={"tp_degre": 2})
+    # MegatronLMPlugin's own fields pass (reported as ignored by the engine, with the reason)
+    assert PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1,
+                                plugin_args={"use_rotary_position_embeddings": True}).plugin_args

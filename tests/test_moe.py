@@ -644,6 +644,11 @@ def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
     for config, world, keys, message in cases:
         with pytest.raises(ConfigError, match=message):
             resolve(config, world, **keys)
+    # what the model rules out comes before any layout message (whose advice would lead nowhere)
+    for config, keys, message in ((dense, {"expert_parallel_degree": 2}, "describes a dense model"),
+                                  (qwen, {"expert_parallel_degree": 3}, "3 does not divide the 8 experts")):
+        with pytest.raises(ConfigError, match=message):
+            resolve(config, 1, **keys, engine="single")
     with pytest.raises(ConfigError, match="expert_parallel_degree must be >= 1"):
         PreTrainingArguments(**qwen, expert_parallel_degree=0)
     path = tmp_path / "q.yaml"

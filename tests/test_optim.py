@@ -113,7 +113,7 @@ def test_orthogonalize_gives_near_unit_singular_values_per_expert_matrix():
     torch.testing.assert_close(tall, orthogonalize(experts[1], 5, torch.float32).T, rtol=1e-5, atol=1e-6)
 
 
-def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_model):
+def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_model, caplog):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
     optimizer = build_optimizer(model, muon_settings(lr=1e-3, muon_lr=2e-3), torch.device("cpu"))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -127,8 +127,10 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_model):
     matrices = [n for n, p in model.named_parameters() if p.dim() == 2]
     assert len(on_muon) == len(matrices) - 2  # every matrix but the embedding and the head
 
-    moved = build_optimizer(model, muon_settings(muon_params=["lm_head.*"], adamw_params=["*.mlp.*"]),
-                            torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        moved = build_optimizer(model, muon_settings(muon_params=["lm_head.*"], adamw_params=["*.mlp.*"]),
+                                torch.device("cpu"))
+    assert "muon_params 'lm_head.*' moves lm_head.weight onto Muon" in caplog.text
     on_muon = {names[id(p)] for p in moved.param_groups[0]["params"]}
     assert "lm_head.weight" in on_muon and not any(".mlp." in n for n in on_muon)
     with pytest.raises(ConfigError, match=r"adamw_params: pattern 'nothing\.\*' matches no trained parameter"):

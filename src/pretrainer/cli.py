@@ -151,6 +151,8 @@ def evaluate_command(ns) -> int:
     from .train.offline import evaluate, write_scores
 
     setup_logging()
+    if ns.output:  # before any scoring: a bad path is a one-line error, not one after minutes of work
+        check_writable_folder(Path(ns.output).absolute().parent, "--output")
     tasks = [path for item in ns.tasks or [] for path in item.split(",") if path]
     scores = evaluate(ns.target, tasks, ns.overrides, ns.limit, ns.num_fewshot)
     if int(os.environ.get("RANK", "0")) == 0:

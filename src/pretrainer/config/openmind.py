@@ -11,6 +11,7 @@ import dataclasses
 
 from .dtypes import DTYPES
 from .errors import key_error
+from .loading import suggestion
 
 # other_megatron_args / plugin_args keys that name a value this run also uses.
 MEGATRON_KEY_TO_FIELD = {
@@ -39,6 +40,26 @@ MEGATRON_KEY_TO_FIELD = {
 # The seed's four custom Megatron hooks (functions set in plugin_args by a script).
 HOOK_KEYS = ("custom_megatron_datasets_provider_function", "custom_get_batch_function",
              "custom_model_provider_function", "custom_loss_function")
+# plugin_args keys the megatron engine reads (besides the hooks and other_megatron_args).
+PLUGIN_ENGINE_KEYS = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
+                      "recompute_activations", "use_distributed_optimizer", "num_layers_per_virtual_pipeline_stage",
+                      "pipeline_schedule", "pipeline_layers", "other_megatron_args", "cp_degree",
+                      "data_parallel_sharding_strategy")
+# The fields of accelerate's MegatronLMPlugin, which the seed's plugin_args fill: a name that is none of these nor
+# the engine's own is a typo, refused with the nearest name (not passed over as a setting with no counterpart).
+MEGATRON_LM_PLUGIN_FIELDS = (
+    "attention_backend", "attention_dropout", "attention_softmax_in_fp32", "calculate_per_token_loss",
+    "consumed_samples", "context_parallel_size", "custom_prepare_model_function", "custom_train_step_class",
+    "custom_train_step_kwargs", "decoder_last_pipeline_num_layers", "decoder_seq_length", "encoder_seq_length",
+    "end_weight_decay", "eod_mask_loss", "eval_interval", "eval_iters", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "gradient_clipping", "hidden_dropout", "is_train_batch_min", "lr_decay_iters",
+    "lr_decay_samples", "lr_decay_style", "lr_mult", "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples",
+    "megatron_dataset_flag", "min_lr", "no_load_optim", "no_save_optim", "no_wd_decay_cond", "num_micro_batches",
+    "optimizer_cpu_offload", "other_megatron_args", "overlap_cpu_optimizer_d2h_h2d",
+    "pipeline_model_parallel_split_rank", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "return_logits", "scale_lr_cond", "seq_length", "set_all_logging_options", "start_weight_decay",
+    "tensorboard_dir", "train_iters", "train_samples", "use_custom_fsdp", "use_precision_aware_optimizer",
+    "use_rotary_position_embeddings", "weight_decay_incr_style")
 
 
 def megatron_args(plugin_args: dict | None) -> dict:
@@ -46,8 +67,19 @@ def megatron_args(plugin_args: dict | None) -> dict:
     return dict((plugin_args or {}).get("other_megatron_args") or {})
 
 
+def check_plugin_keys(plugin_args: dict | None) -> None:
+    """Every plugin_args key is the engine's, a hook, or a MegatronLMPlugin field; anything else is a typo."""
+    known = (*PLUGIN_ENGINE_KEYS, *HOOK_KEYS, *MEGATRON_LM_PLUGIN_FIELDS)
+    for key in plugin_args or {}:
+        if key not in known:
+            raise key_error("plugin_args", f"plugin_args.{key} is neither a setting of the megatron engine nor a "
+                            f"field of accelerate's MegatronLMPlugin{suggestion(str(key), known)}")
+
+
 def apply_openmind_rules(args) -> None:
-    """The seed's checks on its own keys: data_path needs megatron_dataset_flag, dtype names, the model alias."""
+    """The seed's checks on its own keys: data_path needs megatron_dataset_flag, dtype names, the model alias,
+    plugin_args names."""
+    check_plugin_keys(args.plugin_args)
     if args.data_path is not None and args.megatron_dataset_flag is None:
         raise key_error("data_path", "data_path is set but megatron_dataset_flag is not: add "
                         "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "

@@ -4,6 +4,7 @@ matrices with AdamW for the rest (`optimizer: muon`)."""
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -11,6 +12,8 @@ from torch.distributed.tensor import DTensor
 from ..config import ConfigError, OptimizerSettings
 from ..config.names import parameter_name
 from .muon import MuonAdamW
+
+logger = logging.getLogger("pretrainer")
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float, exclude: frozenset = frozenset()) -> list[dict]:
@@ -61,6 +64,10 @@ def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
             if add and flat:
                 raise ConfigError(f"muon_params: {pattern!r} matches {flat[0]}, which is not a matrix; Muon "
                                   "updates matrices only (biases and norms stay on AdamW)")
+            moved = sorted(named[key][0] for key in matched & table) if add else []
+            if moved:  # allowed (some recipes do it), but not what "Muon for hidden matrices" means
+                logger.warning("muon_params %r moves %s onto Muon: the embedding and output head are not hidden "
+                               "matrices and stay on AdamW unless named here", pattern, ", ".join(moved))
             chosen = chosen | matched if add else chosen - matched
     return {key: named[key][0] for key in chosen}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, ConfigError
 from ..config.architecture import Architecture
+from ..config.openmind import PLUGIN_ENGINE_KEYS
 from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -20,11 +21,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # too (ZeRO-3 / FSDP), composed with tp, sp, pp, cp and ep.
 SHARDING_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
 
-# plugin_args keys this engine reads (besides the hooks and other_megatron_args).
-ENGINE_KEYS = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
-               "recompute_activations", "use_distributed_optimizer", "num_layers_per_virtual_pipeline_stage",
-               "pipeline_schedule", "pipeline_layers", "other_megatron_args", "cp_degree",
-               "data_parallel_sharding_strategy")
 # plugin_args keys that the run's own keys already cover.
 COVERED_KEYS = {"train_iters": "num_training_steps", "seq_length": "seq_length", "eval_iters": "eval_iters",
                 "eval_interval": "eval_interval", "megatron_dataset_flag": "megatron_dataset_flag",
@@ -246,7 +242,7 @@ def unused_keys(args, model_config, settings: MegatronSettings) -> list[str]:
     megatron = args.megatron_args
     messages = []
     for key in plugin:
-        if key in ENGINE_KEYS or key in HOOK_KEYS or key == "gradient_clipping":
+        if key in PLUGIN_ENGINE_KEYS or key in HOOK_KEYS:
             continue
         if key in COVERED_KEYS:
             messages.append(f"plugin_args.{key}: covered by {COVERED_KEYS[key]}")

@@ -21,6 +21,7 @@ from ..config import (
     OptimizerSettings,
     ParallelDims,
     ScheduleSettings,
+    expert_shape,
     key_error,
     resolve_seq_length,
 )
@@ -123,6 +124,21 @@ def optimizer_settings(args, entry: EngineEntry, dtype: str) -> OptimizerSetting
     return OptimizerSettings.of(args, dtype)
 
 
+def check_experts_first(args, config, where: str) -> None:
+    """What the model itself rules out, before any check of the layout: expert parallelism of a dense model, or
+    of a degree that does not divide its experts (otherwise the advice of a layout message leads nowhere)."""
+    ep = args.expert_parallel_degree
+    if ep == 1 or config is None:
+        return
+    experts = expert_shape(config, where)
+    if experts is None:
+        raise ConfigError(f"key 'expert_parallel_degree': {ep} is set but {where} describes a dense model (no "
+                          "experts to split); set it to 1")
+    if experts.experts % ep:
+        raise ConfigError(f"key 'expert_parallel_degree': {ep} does not divide the {experts.experts} experts "
+                          f"{where} declares; use a divisor of {experts.experts}")
+
+
 def moe_settings(args, entry: EngineEntry, config, where: str, dims: ParallelDims) -> MoeSettings | None:
     """The MoE part of a model with experts, refused where this engine or layout cannot train it yet."""
     moe = MoeSettings.of(args, config, where)
@@ -181,6 +197,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
     source = model_source(args, model_config) if check_model else None
     config = source.config if source is not None else model_config
+    check_experts_first(args, config, source.config_source if source is not None else "the model's config")
     settings = cls.read_settings(args, config, world.size, dtype)
     dims = parallel_dims(args, entry, world.size, settings, check_dp)
     if source is not None:
