@@ -293,3 +293,13 @@ def test_a_plugin_args_typo_is_refused_with_the_nearest_name():
     # MegatronLMPlugin's own fields pass (reported as ignored by the engine, with the reason)
     assert PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1,
                                 plugin_args={"use_rotary_position_embeddings": True}).plugin_args
+
+
+def test_an_unknown_engine_is_refused_by_the_registry_with_the_nearest_name():
+    from pretrainer.parallel import ENGINES, select_engine
+
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, engine="fdsp")
+    with pytest.raises(ConfigError, match="key 'engine': engine 'fdsp' is not an engine; use one of auto, single, "
+                                          "ddp, fsdp, deepspeed, megatron; did you mean 'fsdp'"):
+        select_engine(args, 1)
+    assert [entry.name for entry in ENGINES] == ["single", "ddp", "fsdp", "deepspeed", "megatron"]

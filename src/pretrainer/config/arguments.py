@@ -46,7 +46,6 @@ DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 # keys that only mean something with optimizer: muon (set with another optimizer, they are refused)
 MUON_ONLY_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype",
                   "muon_params", "adamw_params")
-ENGINES = ("auto", "single", "ddp", "fsdp", "deepspeed", "megatron")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
@@ -378,7 +377,8 @@ class PreTrainingArguments:
             self.preflight_memory_check = "error" if self.preflight_memory_check else "off"
         if self.export_dtype is not None:
             self.export_dtype = self.export_dtype.lower()
-        choices = {"lr_decay_style": DECAY_STYLES, "engine": ENGINES, "activation_checkpointing":
+        # `engine` is checked against the engine registry when the run picks its engine (parallel/registry.py)
+        choices = {"lr_decay_style": DECAY_STYLES, "activation_checkpointing":
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
                    "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
                    "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
