@@ -53,9 +53,8 @@ class Meshes:
         d = self.dims
         if d.shard == d.gradient_ranks:
             return self.data()
-        flat = self.model()["dp", "cp"]._flatten("dp_cp")
-        return self._once("data_sharding", lambda: flat._unflatten(0, (d.gradient_ranks // d.shard, d.shard),
-                                                                   ("replicate", "shard")))
+        return self._once("data_sharding", lambda: self.model()["dp", "cp"]._flatten("dp_cp")._unflatten(
+            0, (d.gradient_ranks // d.shard, d.shard), ("replicate", "shard")))
 
     def sharding(self) -> DeviceMesh:
         """FSDP's mesh over every rank: 1-D, or (replicate, shard) for hybrid sharding."""

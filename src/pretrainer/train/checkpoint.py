@@ -230,7 +230,7 @@ def _load_engine_state(path: Path, engine, model, optimizer) -> None:
                           "config.yaml), start a new save_dir, or set resume: none") from None
 
 
-def load_model_weights(path: str | Path, *, engine, model) -> None:
+def load_model_weights(path: str | Path, model) -> None:
     """Only the model's weights from a checkpoint written by a torch-native engine (for export)."""
     with _single_process_ok():
         checkpoint_io.load_model_weights(path, model)

@@ -51,7 +51,7 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedMod
     loaded = LoadedModel(assembled.engine, assembled.resolved, assembled.model)
     if checkpoint is not None:
         try:
-            ckpt.load_model_weights(checkpoint, engine=loaded.engine, model=loaded.model)
+            ckpt.load_model_weights(checkpoint, loaded.model)
         except BaseException:
             loaded.close()
             raise
