@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,14 @@ def assert_layout_answers(save_dir: Path, ranks: int) -> list[dict]:
         if check["dtype"] != "fp32":  # autocast or its absence shows only in low precision
             assert held["autocasts"] == planned["autocasts"], where
     return checks
+
+
+def wait_for_step(save_dir: Path, step: int, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = read_metrics(save_dir) if (save_dir / "metrics.jsonl").exists() else []
+        if any(r.get("step", 0) >= step and "loss" in r for r in rows):
+            return
+        assert process.poll() is None, f"the run ended (rc {process.returncode}) before step {step}"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")

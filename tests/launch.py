@@ -95,10 +95,10 @@ def describe(done: subprocess.CompletedProcess, chars: int = 6000) -> str:
             f"\n--- stderr (tail) ---\n{(done.stderr or '')[-chars:]}")
 
 
-def start(command: list, log: Path, *, threads: int | None = 1) -> subprocess.Popen:
+def start(command: list, log: Path, *, threads: int | None = 1, env: dict | None = None) -> subprocess.Popen:
     """Start in the background in its own session (so a test can signal the whole group), output to `log`."""
-    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=environment(threads), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=env or environment(threads),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def cli_in_process(capsys, *args) -> tuple[int, str]:

@@ -127,6 +127,14 @@ def test_native_value_conflicting_with_other_megatron_args():
     with pytest.raises(ConfigError, match="conflicts with plugin_args.other_megatron_args.lr"):
         PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, lr=1e-3,
                              plugin_args={"other_megatron_args": {"lr": 1e-5}})
+    # a key given at its default value is a conflict too, named with where it was given
+    config = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1,
+              "plugin_args": {"other_megatron_args": {"expert_model_parallel_size": 2}}}
+    with pytest.raises(ConfigError, match="line 1: key 'expert_parallel_degree': expert_parallel_degree=1 conflicts "
+                                          "with plugin_args.other_megatron_args.expert_model_parallel_size=2"):
+        PreTrainingArguments.from_dict({"expert_parallel_degree": 1, **config}, source="c.yaml",
+                                       key_lines={"expert_parallel_degree": 1})
+    assert PreTrainingArguments.from_dict(config).expert_parallel_degree == 2  # not given: the Megatron value
 
 
 def test_overrides_apply_after_yaml_with_dotted_keys():

@@ -131,6 +131,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_model, caplog):
         moved = build_optimizer(model, muon_settings(muon_params=["lm_head.*"], adamw_params=["*.mlp.*"]),
                                 torch.device("cpu"))
     assert "muon_params 'lm_head.*' moves lm_head.weight onto Muon" in caplog.text
+    assert muon_settings(muon_params=["lm_head.*"]).describe().startswith("Muon for hidden matrices and lm_head.* (")
     on_muon = {names[id(p)] for p in moved.param_groups[0]["params"]}
     assert "lm_head.weight" in on_muon and not any(".mlp." in n for n in on_muon)
     with pytest.raises(ConfigError, match=r"adamw_params: pattern 'nothing\.\*' matches no trained parameter"):

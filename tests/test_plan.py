@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -463,3 +464,53 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     reduce_scatter = 4 * (experts / 2 / 2 - experts * 3 / 4)
     added = _communication_seconds(ep2, shape, device, part) - _communication_seconds(ep1, shape, device, part)
     assert added == pytest.approx((exchange + gathers + reduce_scatter) / bandwidth, rel=1e-9)
+
+
+def tiny_family_configs() -> dict:
+    """One small config per decoder family whose fields the planner reads (each names them its own way)."""
+    import transformers as T
+
+    common = {"vocab_size": 4096}  # the quickstart tokenizer's
+    llama_like = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    return {
+        "gpt2": T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common),
+        "gpt_neox": T.GPTNeoXConfig(**llama_like, **common),
+        "falcon": T.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **common),
+        "phi": T.PhiConfig(**llama_like, **common),
+        "gemma": T.GemmaConfig(**llama_like, num_key_value_heads=2, head_dim=16, **common),
+        "olmo": T.OlmoConfig(**llama_like, **common),
+        "olmo2": T.Olmo2Config(**llama_like, **common),
+        "mixtral": T.MixtralConfig(**llama_like, num_key_value_heads=2, num_local_experts=4, **common),
+        "deepseek_v3": T.DeepseekV3Config(
+            **llama_like, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, n_group=1, topk_group=1, **common),
+    }
+
+
+@pytest.mark.parametrize("family", list(tiny_family_configs()))
+def test_every_decoder_family_plans_with_and_without_tensor_parallelism(family, tmp_path):
+    from pretrainer import PreTrainingArguments
+    from pretrainer.plan.activations import shard_reference
+    from pretrainer.plan.command import plan_for_command
+
+    config = tiny_family_configs()[family]
+    config.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QUICKSTART_MODEL / name, tmp_path / name)
+    base = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, "seq_length": 128, "model_path": str(tmp_path)}
+    whole = plan_for_command(PreTrainingArguments(**base), 8, None, "H100", None)
+    assert whole.estimate.peak > 0 and whole.alternatives  # the search probes tp alternatives too
+    split = plan_for_command(PreTrainingArguments(**base, engine="megatron", plugin_args={
+        "tp_degree": 2, "sequence_parallelism": True}), 8, None, "H100", None)
+    assert 0 < split.estimate.activations < whole.estimate.activations, family
+    # A family whose config cannot describe its shard is split as a Llama layer of its shape: GPT-2's and
+    # GPT-NeoX's fused attention keeps its width whatever the heads, Falcon derives head_dim from them, and
+    # DeepSeek-V3's latent projections are not divided by the heads.
+    reference, shard = shard_reference(config, 2)
+    stand_in = ("gpt2", "gpt_neox", "falcon", "deepseek_v3")
+    assert (reference is config) == (family not in stand_in), (family, type(reference).__name__)
+    from pretrainer.plan.model_shape import model_shape
+
+    halves = (model_shape(c).layer_parameters for c in (reference, shard))
+    assert next(halves) == pytest.approx(2 * next(halves), rel=0.1)

@@ -14,6 +14,7 @@ from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_
 from .config.loading import int_at_least
 from .data.readers import DataError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
+from .train.launcher import add_launcher_flags, record_worker_status
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
 
 logger = logging.getLogger("pretrainer")
@@ -37,13 +38,66 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan_command, "train": train_command, "export": export_command,
                 "evaluate": evaluate_command}
     try:
+        if getattr(ns, "nproc_per_node", None):
+            return launch_command(ns, sys.argv[1:] if argv is None else argv)
         return commands[ns.command](ns)
     except Exception as exc:
         code = exit_code(exc)
         if code is None:
             raise
-        print(f"pretrainer: error: {exc}", file=sys.stderr)
+        report_error(exc, code)
         return code
+
+
+def report_error(exc: Exception, code: int) -> None:
+    """The error's one line, said once per launch. A worker of `pretrainer train --nproc-per-node` leaves it to
+    the launcher, which prints each distinct line once. Under torchrun every rank records its line in
+    torchrun's error file (torchrun's summary lists each failed rank's line, so a rank's own error is never
+    lost); a usage error (exit 2: the same config and files on every rank) is printed by rank 0 only, any
+    other error by each rank that meets it."""
+    line = f"pretrainer: error: {exc}"
+    if record_worker_status(code, str(exc), consequence=isinstance(exc, CollectiveFailure)):
+        return
+    record_torchrun_error(line)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or code != EXIT_USAGE:
+        print(line if rank == 0 else f"pretrainer: error: rank {rank}: {exc}", file=sys.stderr)
+
+
+def record_torchrun_error(line: str) -> None:
+    """The line as torchrun's error file holds a worker's error (torchrun's summary prints it as the failure's
+    message and traceback): the message alone, as a usage error has no traceback worth reading."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                              "timestamp": str(int(time.time()))}}}
+        Path(path).write_text(json.dumps(record))
+
+
+def launch_command(ns, argv: list[str]) -> int:
+    """`train`/`evaluate` with `--nproc-per-node`: the run checked for its whole world here, then its workers
+    started (train/launcher.py)."""
+    import contextlib
+    import io
+
+    from .train.launcher import LaunchPlan, check_before_launch, launch, worker_argv
+
+    plan = LaunchPlan.of(ns)
+    if ns.command == "train":
+        args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
+        quiet = logging.getLogger("pretrainer")
+        level, quiet.level = quiet.level, logging.ERROR  # the workers log what the check finds
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints as it is imported
+                check_before_launch(args, plan.world_size, plan.nproc_per_node)
+        finally:
+            quiet.setLevel(level)
+    elif ns.output:
+        check_writable_folder(Path(ns.output).absolute().parent, "--output")
+    return launch(plan, worker_argv(argv))
 
 
 def exit_code(exc: BaseException) -> int | None:
@@ -53,13 +107,22 @@ def exit_code(exc: BaseException) -> int | None:
     return next((code for kind, code in codes.items() if isinstance(exc, kind)), None)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A usage error as one line, like every other error of the command line (argparse prints the usage first);
+    the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrainer", description="Pretrain causal language models.")
+    parser = OneLineErrors(prog="pretrainer", description="Pretrain causal language models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys for nested ones)")
+    add_launcher_flags(train, int_at_least)
 
     plan = commands.add_parser("plan", help="predict per-rank memory and step time of a config's layout, and list "
                                "the layouts that fit")
@@ -92,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int_at_least(1), help="score at most this many records of each task")
     evaluate.add_argument("--num-fewshot", type=int_at_least(0), help="solved examples before each context")
     evaluate.add_argument("--output", help="also write the scores to this JSON file")
+    add_launcher_flags(evaluate, int_at_least)
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
     report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
@@ -218,7 +282,12 @@ def run() -> None:
     running are stopped or waited for as at a normal exit, and atexit handlers (trackers, logging,
     worker processes) run first.
     """
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exc:  # a stop request's checkpoint (exit 75), argparse's usage error
+        record_worker_status(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+        raise
+    record_worker_status(code)
     # What the interpreter does first at exit, in its order: threading's exit hooks (they stop executor
     # worker threads, such as torch.compile's), then join the remaining non-daemon threads, then atexit.
     threading._shutdown()

@@ -36,7 +36,7 @@ from .loading import (
     top_level_key_lines,
 )
 from .moe import check_moe_keys
-from .openmind import apply_openmind_rules, megatron_args, merge_megatron_values
+from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
 from .sizes import global_batch_size
 
@@ -220,7 +220,9 @@ class PreTrainingArguments:
         if missing:
             raise ConfigError(f"{source}: required key(s) missing: {', '.join(missing)}")
         try:
-            return PreTrainingArguments(**data)
+            args = PreTrainingArguments(**data)
+            check_given_against_megatron(data, args)
+            return args
         except ConfigError as exc:
             key = getattr(exc, "key", None)
             if key is not None:

@@ -113,3 +113,14 @@ def merge_megatron_values(args) -> None:
             raise key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
                             f"{value!r}; set the value in one place only")
         setattr(args, name, value)
+
+
+def check_given_against_megatron(given: dict, args) -> None:
+    """A key the config sets to its default value, overridden by other_megatron_args (which only fills keys
+    left at their default): a conflict the merge itself cannot see, named here with both places."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    megatron = megatron_args(given.get("plugin_args"))
+    for key, name in MEGATRON_KEY_TO_FIELD.items():
+        if key in megatron and name in given and given[name] == defaults[name] != getattr(args, name):
+            raise key_error(name, f"{name}={given[name]!r} conflicts with plugin_args.other_megatron_args.{key}="
+                            f"{megatron[key]!r}; set the value in one place only")

@@ -49,7 +49,9 @@ class OptimizerSettings:
         if self.muon is None:
             return f"AdamW (betas {self.betas}, weight decay {self.weight_decay:g})"
         m = self.muon
-        return (f"Muon for hidden matrices (lr {m.lr:g}, momentum {m.momentum:g}{', nesterov' if m.nesterov else ''}, "
+        named = f" and {', '.join(m.muon_params)}" if m.muon_params else ""  # globs that add non-hidden ones
+        nesterov = ", nesterov" if m.nesterov else ""
+        return (f"Muon for hidden matrices{named} (lr {m.lr:g}, momentum {m.momentum:g}{nesterov}, "
                 f"{m.ns_steps} Newton-Schulz steps in {m.ns_dtype}, lr scale {m.adjust_lr}), AdamW for the rest "
                 f"(lr {self.lr:g}); weight decay {self.weight_decay:g}")
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import expert_shape
 from ..config.architecture import Architecture
 from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS
-from .model_shape import one_layer_config
+from .model_shape import model_shape, one_layer_config
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,32 @@ def tensor_parallel_config(config, tp: int):
     return shard
 
 
+def shard_reference(config, tp: int):
+    """(reference, shard): `config` and its tensor-parallel shard where the family builds the shard's layer from
+    the divided heads and width (its matrices then hold 1/tp of the whole layer's); else a Llama layer of the same
+    shape and its shard, from which the share tensor parallelism splits is taken. GPT-2's fused attention keeps
+    its full width whatever the heads, and Falcon's head_dim follows hidden / heads, so their configs cannot
+    describe a shard."""
+    try:
+        shard = tensor_parallel_config(config, tp)
+        whole_layer, shard_layer = (model_shape(c).layer_parameters for c in (config, shard))
+        if abs(shard_layer * tp - whole_layer) <= 0.1 * whole_layer:
+            return config, shard
+    except (AttributeError, TypeError, ValueError):  # a field the family derives (a property without a setter)
+        pass
+    stand_in = llama_of_shape(Architecture.of(config))
+    return stand_in, tensor_parallel_config(stand_in, tp)
+
+
+def llama_of_shape(arch: Architecture):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                       num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim, intermediate_size=arch.intermediate,
+                       vocab_size=arch.vocab, max_position_embeddings=arch.max_positions or 4096,
+                       tie_word_embeddings=arch.tied)
+
+
 @functools.lru_cache(maxsize=256)
 def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_name: str) -> ActivationProfile:
     from transformers import AutoConfig
@@ -191,12 +217,15 @@ def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
     whole = _probe(config.to_json_string(), seq_length, autocast_name, param_name)
     if tp == 1:
         return whole
-    shard = _probe(tensor_parallel_config(config, tp).to_json_string(), seq_length, autocast_name, param_name)
+    reference, shard_config = shard_reference(config, tp)
+    ref = whole if reference is config else _probe(reference.to_json_string(), seq_length, autocast_name, param_name)
+    shard = _probe(shard_config.to_json_string(), seq_length, autocast_name, param_name)
     # whole = R + S and shard = R + S/tp: R stays on every rank, S is split.
-    split = (whole.per_layer - shard.per_layer) * tp // (tp - 1)
-    replicated = whole.per_layer - split
+    split = (ref.per_layer - shard.per_layer) * tp // (tp - 1)
+    replicated = ref.per_layer - split
     per_layer = shard.per_layer - (replicated - replicated // tp if sequence_parallel else 0)
     layer_input = whole.layer_input // tp if sequence_parallel else whole.layer_input
     selective = shard.selective_layer - whole.layer_input + layer_input
-    return ActivationProfile(per_layer=per_layer, selective_layer=selective, layer_input=layer_input,
-                             rest=whole.rest)
+    scale = whole.per_layer / ref.per_layer  # the family's own layer, split as its stand-in's is
+    return ActivationProfile(per_layer=round(per_layer * scale), selective_layer=round(selective * scale),
+                             layer_input=layer_input, rest=whole.rest)

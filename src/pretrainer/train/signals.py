@@ -2,7 +2,10 @@
 
 The handler only records the signal; the loop asks every rank after each step whether any rank got one
 (one host-side all-reduce), so all ranks stop after the same step and write the same checkpoint. A
-second signal restores the default handling and aborts at once.
+second signal restores the default handling and aborts at once. One stop often arrives twice within a
+moment (Slurm signals every process of the job step, and the launcher forwards the signal it got to its
+workers; a terminal's Ctrl-C reaches the launcher and its workers alike): a repeat within
+`REPEAT_WINDOW_S` of the first is the same request.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import logging
 import os
 import signal
 import threading
+import time
 
 logger = logging.getLogger("pretrainer")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; a scheduler can requeue the job on this code
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 3.0
 
 
 class TrainingInterrupted(SystemExit):
@@ -30,6 +35,7 @@ class TrainingInterrupted(SystemExit):
 class StopRequests:
     def __init__(self):
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict = {}
 
     def install(self) -> None:
@@ -48,12 +54,14 @@ class StopRequests:
         return signal.Signals(self.received).name if self.received else ""
 
     def _handle(self, signum, frame) -> None:
+        if self.received is not None and time.monotonic() - self._received_at < REPEAT_WINDOW_S:
+            return  # the same stop, delivered again by another sender
         if self.received is not None:  # the second signal: stop now, without a checkpoint
             self.uninstall()
             logger.warning("second %s: aborting without a checkpoint", signal.Signals(signum).name)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
         logger.warning("%s received: finishing this step, then checkpointing and exiting (send it again to abort "
                        "at once)", signal.Signals(signum).name)
