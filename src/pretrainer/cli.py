@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: the device's)")
     plan.add_argument("--host-memory", help="host RAM per machine for offloaded state and checkpoint loading "
                       "(default: this machine's with its GPU, else 3x the GPUs' memory)")
+    plan.add_argument("--intra-node-bandwidth", metavar="RATE",
+                      help="bandwidth one way between GPUs of a machine, e.g. 450GB/s (default: the device table's)")
+    plan.add_argument("--inter-node-bandwidth", metavar="RATE",
+                      help="one GPU's network bandwidth one way between machines, e.g. 400Gb/s or 50GB/s (default: "
+                           "the device table's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     export = commands.add_parser("export", help="write an HF folder from a checkpoint")
@@ -257,7 +262,7 @@ def plan_command(ns) -> int:
     args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
     with contextlib.redirect_stdout(sys.stderr):  # the plan is the output (DeepSpeed prints as it is imported)
         plan = plan_for_command(args, ns.world_size, ns.devices_per_node, ns.device, ns.device_memory,
-                                ns.host_memory)
+                                ns.host_memory, (ns.intra_node_bandwidth, ns.inter_node_bandwidth))
     print(json.dumps(as_json(plan), indent=1) if ns.json else text(plan))
     return 0
 

@@ -77,9 +77,9 @@ class DeepSpeedLayoutAnswers(LayoutAnswers):
         """Gradients reduced over the replicas in the compute dtype; ZeRO-3 gathers every parameter in forward
         and backward of each micro-batch."""
         dp, c = layout.dims.dp, compute_bytes(layout.dtype)
-        traffic = [Collective(2 * c * trained, dp)]
-        if layout.settings.zero_stage == 3:
-            traffic.append(Collective(2 * c * shape.parameters, dp, per_micro_batch=True))
+        traffic = [Collective(2 * c * trained, dp, overlaps=True)]  # bucketed as backward produces them
+        if layout.settings.zero_stage == 3:  # prefetched a few layers ahead
+            traffic.append(Collective(2 * c * shape.parameters, dp, per_micro_batch=True, overlaps=True))
         return traffic
 
     @classmethod

@@ -97,17 +97,18 @@ class FSDPLayoutAnswers(LayoutAnswers):
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
         """Each micro-batch gathers every layer (twice when resharded after forward); gradients are
-        reduce-scattered once a step, or every micro-batch when they accumulate sharded."""
+        reduce-scattered once a step, or every micro-batch when they accumulate sharded. FSDP prefetches the next
+        layer's gather and reduce-scatters beside backward: all of it overlaps compute."""
         shards, c = layout.dims.shard, compute_bytes(layout.dtype)
         gathers = 2 if layout.settings.reshard_after_forward else 1
         experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below
         each = layout.accumulates_sharded
-        traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True),
-                   Collective(4 * (trained - experts), shards, per_micro_batch=each)]
+        traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True, overlaps=True),
+                   Collective(4 * (trained - experts), shards, per_micro_batch=each, overlaps=True)]
         if experts:  # each rank's experts (1 / ep), over the ranks holding the same ones
             replicas = layout.dims.expert_replicas
-            traffic += [Collective(gathers * c * experts / layout.dims.ep, replicas, layout.dims.ep, True),
-                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep, each)]
+            traffic += [Collective(gathers * c * experts / layout.dims.ep, replicas, layout.dims.ep, True, True),
+                        Collective(4 * experts / layout.dims.ep, replicas, layout.dims.ep, each, True)]
         return traffic
 
     @classmethod

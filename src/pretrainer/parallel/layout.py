@@ -38,6 +38,7 @@ class Layout:
     loss_chunk: int = 0           # tokens per chunk of the fused head + loss; 0: full logits
     optimizer: str = "adamw"      # adamw | muon
     accumulate: str = "unsharded"  # sharded: gradients reduce-scattered every micro-batch (engines that shard them)
+    compile: bool = False         # torch.compile fuses each layer's element-wise ops
 
     @property
     def engine_class(self):
@@ -165,11 +166,12 @@ def tensor_bytes(tensors) -> int:
 @dataclass(frozen=True)
 class Collective:
     """A ring collective a step runs: `bytes` over `group` ranks spaced `span` apart, once per step or once per
-    micro-batch."""
+    micro-batch; `overlaps`: the engine runs it beside compute (prefetched, bucketed) rather than in its path."""
     bytes: float
     group: int
     span: int = 1
     per_micro_batch: bool = False
+    overlaps: bool = False
 
 
 def compute_bytes(dtype: str) -> int:
@@ -253,9 +255,11 @@ class LayoutAnswers:
 
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """An all-reduce of the fp32 gradients (each rank's tp/pp share) over the ranks holding the same ones."""
+        """An all-reduce of the fp32 gradients (each rank's tp/pp share) over the ranks holding the same ones, in
+        buckets as backward produces them."""
         dims = layout.dims
-        return [Collective(2 * 4 * trained / (dims.tp * dims.pp), dims.gradient_ranks, dims.tp * dims.pp)]
+        return [Collective(2 * 4 * trained / (dims.tp * dims.pp), dims.gradient_ranks, dims.tp * dims.pp,
+                           overlaps=True)]
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:

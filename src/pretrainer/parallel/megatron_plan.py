@@ -117,16 +117,16 @@ class MegatronLayoutAnswers(LayoutAnswers):
         split = dims.ep > 1
         dense = trained - (experts if split else 0)
         traffic = [Collective(2 * 4 * cls.held_parameters(layout, shape, dense, shape.layers) / dims.pp,
-                              dims.gradient_ranks, dims.tp * dims.pp, each)]
+                              dims.gradient_ranks, dims.tp * dims.pp, each, overlaps=True)]
         if split:
             traffic.append(Collective(2 * 4 * experts / (dims.ep * dims.pp), dims.expert_replicas,
-                                      dims.tp * dims.pp * dims.ep, each))
+                                      dims.tp * dims.pp * dims.ep, each, overlaps=True))
         settings = layout.settings
         if cls.shards_over_data(layout):  # FSDP2 gathers the parameters in the compute dtype
             reshard = settings.reshard_parameters
             held = cls.held_parameters(layout, shape, shape.parameters, shape.layers) / dims.pp
             traffic.append(Collective((2 if reshard else 1) * compute_bytes(layout.dtype) * held, dims.shard,
-                                      dims.tp * dims.pp, reshard))
+                                      dims.tp * dims.pp, reshard, overlaps=True))
         if blocks and dims.tp > 1:
             traffic.append(Collective(2 * 4 * (blocks - experts + experts / dims.ep) / dims.pp, dims.tp))
         return traffic

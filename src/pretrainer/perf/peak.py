@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 RATED_TFLOPS = (
     (r"GB200|B200", 2250.0, 1100.0, 80.0),
     (r"H100.*PCIe", 756.0, 378.0, 51.0),
+    # SXM boards held to 500 W (torchtitan's published cluster): the NVL figure, the lower bound its authors give
+    (r"H100.*500W", 835.0, 418.0, 60.0),
     (r"H100.*NVL", 835.0, 418.0, 60.0),
     (r"GH200|H200|H100|H800", 989.0, 494.0, 67.0),
     (r"H20\b", 148.0, 74.0, 44.0),

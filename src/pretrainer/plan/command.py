@@ -16,7 +16,8 @@ GPU_DEVICES_PER_NODE = 8
 
 
 def plan_for_command(args, world_size: int | None, devices_per_node: int | None, device_name: str | None,
-                     device_memory: str | None, host_memory: str | None = None) -> Plan:
+                     device_memory: str | None, host_memory: str | None = None,
+                     links: tuple[str | None, str | None] = (None, None)) -> Plan:
     logging.getLogger("pretrainer").setLevel(logging.WARNING)  # the plan is the output
     for flag, value in (("--world-size", world_size), ("--devices-per-node", devices_per_node)):
         if value is not None and value < 1:
@@ -28,5 +29,5 @@ def plan_for_command(args, world_size: int | None, devices_per_node: int | None,
     planned = planned_world(world, per_node, torch.device("cpu" if on_cpu else "cuda"))
     run = resolve_run(args, planned, accelerator_bf16=None if on_cpu else True, check_dp=world_size is None)
     device = device_spec(run.dtype, per_node, device_name, device_memory, run.engine_class.baseline_engine,
-                         host_memory=host_memory)
+                         host_memory=host_memory, links=links)
     return make_plan(run, per_node, device)

@@ -9,7 +9,6 @@ processes of one machine. Bandwidths are assumptions, stated in every plan.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +19,13 @@ from ..config import ConfigError, parse_size, torch_dtype
 from ..parallel import SingleEngine
 from ..perf.machine_cache import cached_measurement
 from ..perf.peak import measured_peak, processor_name, rated_peak
+from .hardware import (
+    DEFAULT_INTER_NODE_BYTES_PER_S,
+    DEFAULT_INTRA_NODE_BYTES_PER_S,
+    DEFAULT_MEMORY_BYTES_PER_S,
+    hardware,
+    parse_rate,
+)
 
 GIB = 2**30
 
@@ -27,20 +33,12 @@ GIB = 2**30
 def size(value: int) -> str:
     """Bytes as MiB below 1 GiB, else GiB (how the planner writes memory)."""
     return f"{value / GIB:,.1f} GiB" if value >= GIB else f"{value / 2**20:,.0f} MiB"
-# name pattern -> memory in GiB (first match wins: specific names first)
-DEVICE_MEMORY_GIB = (
-    (r"H200", 141), (r"H100.*NVL", 94), (r"H100|H800", 80), (r"GH200", 96), (r"B200", 180), (r"H20\b", 96),
-    (r"A100.*40", 40), (r"A100|A800", 80), (r"L40S|L40\b", 48), (r"A10G|A10\b|L4\b", 24), (r"4090|3090", 24),
-    (r"V100.*16", 16), (r"V100", 32), (r"MI300X", 192), (r"MI250X", 128),
-)
 ACCELERATOR_RUNTIME_BYTES = int(1.0 * GIB)  # CUDA context, kernels, communicator buffers (assumed)
 HOST_PER_DEVICE = 3  # host RAM per GPU, as a multiple of its memory (DGX H100: 2 TB for 8 x 80 GB; assumed)
 ACCELERATOR_USABLE = 0.93  # the rest: allocator fragmentation (assumed)
-INTRA_NODE_BYTES_PER_S = 150e9   # NVLink-class bus bandwidth per GPU (assumed)
-INTER_NODE_BYTES_PER_S = 25e9    # 200 Gb/s-class network per GPU (assumed)
 CPU_BYTES_PER_S = 2e9            # gloo between processes of one machine (assumed)
 FALLBACK_RUNTIME_BYTES = 400 * 2**20  # what such a process takes on Linux x86, when it cannot be measured
-ASSUMED_MFU = {"accelerator": 0.40, "cpu": 0.60}
+CPU_MFU = 0.60  # a CPU step's share of the measured GEMM peak (assumed; accelerators: plan/step_time.py)
 
 
 @dataclass(frozen=True)
@@ -55,15 +53,13 @@ class DeviceSpec:
     runtime_source: str
     host_memory_bytes: int = 0  # host RAM one rank may use for offloaded state and loading (accelerators)
     host_memory_source: str = ""
-
-    @property
-    def mfu(self) -> float:
-        return ASSUMED_MFU[self.kind]
+    memory_bandwidth: float = DEFAULT_MEMORY_BYTES_PER_S  # bytes/s of the device memory (accelerators)
+    intra_node_bandwidth: float = CPU_BYTES_PER_S  # bytes/s one way to a rank of the same machine
+    inter_node_bandwidth: float = CPU_BYTES_PER_S  # bytes/s one way to a rank of another machine
+    link_source: str = "assumed: gloo between processes of one machine"
 
     def bandwidth(self, group_within_node: bool) -> float:
-        if self.kind == "cpu":
-            return CPU_BYTES_PER_S
-        return INTRA_NODE_BYTES_PER_S if group_within_node else INTER_NODE_BYTES_PER_S
+        return self.intra_node_bandwidth if group_within_node else self.inter_node_bandwidth
 
     def describe(self) -> str:
         return (f"{self.name}: {self.memory_bytes / GIB:,.1f} GiB per rank ({self.memory_source}); peak "
@@ -72,15 +68,16 @@ class DeviceSpec:
 
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
                 baseline_engine: str = SingleEngine.name, memory_key: str = "--device-memory",
-                host_memory: str | None = None) -> DeviceSpec:
+                host_memory: str | None = None, links: tuple[str | None, str | None] = (None, None)) -> DeviceSpec:
     """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size that
     replaces the device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run
-    measures a CPU process's runtime (the run's engine class says which)."""
+    measures a CPU process's runtime (the run's engine class says which). `links`: bandwidths per second that
+    replace the table's, within and between machines (--intra-node-bandwidth, --inter-node-bandwidth)."""
     if name is None:
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if name.lower() == "cpu":
         return _cpu_spec(dtype, ranks_per_node, memory, baseline_engine, memory_key)
-    peak = rated_peak(name, torch_dtype(dtype))
+    peak, row = rated_peak(name, torch_dtype(dtype)), hardware(name)
     if peak is None:
         raise ConfigError(f"--device {name!r}: not a device this planner knows ({_known()}); give --device-memory "
                           "and the config's peak_tflops, or plan for one of those")
@@ -89,10 +86,9 @@ def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory
     elif torch.cuda.is_available() and name == torch.cuda.get_device_name(0):
         total, source = torch.cuda.get_device_properties(0).total_memory, "this machine's GPU"
     else:
-        gib = next((g for pattern, g in DEVICE_MEMORY_GIB if re.search(pattern, name, re.I)), None)
-        if gib is None:
+        if row is None:
             raise ConfigError(f"--device {name!r}: its memory is not in the table; give --device-memory")
-        total, source = gib * GIB, f"{name}'s rated memory"
+        total, source = row.memory_gib * GIB, f"{name}'s rated memory"
     if host_memory is not None:
         host, host_source = parse_size(host_memory, "--host-memory") // ranks_per_node, "--host-memory"
     elif torch.cuda.is_available() and name == torch.cuda.get_device_name(0):
@@ -101,9 +97,23 @@ def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory
         host, host_source = HOST_PER_DEVICE * total, f"assumed {HOST_PER_DEVICE}x the device memory"
     if ranks_per_node > 1:
         host_source += f", shared by {ranks_per_node} processes"
+    intra, inter, link_source = _links(row, links)
     return DeviceSpec(name, "accelerator", int(total * ACCELERATOR_USABLE),
                       f"{source}, {ACCELERATOR_USABLE:.0%} usable", peak, f"rated dense {dtype}",
-                      ACCELERATOR_RUNTIME_BYTES, "assumed: context and communicator buffers", host, host_source)
+                      ACCELERATOR_RUNTIME_BYTES, "assumed: context and communicator buffers", host, host_source,
+                      row.memory_bytes_per_s if row else DEFAULT_MEMORY_BYTES_PER_S, intra, inter, link_source)
+
+
+def _links(row, links: tuple[str | None, str | None]) -> tuple[float, float, str]:
+    """Bandwidths within and between machines: the flags', else the device table's, else an H100 server's."""
+    table = (row.intra_node_bytes_per_s, row.inter_node_bytes_per_s) if row else (
+        DEFAULT_INTRA_NODE_BYTES_PER_S, DEFAULT_INTER_NODE_BYTES_PER_S)
+    given = [parse_rate(value, flag) if value is not None else None
+             for value, flag in zip(links, ("--intra-node-bandwidth", "--inter-node-bandwidth"))]
+    intra, inter = (g if g is not None else t for g, t in zip(given, table))
+    source = "--intra/--inter-node-bandwidth" if any(g is not None for g in given) else (
+        "the device table" if row else "assumed: an H100 server's")
+    return float(intra), float(inter), source
 
 
 def _known() -> str:

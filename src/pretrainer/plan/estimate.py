@@ -18,10 +18,8 @@ from weights is first read whole in fp32 on every rank (`build_model`), which ca
 engines that shard it afterwards. Pipeline stages differ: the first holds the embedding and the most
 micro-batches in flight, the last the head and its logits; the higher of their peaks is the estimate.
 
-Step time: model FLOPs per step over the world's peak at an assumed MFU (recompute adds its forward,
-a pipeline its bubble), plus the communication volume (the engine's gradient collectives, tp/pp/cp traffic,
-expert parallelism's all-to-alls at an even load: (ep - 1) / ep of each token's top_k rows leave the rank)
-over an assumed bandwidth, not overlapped: both assumptions are printed with the plan.
+Step time: step_time.py (kernels timed from the device's rates, collectives on their links, overlap as the
+engines do it).
 """
 
 from __future__ import annotations
@@ -33,9 +31,9 @@ from ..parallel.layout import Layout, RankShare, compute_bytes
 from .activations import probe
 from .device_spec import DeviceSpec
 from .model_shape import ModelShape
+from .step_time import step_time
 
 LOSS_BYTES_PER_LOGIT = 12    # fp32 logits (or log-softmax), and two gradients of that size at the start of backward
-OFFLOAD_BYTES_PER_S = 25e9   # host <-> device copies (assumed, PCIe 5-class)
 # On CPU a process's RSS exceeds the bytes of its live tensors: glibc's heap keeps freed blocks that later
 # requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
 # with and without recompute: 1.14-1.25), checked on the other sizes.
@@ -45,8 +43,6 @@ CPU_HEAP_OVERHEAD = 1.2
 # created, and later requests do not fit the holes. Fitted on bench/plan_accuracy.py's 27M model (tp=2, full
 # recompute: 1.45), checked on its 5M and 82M models (1.44-1.66).
 CPU_HEAP_OVERHEAD_TP_RECOMPUTE = 1.45
-SELECTIVE_RECOMPUTE_COST = 0.03  # share of the step's compute (assumed)
-HOST_ADAM_BYTES_PER_S = 10e9  # a host Adam step streams its states at about this rate (assumed)
 
 
 @dataclass
@@ -69,6 +65,7 @@ class Estimate:
     device: DeviceSpec
     notes: dict = field(default_factory=dict)  # component -> what it holds
     stage: str = ""              # the pipeline stage whose rank peaks highest ("" without a pipeline)
+    hidden_seconds: float = 0.0  # collectives overlapped with compute (in compute_seconds' shadow)
 
     @property
     def peak(self) -> int:
@@ -156,10 +153,12 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
     loading = _loading(layout, shape, weights, notes)
     retained = _heap_retained(layout, shape, device, notes)
     communication = states.communication + _muon_buffers(layout, shape, part, notes)
+    held = states.weights + states.gradients + states.optimizer
+    time = step_time(layout, shape, device, part, held, _trained_share(shape, trainable))
     return Estimate(layout, states.parameters, states.gradients, states.optimizer, activations, working, logits,
                     communication, device.runtime_bytes, loading, states.host_offload, retained,
-                    _heap_overhead(layout, device), _compute_seconds(layout, shape, device, trainable),
-                    _communication_seconds(layout, shape, device, part), device, notes, part.stage)
+                    _heap_overhead(layout, device), time.compute, time.communication, device, notes, part.stage,
+                    time.hidden)
 
 
 def _muon_buffers(layout: Layout, shape: ModelShape, part: RankShare, notes: dict) -> int:
@@ -238,54 +237,3 @@ def _logits(layout: Layout, shape: ModelShape) -> int:
     if layout.tp > 1:  # the head's vocabulary shard and the all-gather's buffer
         per_logit += 4 + 4 / layout.tp
     return int(per_logit * tokens * shape.vocab)
-
-
-def _compute_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, trainable) -> float:
-    flops = shape.flops(layout.seq_length)
-    per_token = flops.per_token
-    if layout.recompute == "full":  # one more forward: 2 FLOPs per parameter, a third of the attention term
-        attention = 12.0 * shape.layers * shape.heads * shape.head_dim * layout.seq_length
-        per_token += 2.0 * flops.matmul_parameters + attention / 3
-    elif layout.recompute == "selective":  # norms, activations and rotary again: memory-bound, a few percent
-        per_token *= 1 + SELECTIVE_RECOMPUTE_COST
-    tokens = layout.global_batch * layout.seq_length
-    seconds = tokens * per_token / (layout.world_size * device.peak_tflops * 1e12 * device.mfu)
-    if layout.pp > 1:  # pipeline bubble: (pp - 1) idle slots per accumulation window
-        seconds *= 1 + (layout.pp - 1) / layout.accumulation
-    if device.kind != "cpu" and layout.engine_class.offloads_to_host(layout):
-        states = 16 * shape.parameters * _trained_share(shape, trainable) / layout.dp
-        seconds += states / HOST_ADAM_BYTES_PER_S + 2 * 2 * shape.parameters / layout.dp / OFFLOAD_BYTES_PER_S
-    return seconds
-
-
-def _communication_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> float:
-    """Bytes each rank sends per step over its groups, over an assumed bandwidth (no overlap): the engine's
-    gradient collectives, Muon's gathers of sharded matrices, then what tp, pp and cp send."""
-    per_node, c = layout.devices_per_node, compute_bytes(layout.dtype)
-
-    def ring(bytes_: float, group: int, span: int) -> float:
-        """A ring collective of `bytes_` over `group` ranks spaced `span` apart."""
-        if group <= 1:
-            return 0.0
-        return bytes_ * (group - 1) / group / device.bandwidth(group * span <= per_node)
-
-    micro = layout.accumulation
-    tokens = layout.micro_batch * layout.seq_length // layout.cp
-    seconds = sum(ring(x.bytes, x.group, x.span) * (micro if x.per_micro_batch else 1)
-                  for x in layout.engine_class.gradient_traffic(layout, shape, part.trained))
-    # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
-    seconds += ring(4 * part.muon * layout.tp, layout.engine_class.muon_gather_ranks(layout), 1)
-    layers = -(-shape.layers // layout.pp)
-    activation = tokens * shape.hidden * c
-    if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer forward, two backward
-        seconds += micro * layers * ring(2 * 4 * activation, layout.tp, 1)
-    if layout.pp > 1:
-        seconds += micro * 2 * activation / device.bandwidth(layout.tp * layout.pp <= per_node)
-    if layout.cp > 1:
-        kv = 2 * tokens * shape.kv_heads * shape.head_dim * c
-        seconds += micro * layers * 2 * ring(kv * layout.cp, layout.cp, 1)
-    if layout.dims.ep > 1:  # per MoE layer, each token's top_k hidden states out and back, forward and backward
-        exchanges = 4 + (2 if layout.recompute == "full" else 0)
-        moe_layers = -(-shape.expert_layers // layout.pp)
-        seconds += micro * moe_layers * exchanges * ring(tokens * shape.top_k * shape.hidden * c, layout.dims.ep, 1)
-    return seconds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from .device_spec import CPU_BYTES_PER_S, GIB, INTER_NODE_BYTES_PER_S, INTRA_NODE_BYTES_PER_S, size
+from .device_spec import CPU_MFU, GIB, size
 from .estimate import Estimate
 from .planner import Plan
 
@@ -15,7 +15,7 @@ DEFAULT_NOTES = {"gradients": "fp32", "optimizer": "AdamW moments (fp32)",
 
 
 def listed(plan: Plan, count: int) -> list[Estimate]:
-    """The alternatives worth showing: those that fit, fastest first; if none fit, the smallest."""
+    """The alternatives worth showing: those that fit, best first (search.ranked); if none fit, the smallest."""
     fitting = plan.fitting(count)
     return fitting or sorted(plan.alternatives, key=lambda e: e.peak)[:count]
 
@@ -23,12 +23,12 @@ def listed(plan: Plan, count: int) -> list[Estimate]:
 def assumptions(estimate: Estimate) -> str:
     device = estimate.device
     if device.kind == "cpu":
-        bandwidth = f"{CPU_BYTES_PER_S / 1e9:g} GB/s between processes"
-    else:
-        bandwidth = (f"{INTRA_NODE_BYTES_PER_S / 1e9:g} GB/s within a node, {INTER_NODE_BYTES_PER_S / 1e9:g} GB/s "
-                     "between nodes")
-    return (f"an assumed {device.mfu:.0%} MFU of {device.peak_tflops:,.3g} TFLOP/s per device; communication at "
-            f"{bandwidth}, not overlapped with compute")
+        return (f"an assumed {CPU_MFU:.0%} MFU of {device.peak_tflops:,.3g} TFLOP/s per process; communication at "
+                f"{device.intra_node_bandwidth / 1e9:g} GB/s between processes, not overlapped with compute")
+    return (f"kernels at the rates of {device.peak_tflops:,.3g} TFLOP/s and {device.memory_bandwidth / 1e12:.3g} TB/s "
+            f"per device; links {device.intra_node_bandwidth / 1e9:g} GB/s within a node and "
+            f"{device.inter_node_bandwidth / 1e9:g} GB/s between nodes ({device.link_source}); "
+            f"{estimate.hidden_seconds:,.3g} s more of collectives overlapped with compute")
 
 
 def text(plan: Plan, count: int = 8) -> str:
@@ -57,7 +57,8 @@ def text(plan: Plan, count: int = 8) -> str:
               f"{own.communication_seconds:,.3g} s), from {assumptions(own)}", ""]
     shown = listed(plan, count)
     if plan.fitting(1):
-        lines.append("layouts that fit, fastest first (add the overrides to the command line):")
+        lines.append("layouts that fit, best first: within 5% of the fastest the simplest, then the smallest; then "
+                     "the rest, fastest first (add the overrides to the command line):")
     else:
         lines.append("no layout of this world fits; the smallest (more processes, a larger device or a smaller "
                      "micro-batch/sequence are needed):")

@@ -1,4 +1,4 @@
-"""The layouts of the same world that a run could use instead, ranked: those that fit first, fastest first.
+"""The layouts of the same world that a run could use instead, ranked: those that fit first, best first.
 
 Candidates keep the model, the sequence length, the dtype and the global batch (micro-batch x accumulation x
 data-parallel replicas), and vary what each engine offers for this world (its `layout_variants`: ZeRO stage and
@@ -46,18 +46,39 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
 
 def alternatives(layout: Layout, shape, config, device, loss_chunk, trainable="all",
                  weights="none") -> list[Estimate]:
-    """Every candidate's estimate: those that fit, fastest first, then the rest, smallest first."""
+    """Every candidate's estimate, ranked (see `ranked`)."""
     estimates = []
     for candidate in candidate_layouts(layout, shape, loss_chunk):
         if candidate == layout:
             continue
         estimates.append(estimate(candidate, shape, config, device, trainable, weights))
-    return sorted(estimates, key=rank)
+    return ranked(estimates)
 
 
-def rank(e: Estimate) -> tuple:
-    """Fitting layouts first, fastest first (equal times: the larger micro-batch, then the smaller peak); the
-    others smallest first."""
-    if not e.fits:
-        return (1, e.peak)
-    return (0, float(f"{e.step_seconds:.3g}"), -e.layout.micro_batch, e.peak)
+# Predictions within this share of the fastest are a tie: the estimate is good to a few percent, not better.
+TIE = 0.05
+# Each parallelism beyond data parallelism (tp, pp, cp, ep, offloading) costs this share of the step when ranked:
+# every extra dimension is more to tune and more to fail, and (cp, tp) shorter GEMMs than the estimate sees.
+EXTRA_DIMENSION_COST = 0.03
+
+
+def ranked(estimates: list[Estimate]) -> list[Estimate]:
+    """Layouts that fit first: those within TIE of the fastest (with EXTRA_DIMENSION_COST per extra dimension)
+    simplest first, then with the most memory to spare; then the other fitting ones, fastest first (equal times:
+    the larger micro-batch, then the smaller peak); then those that do not fit, smallest first."""
+    fitting = sorted((e for e in estimates if e.fits), key=_ranked_seconds)
+    best = _ranked_seconds(fitting[0]) if fitting else 0.0
+    tied = [e for e in fitting if _ranked_seconds(e) <= best * (1 + TIE)]
+    rest = [e for e in fitting if _ranked_seconds(e) > best * (1 + TIE)]
+    tied.sort(key=lambda e: (_extra_dimensions(e.layout), e.peak))
+    rest.sort(key=lambda e: (float(f"{_ranked_seconds(e):.3g}"), -e.layout.micro_batch, e.peak))
+    return tied + rest + sorted((e for e in estimates if not e.fits), key=lambda e: e.peak)
+
+
+def _extra_dimensions(layout: Layout) -> int:
+    extra = sum(d > 1 for d in (layout.tp, layout.pp, layout.cp, layout.dims.ep))
+    return extra + int(layout.engine_class.offloads_to_host(layout))
+
+
+def _ranked_seconds(e: Estimate) -> float:
+    return e.step_seconds * (1 + EXTRA_DIMENSION_COST * _extra_dimensions(e.layout))

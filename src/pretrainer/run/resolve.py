@@ -94,7 +94,7 @@ class ResolvedRun:
         return Layout(self.engine, self.dims, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
                       sizes.seq_length, self.dtype, min(devices_per_node, self.dims.world_size),
                       self.recompute.mode, self.options.settings, self.sequence_parallel, self.pipeline_schedule,
-                      self.loss_chunk.size, self.optimizer.name, self.options.accumulate)
+                      self.loss_chunk.size, self.optimizer.name, self.options.accumulate, self.options.compile)
 
     def with_accumulation(self, mode: str, reason: str) -> "ResolvedRun":
         """This run with `accumulate_gradients: auto` decided (by the memory plan, see plan/memory_check.py)."""

@@ -1,0 +1,150 @@
+"""Step time of a layout: each micro-batch's kernels timed from the device's rates, the collectives on the
+links they cross, and what the engines overlap hidden behind compute.
+
+On an accelerator, one rank's micro-batch costs:
+- GEMMs: 6 FLOPs per matmul parameter per token (8 with full recomputation) at a share of the rated peak that
+  grows with the rows of the GEMMs (tokens of the micro-batch): GEMM_PEAK_SHARE x T / (T + GEMM_HALF_TOKENS);
+- attention: the causal half of the QK^T and PV products (forward, 2.5x that in backward) at the flash kernels'
+  share of the peak;
+- element-wise ops (norms, activations, rotary, residual adds, casts): memory-bound, ELEMENTWISE_PASSES reads and
+  writes of a hidden (and ffn) row per token and layer, fewer when `compile` fuses them, more when `selective`
+  recomputation runs them again;
+then the optimizer step streams its states once. A pipeline adds its bubble.
+
+Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine, the GPU's
+network share across machines). Those the engines overlap with compute (FSDP's prefetched all-gathers and
+reduce-scatters, DDP's and ZeRO's bucketed gradient reductions, ring attention's key/value passing) hide behind
+up to OVERLAP_SHARE of the compute; the rest (tensor-parallel all-reduces in the layer's path, pipeline sends,
+expert all-to-alls, Muon's gathers) adds to it.
+
+The constants are set from published H100 measurements (bench/plan_vs_published.py prints the table, with its
+sources, that docs/plan.md shows). On CPU the step is the model FLOPs at CPU_MFU of the measured GEMM peak plus
+the gradient traffic over gloo, unhidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..parallel.layout import Layout, RankShare, compute_bytes
+from .device_spec import CPU_MFU, DeviceSpec
+from .model_shape import ModelShape
+
+# Fitted together on the published rows (bench/plan_vs_published.py): a training step's GEMMs reach about 55% of
+# the rated peak at large micro-batches (cuBLAS alone reaches 70-80%; the rest is launch gaps, the optimizer's
+# and loss's small kernels, the data loader), and eager PyTorch moves about 120 hidden-sized and 36 ffn-sized
+# rows per token and layer through memory (norms and rotary in fp32, casts, residual adds, SwiGLU, their
+# backward), of which torch.compile's fusion leaves 40% (torchtitan measured +16% tokens/s from compile on 8B).
+GEMM_PEAK_SHARE = 0.55       # of the rated dense peak
+GEMM_HALF_TOKENS = 1024      # GEMM rows (tokens of a micro-batch on a rank) at which half of that is reached
+ATTENTION_PEAK_SHARE = 0.35  # FlashAttention-2 forward and backward on H100 (about 35% of peak in its paper)
+ELEMENTWISE_PASSES = {"hidden": 120, "ffn": 36}  # rows read or written per token and layer, forward and backward
+COMPILED_ELEMENTWISE = 0.4   # what torch.compile's fusion leaves of that traffic
+SELECTIVE_ELEMENTWISE = 1.3  # selective recomputation runs the element-wise ops of forward again
+MEMORY_EFFICIENCY = 0.8      # of the rated memory bandwidth, for streaming kernels
+COLLECTIVE_EFFICIENCY = 0.8  # NCCL's bus bandwidth over the link's
+OVERLAP_SHARE = 0.9          # of the compute that overlapped collectives can hide behind
+BACKWARD_ATTENTION = 2.5     # flash attention's backward over its forward
+SELECTIVE_RECOMPUTE_COST = 0.03  # on CPU: share of the step's compute (assumed)
+HOST_ADAM_BYTES_PER_S = 10e9  # a host Adam step streams its states at about this rate (assumed)
+OFFLOAD_BYTES_PER_S = 25e9   # host <-> device copies (assumed, PCIe 5-class)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float       # seconds of kernels per step on the rank
+    communication: float  # seconds of collectives not hidden behind compute
+    hidden: float = 0.0  # seconds of collectives overlapped with compute
+
+
+def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare, state_bytes: int,
+              trainable_share: float) -> StepTime:
+    """`state_bytes`: the rank's weights, gradients and optimizer state (the optimizer step streams them)."""
+    if device.kind == "cpu":
+        return StepTime(_cpu_compute(layout, shape, device), sum(_collectives(layout, shape, device, part)))
+    compute = _accelerator_compute(layout, shape, device, part)
+    compute += 2 * state_bytes / (device.memory_bandwidth * MEMORY_EFFICIENCY)
+    if layout.engine_class.offloads_to_host(layout):
+        states = 16 * shape.parameters * trainable_share / layout.dp
+        compute += states / HOST_ADAM_BYTES_PER_S + 2 * 2 * shape.parameters / layout.dp / OFFLOAD_BYTES_PER_S
+    hideable, exposed = _collectives(layout, shape, device, part)
+    hidden = min(hideable, OVERLAP_SHARE * compute)
+    return StepTime(compute, exposed + hideable - hidden, hidden)
+
+
+def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, matmul_parameters: int) -> float:
+    """One micro-batch's forward and backward on one rank holding `matmul_parameters` of the matmuls."""
+    tokens = layout.micro_batch * layout.seq_length // layout.cp
+    layers = -(-shape.layers // layout.pp)
+    peak = device.peak_tflops * 1e12
+    full = layout.recompute == "full"
+    gemm = (8 if full else 6) * matmul_parameters * tokens
+    gemm_rate = peak * GEMM_PEAK_SHARE * tokens / (tokens + GEMM_HALF_TOKENS)
+    forward = 2 * tokens * layout.seq_length * shape.head_dim * shape.heads / layout.tp * layers  # causal half
+    attention = forward * (1 + BACKWARD_ATTENTION + (1 if full else 0))
+    rows = ELEMENTWISE_PASSES["hidden"] * shape.hidden + ELEMENTWISE_PASSES["ffn"] * shape.intermediate / layout.tp
+    elementwise = tokens * layers * rows * compute_bytes(layout.dtype)
+    elementwise *= (COMPILED_ELEMENTWISE if layout.compile else 1) * (
+        SELECTIVE_ELEMENTWISE if layout.recompute == "selective" else 1)
+    return (gemm / gemm_rate + attention / (peak * ATTENTION_PEAK_SHARE)
+            + elementwise / (device.memory_bandwidth * MEMORY_EFFICIENCY))
+
+
+def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> float:
+    seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul)
+    if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, fewer with interleaved stages
+        interleave = 2 if layout.pipeline_schedule == "interleaved" else 1
+        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * interleave)
+    return seconds
+
+
+def _cpu_compute(layout: Layout, shape: ModelShape, device: DeviceSpec) -> float:
+    flops = shape.flops(layout.seq_length)
+    per_token = flops.per_token
+    if layout.recompute == "full":  # one more forward: 2 FLOPs per parameter, a third of the attention term
+        attention = 12.0 * shape.layers * shape.heads * shape.head_dim * layout.seq_length
+        per_token += 2.0 * flops.matmul_parameters + attention / 3
+    elif layout.recompute == "selective":
+        per_token *= 1 + SELECTIVE_RECOMPUTE_COST
+    tokens = layout.global_batch * layout.seq_length
+    seconds = tokens * per_token / (layout.world_size * device.peak_tflops * 1e12 * CPU_MFU)
+    if layout.pp > 1:
+        seconds *= 1 + (layout.pp - 1) / layout.accumulation
+    return seconds
+
+
+def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> tuple[float, float]:
+    """(seconds the engine overlaps with compute, seconds in the critical path) of a step's collectives."""
+    per_node, c = layout.devices_per_node, compute_bytes(layout.dtype)
+    efficiency = 1.0 if device.kind == "cpu" else COLLECTIVE_EFFICIENCY
+
+    def ring(bytes_: float, group: int, span: int) -> float:
+        """A ring collective of `bytes_` over `group` ranks spaced `span` apart."""
+        if group <= 1:
+            return 0.0
+        return bytes_ * (group - 1) / group / (device.bandwidth(group * span <= per_node) * efficiency)
+
+    micro = layout.accumulation
+    hideable = exposed = 0.0
+    for x in layout.engine_class.gradient_traffic(layout, shape, part.trained):
+        seconds = ring(x.bytes, x.group, x.span) * (micro if x.per_micro_batch else 1)
+        hideable, exposed = (hideable + seconds, exposed) if x.overlaps else (hideable, exposed + seconds)
+    # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
+    exposed += ring(4 * part.muon * layout.tp, layout.engine_class.muon_gather_ranks(layout), 1)
+    layers = -(-shape.layers // layout.pp)
+    tokens = layout.micro_batch * layout.seq_length // layout.cp
+    activation = tokens * shape.hidden * c
+    if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer forward, two backward
+        exposed += micro * layers * ring(2 * 4 * activation, layout.tp, 1)
+    if layout.pp > 1:
+        exposed += micro * 2 * activation / device.bandwidth(layout.tp * layout.pp <= per_node)
+    if layout.cp > 1:  # ring attention passes keys and values while it computes
+        kv = 2 * tokens * shape.kv_heads * shape.head_dim * c
+        hideable += micro * layers * 2 * ring(kv * layout.cp, layout.cp, 1)
+    if layout.dims.ep > 1:  # per MoE layer, each token's top_k hidden states out and back, forward and backward
+        exchanges = 4 + (2 if layout.recompute == "full" else 0)
+        moe_layers = -(-shape.expert_layers // layout.pp)
+        exposed += micro * moe_layers * exchanges * ring(tokens * shape.top_k * shape.hidden * c, layout.dims.ep, 1)
+    if device.kind == "cpu":  # gloo: nothing overlaps
+        return 0.0, hideable + exposed
+    return hideable, exposed
