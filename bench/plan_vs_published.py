@@ -14,6 +14,9 @@ Sources (read 2026-12):
 - OLMo-core, README throughput table and src/scripts/train/OLMo-7B.py, OLMo-13B.py: FSDP (bf16 parameters,
   fp32 reduction), torch.compile, no activation checkpointing, sequence 4096, micro-batch 2 (7B) and 1 (13B);
   one 8-GPU node assumed (the 7B script's launch default; the README does not say how many).
+- llm-foundry, scripts/train/benchmarking/README.md, "H100 80GB BF16": MPT models (GELU MLP of 4 x d_model,
+  flash attention, no compile) under FSDP FULL_SHARD with amp_bf16, each row's sequence, GPUs, micro-batch,
+  accumulation and activation checkpointing (full or none); eleven of its rows, 1B to 70B.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+MPT = {  # llm-foundry's MPT sizes: d_model, n_layers, n_heads (expansion ratio 4, vocabulary 50368)
+    "mpt-1b": (2048, 24, 16), "mpt-3b": (2560, 32, 20), "mpt-7b": (4096, 32, 32), "mpt-13b": (5120, 40, 40),
+    "mpt-30b": (7168, 48, 64), "mpt-70b": (8192, 80, 64),
+}
 SHAPES = {  # HF Llama config fields
     "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
@@ -63,6 +70,17 @@ ROWS = (
               {**TORCHTITAN_8B, "compile": True}, GRAND_TETON),
     Published("OLMo-core", "7B FSDP + compile, mb 2", "olmo-7b", 8, 10000, {**OLMO_CORE, "micro_batch_size": 2}),
     Published("OLMo-core", "13B FSDP + compile, mb 1", "olmo-13b", 8, 4500, {**OLMO_CORE, "micro_batch_size": 1}),
+    *(Published("llm-foundry", f"MPT-{size.upper()} seq {seq}, mb {mb} x {acc}, {'full' if full else 'no'} recompute",
+                f"mpt-{size}", gpus, tokens, {"engine": "fsdp", "seq_length": seq, "micro_batch_size": mb,
+                                              "gradient_accumulation_steps": acc,
+                                              "activation_checkpointing": "full" if full else "none"})
+      for size, seq, gpus, mb, acc, full, tokens in (
+          ("70b", 2048, 64, 8, 4, True, 1039), ("70b", 2048, 32, 2, 16, True, 882),
+          ("30b", 8192, 8, 1, 21, True, 1384), ("30b", 2048, 32, 14, 3, True, 2308),
+          ("30b", 2048, 8, 3, 21, True, 2002), ("13b", 4096, 8, 10, 3, True, 4717),
+          ("13b", 2048, 64, 2, 1, False, 4800), ("7b", 8192, 8, 8, 2, True, 6935),
+          ("7b", 2048, 8, 6, 1, False, 10643), ("3b", 4096, 8, 5, 6, False, 20964),
+          ("1b", 2048, 8, 14, 1, False, 45455))),
 )
 
 
@@ -75,7 +93,14 @@ def plan_of(row: Published, folder: Path):
 
     model = folder / row.shape
     if not (model / "config.json").exists():
-        LlamaConfig(**SHAPES[row.shape]).save_pretrained(model)
+        if row.shape in MPT:
+            from transformers import MptConfig
+
+            d_model, layers, heads = MPT[row.shape]
+            MptConfig(d_model=d_model, n_layers=layers, n_heads=heads, expansion_ratio=4, vocab_size=50368,
+                      max_seq_len=65536).save_pretrained(model)
+        else:
+            LlamaConfig(**SHAPES[row.shape]).save_pretrained(model)
     keys = {"num_training_steps": 10, "dp": row.gpus, "dtype": "bf16", "model_path": str(model),
             "tokenizer_path": str(REPO / "examples" / "models" / "tiny-llama"),
             "preflight_memory_check": "off", **row.keys}

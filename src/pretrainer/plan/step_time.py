@@ -11,11 +11,12 @@ On an accelerator, one rank's micro-batch costs:
   recomputation runs them again;
 then the optimizer step streams its states once. A pipeline adds its bubble.
 
-Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine, the GPU's
-network share across machines). Those the engines overlap with compute (FSDP's prefetched all-gathers and
-reduce-scatters, DDP's and ZeRO's bucketed gradient reductions, ring attention's key/value passing) hide behind
-up to OVERLAP_SHARE of the compute; the rest (tensor-parallel all-reduces in the layer's path, pipeline sends,
-expert all-to-alls, Muon's gathers) adds to it.
+Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine; across
+machines the network cards of the group's ranks on one machine together, see ring_bandwidth). Those the
+engines overlap with compute (FSDP's prefetched all-gathers and reduce-scatters, DDP's and ZeRO's bucketed
+gradient reductions, ring attention's key/value passing) hide behind up to OVERLAP_SHARE of the compute; the
+rest (tensor-parallel all-reduces in the layer's path, pipeline sends, expert all-to-alls, Muon's gathers)
+adds to it.
 
 The constants are set from published H100 measurements (bench/plan_vs_published.py prints the table, with its
 sources, that docs/plan.md shows). On CPU the step is the model FLOPs at CPU_MFU of the measured GEMM peak plus
@@ -113,6 +114,16 @@ def _cpu_compute(layout: Layout, shape: ModelShape, device: DeviceSpec) -> float
     return seconds
 
 
+def ring_bandwidth(device: DeviceSpec, group: int, span: int, per_node: int) -> float:
+    """Bytes/s a rank's share of a ring collective moves at: the link within a machine; across machines NCCL
+    runs one ring per network card, so the k ranks of the group on each machine cross between machines over k
+    cards at once (each carries 1/k of the traffic), up to the link within the machine."""
+    if group * span <= per_node:
+        return device.bandwidth(True)
+    on_one_machine = max(1, min(group, per_node // span))
+    return min(device.bandwidth(True), on_one_machine * device.bandwidth(False))
+
+
 def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> tuple[float, float]:
     """(seconds the engine overlaps with compute, seconds in the critical path) of a step's collectives."""
     per_node, c = layout.devices_per_node, compute_bytes(layout.dtype)
@@ -122,7 +133,7 @@ def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: Ra
         """A ring collective of `bytes_` over `group` ranks spaced `span` apart."""
         if group <= 1:
             return 0.0
-        return bytes_ * (group - 1) / group / (device.bandwidth(group * span <= per_node) * efficiency)
+        return bytes_ * (group - 1) / group / (ring_bandwidth(device, group, span, per_node) * efficiency)
 
     micro = layout.accumulation
     hideable = exposed = 0.0
