@@ -21,7 +21,7 @@ from .layout import (
     optimizer_bytes,
     optimizer_note,
 )
-from .megatron_settings import MegatronSettings
+from .megatron_settings import SHARDING_STRATEGIES, MegatronSettings
 from .pipeline import split_layers, stages_of_rank
 
 
@@ -153,8 +153,9 @@ class MegatronLayoutAnswers(LayoutAnswers):
                 dp = world_size // (tp * pp)
                 for ep in [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] \
                         if shape.experts else [1]:
-                    if tp * pp * ep > 1:
-                        variants.append(cls._variant(world_size, tp, pp, 1, ep))
+                    if tp * pp * ep > 1:  # each with the data ranks replicating, sharding state, or parameters too
+                        variants += [cls._variant(world_size, tp, pp, 1, ep, strategy)
+                                     for strategy in (SHARDING_STRATEGIES if dp > 1 else SHARDING_STRATEGIES[:1])]
         if shape.experts:  # whole sequences
             return variants
         for cp in context_parallel_degrees(world_size, seq_length)[1:]:
@@ -162,8 +163,10 @@ class MegatronLayoutAnswers(LayoutAnswers):
         return variants
 
     @classmethod
-    def _variant(cls, world_size: int, tp: int, pp: int, cp: int, ep: int = 1) -> dict:
-        settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1)
+    def _variant(cls, world_size: int, tp: int, pp: int, cp: int, ep: int = 1, strategy: str = "no_shard") -> dict:
+        level = SHARDING_STRATEGIES.index(strategy)  # no_shard, optim_grads, optim_grads_params
+        settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=level >= 1,
+                                    reshard_parameters=level == 2)
         return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
                 "sequence_parallel": settings.sequence_parallel}
 

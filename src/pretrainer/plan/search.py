@@ -2,7 +2,8 @@
 
 Candidates keep the model, the sequence length, the dtype and the global batch (micro-batch x accumulation x
 data-parallel replicas), and vary what each engine offers for this world (its `layout_variants`: ZeRO stage and
-offload, FSDP resharding and offload, tp/pp/cp degrees) and recomputation.
+offload, FSDP resharding and offload, tp/pp/cp degrees and the megatron engine's data-parallel sharding), the
+recomputation, and where gradients can be sharded, whether micro-batches accumulate them sharded or whole.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 continue
             for recompute in RECOMPUTE:
                 fields = {"sequence_parallel": False, "pipeline_schedule": "1f1b", "settings": None, **variant}
-                out.append(layout.replace(**fields, micro_batch=micro, accumulation=accumulation, recompute=recompute,
-                                          loss_chunk=loss_chunk(micro)))
+                candidate = layout.replace(**fields, micro_batch=micro, accumulation=accumulation,
+                                           recompute=recompute, loss_chunk=loss_chunk(micro), accumulate="unsharded")
+                out.append(candidate)
+                if accumulation > 1 and candidate.engine_class.shards_gradients(candidate.settings):
+                    out.append(candidate.replace(accumulate="sharded"))  # each micro-batch reduce-scatters
     return out
 
 
