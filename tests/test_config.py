@@ -187,8 +187,14 @@ def test_missing_config_file_and_none():
 def test_warmup_and_lr_validation():
     with pytest.raises(ConfigError, match="not both"):
         PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=1, warmup_fraction=0.1)
-    with pytest.raises(ConfigError, match="longer than"):
+    with pytest.raises(ConfigError, match="longer than num_training_steps \\(10\\); give fewer warmup_steps, or "
+                                          "warmup_fraction"):
         PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=11)
+    # a short run of a shipped example says how to shorten its warmup too
+    with pytest.raises(ConfigError, match=r"quickstart.yaml, line \d+: key 'warmup_steps': warmup \(30 steps\) is "
+                                          "longer than num_training_steps \\(2\\); give fewer warmup_steps"):
+        PreTrainingArguments.from_yaml(EXAMPLES / "quickstart.yaml", ["num_training_steps=2"])
+    assert PreTrainingArguments.from_yaml(EXAMPLES / "quickstart.yaml", ["num_training_steps=2", "warmup_steps=1"])
     args = PreTrainingArguments(num_training_steps=200, micro_batch_size=1, dp=1, warmup_fraction=0.05)
     assert args.warmup_steps_resolved() == 10
 

@@ -38,6 +38,16 @@ def test_seed_zero3_json_every_auto_is_filled_from_the_pretraining_config():
     assert "optimizer.params.lr" in filled and "zero_optimization.reduce_bucket_size" in filled
 
 
+def test_the_banner_names_only_the_offloads_the_stage_runs():
+    from pretrainer.parallel.deepspeed_config import DeepSpeedSettings
+
+    seed_zero2 = DeepSpeedSettings(load_deepspeed_config(SEED_JSON / "ds_config_zero2.json"))
+    assert seed_zero2.describe() == "zero_stage=2 offload=offload_optimizer (offload_param ignored below stage 3)"
+    everything = DeepSpeedSettings.for_zero(3, True, True)
+    assert everything.describe() == "zero_stage=3 offload=offload_optimizer,offload_param"
+    assert DeepSpeedSettings.for_zero(1).describe() == "zero_stage=1 offload=none"
+
+
 def test_commented_json_as_printed_in_the_seed_is_read(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{\n  "zero_optimization": {"stage": 2}, // zero\n  "url": "http://x//y"\n}\n')

@@ -417,7 +417,8 @@ class PreTrainingArguments:
             raise key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps_resolved() > self.num_training_steps:
             raise key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
-                             f"num_training_steps ({self.num_training_steps})")
+                             f"num_training_steps ({self.num_training_steps}); give fewer warmup_steps, or "
+                            "warmup_fraction (a share of the run, which scales with it)")
         if not 0 < self.wsd_decay_fraction <= 1:
             raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

@@ -69,8 +69,11 @@ class DeepSpeedSettings:
         return BUFFER_DEFAULTS[key] if value == AUTO else int(value)
 
     def describe(self) -> str:
-        offload = [k for k in ("optimizer", "param") if self.offloads(k)]
-        return f"zero_stage={self.zero_stage} offload={','.join('offload_' + k for k in offload) or 'none'}"
+        # parameters are offloaded at stage 3 only (DeepSpeed ignores offload_param below it, as the seed's ZeRO-2
+        # JSON sets it)
+        offload = [k for k in ("optimizer", "param") if self.offloads(k) and (k == "optimizer" or self.zero_stage == 3)]
+        ignored = " (offload_param ignored below stage 3)" if self.offloads("param") and self.zero_stage < 3 else ""
+        return f"zero_stage={self.zero_stage} offload={','.join('offload_' + k for k in offload) or 'none'}{ignored}"
 
 
 def read_deepspeed_settings(args, world_size: int, dtype: str, hidden_size: int | None) -> DeepSpeedSettings:
