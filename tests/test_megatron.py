@@ -525,3 +525,24 @@ def test_left_padded_batches_are_refused_with_the_fix(base, tmp_path):
             trainer.train()
     finally:
         trainer.engine.close()  # the engine started a process group of one in this process: end it
+
+
+def test_a_seed_megatron_layout_is_refused_where_engine_auto_would_drop_it(tiny_model, caplog):
+    """The seed's llama2-megatron YAML on one process: engine auto picks the one-process engine, which would train
+    without tp_degree 8 and the recompute settings; it is refused, naming the keys and both ways out. With the
+    engine chosen by the config the unused settings are named in a warning."""
+    from pretrainer.parallel import planned_world
+    from pretrainer.run import resolve_run
+
+    overrides = [f"openmind_model_path={tiny_model}", "seq_length=64"]
+    args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml", overrides)
+    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree=8 splits the model over ranks, which only engine "
+                                          r"megatron does, but engine: auto picked single for 1 process\(es\); set "
+                                          "engine: megatron .* or set plugin_args.tp_degree=1"):
+        resolve_run(args, planned_world(1, 1, torch.device("cpu")))
+    chosen = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml",
+                                            [*overrides, "engine=single"])
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        resolve_run(chosen, planned_world(1, 1, torch.device("cpu")))
+    assert "plugin_args.tp_degree=8, plugin_args.sequence_parallelism, plugin_args.other_megatron_args." \
+           "recompute_granularity" in caplog.text and "unused by engine single" in caplog.text

@@ -202,6 +202,7 @@ class LayoutAnswers:
     moe_refusal = ""
 
     can_shard_gradients = False  # some layout of this engine shards gradients (see shards_gradients)
+    reads_plugin_layout = False  # plugin_args' tp/pp/sequence-parallel/recompute settings lay out this engine
 
     @classmethod
     def shards_gradients(cls, settings) -> bool:

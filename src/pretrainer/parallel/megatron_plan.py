@@ -29,6 +29,7 @@ class MegatronLayoutAnswers(LayoutAnswers):
     supports_context_parallel = True
     supports_expert_parallel = True
     can_shard_gradients = True
+    reads_plugin_layout = True
 
     @classmethod
     def shards_gradients(cls, settings: MegatronSettings) -> bool:

@@ -38,6 +38,7 @@ from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, pl
 from ..parallel.activation_checkpoint import RecomputeSettings
 from ..parallel.registry import engines_that
 from .device import resolve_device, resolve_dtype
+from .plugin_layout import check_plugin_layout
 
 logger = logging.getLogger("pretrainer")
 
@@ -193,6 +194,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
     the config's `dp` describes (`pretrainer plan --world-size`)."""
     entry = select_engine(args, world.size)
+    check_plugin_layout(args, entry, world.size)
     cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
     source = model_source(args, model_config) if check_model else None
