@@ -11,6 +11,9 @@ process pays). It also checks that both runs give the same
 per-step losses and export the same files, byte for byte.
 
     .venv/bin/python bench/weight_loading.py [--layouts fsdp tp2 pp2 zero3] [--steps 2]
+
+On 2 cores the four layouts take over 10 minutes (`--layouts fsdp` about 3); the temporary folder holds the
+model (0.3 GB) and one run's checkpoint at a time (about 2.4 GB), removed as the table is printed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import filecmp
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,8 +43,6 @@ SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidd
 
 def write_checkpoint(folder: Path) -> int:
     """The model saved in bf16 as 200 MB shards beside the quickstart tokenizer; its parameter count."""
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,9 +62,17 @@ def run(folder: Path, overrides: list[str], sliced: bool, steps: int, save_dir: 
                "write_report=false", "log_interval=1", "dtype=fp32", "micro_batch_size=1", "seq_length=128",
                f"sliced_weight_loading={str(sliced).lower()}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=REPO, env=env)
-    if done.returncode:
-        sys.exit(f"{' '.join(overrides)} sliced={sliced} failed:\n{done.stderr[-3000:]}")
+    # its own session: an interrupted bench stops torchrun's workers too, not torchrun alone
+    process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=REPO, env=env, start_new_session=True)
+    try:
+        _, stderr = process.communicate()
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    if process.returncode:
+        sys.exit(f"{' '.join(overrides)} sliced={sliced} failed:\n{stderr[-3000:]}")
+    shutil.rmtree(save_dir / "checkpoints", ignore_errors=True)  # 2.4 GB each; the metrics and hf/ are compared
     return metrics(save_dir)
 
 
@@ -103,6 +114,8 @@ def main() -> None:
             baseline = baselines["deepspeed" if name.startswith("zero") else "single"]
             losses = {k: [r["loss"] for r in v if "loss" in r and "event" not in r] for k, v in rows.items()}
             export = same_export(root / f"{name}-False" / "hf", root / f"{name}-True" / "hf")
+            for sliced in (False, True):
+                shutil.rmtree(root / f"{name}-{sliced}")
             print(f"{name:<8}{peak[False]:>10,.0f}{peak[True]:>11,.0f}{at_load:>12,.0f}{at_load - baseline:>17,.0f}"
                   f"{(at_load - baseline) / fp32:>8.2f}{'same' if losses[True] == losses[False] else 'DIFFER':>9}"
                   f"{'same' if export else 'DIFFER':>9}", flush=True)

@@ -128,6 +128,14 @@ def main() -> None:
     ns = parser.parse_args()
     work = ns.keep or Path(tempfile.mkdtemp(prefix="abort-loop-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        run_loop(ns, work)
+    finally:
+        if ns.keep is None:  # the launches' runs are only kept where asked (--keep)
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_loop(ns, work: Path) -> None:
     commands = prepare(work)
     cases = [c for c in ns.cases.split(",") if c]
     order = [(case, index) for index in range(ns.runs) for case in cases]  # the cases interleaved

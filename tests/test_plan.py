@@ -162,6 +162,7 @@ def test_a_7b_fp32_run_is_refused_before_allocating(tmp_path):
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("pretrainer: error: predicted peak memory ") and "exceeds the" in error
     assert "No layout of 1 process(es) fits" in error and "engine=single" in error
+    assert "; tensors x1.20 for the CPU heap's overhead)" in error  # every term of the peak is named
     assert peak_mb < 2000  # the 27 GB of fp32 weights were never allocated
 
 

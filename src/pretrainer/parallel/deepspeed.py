@@ -13,6 +13,7 @@ import contextlib
 import copy
 import functools
 import logging
+import warnings
 
 import torch
 
@@ -26,6 +27,17 @@ from .layout import HeldState, tensor_bytes
 from .parallelize import parallelize
 
 logger = logging.getLogger(__name__)
+
+# DeepSpeed's ZeRO calls these torch.distributed functions on every bucket; torch 2.13 marks them deprecated (same
+# behaviour, new names) and the FutureWarning, printed from each call site on every rank, drowned a ZeRO-3 log.
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def silence_deprecated_collectives() -> None:
+    if not any(f[1] is not None and f[1].pattern == DEPRECATED_COLLECTIVES for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)
+        logger.info("torch's FutureWarnings for all_gather_into_tensor/reduce_scatter_tensor (deprecated names "
+                    "DeepSpeed still calls) are silenced")
 
 CHECKPOINT_TAG = "deepspeed"
 def ask_cpuinfo_once() -> None:
@@ -93,6 +105,7 @@ class DeepSpeedEngine(DeepSpeedLayoutAnswers, DistributedEngine):
         elif scheduler is None:
             # Our schedule; over DeepSpeed's own optimizer when the JSON defines one (a callable it applies).
             scheduler = build_scheduler(optimizer) if optimizer is not None else build_scheduler
+        silence_deprecated_collectives()
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad])

@@ -15,6 +15,8 @@ model (or a stage) into what an engine runs.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +27,19 @@ from torch.distributed.tensor import Shard
 from ..models import cpu_attention
 from .activation_checkpoint import RecomputeSettings, apply_activation_checkpointing, decoder_layers
 from .precision import Precision
+
+logger = logging.getLogger("pretrainer")
+
+# FSDP2 warns, on every rank, whenever a wrapped module returns a view (a pipeline stage's hidden states, logits
+# of a tensor-parallel head): an in-place op on that view would skip its all-gather. pretrainer's loop, losses and
+# stages only use those outputs out of place, so the warning is known harmless here.
+WRAPPED_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
+def outputs_used_out_of_place() -> None:
+    if not any(f[1] is not None and f[1].pattern == WRAPPED_VIEW_WARNING for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=WRAPPED_VIEW_WARNING, category=UserWarning)
+        logger.debug("FSDP2's warning for wrapped modules returning views is silenced: outputs are used out of place")
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,7 @@ def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], p
     for layer in layers:
         fully_shard(layer, mesh=mesh, **options)
     fully_shard(module, mesh=mesh, **options)
+    outputs_used_out_of_place()
 
 
 def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module],
@@ -99,3 +115,4 @@ def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module
     for layer in layers:
         replicate(layer, mesh=mesh)
     replicate(module, mesh=mesh)
+    outputs_used_out_of_place()

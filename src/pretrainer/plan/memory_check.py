@@ -62,8 +62,9 @@ def _refusal(plan) -> str:
     sizes = own.per_rank_bytes()
     parts = ", ".join(f"{name} {size(sizes[name])}" for name in
                       ("parameters", "gradients", "optimizer", "activations", "logits", "runtime"))
-    head = (f"predicted peak memory {size(own.peak)} per rank ({parts}) exceeds the {size(own.device.memory_bytes)} "
-            f"available ({own.device.memory_source}) for {own.layout.describe()}")
+    heap = f"; tensors x{own.heap_overhead:.2f} for the CPU heap's overhead" if own.device.kind == "cpu" else ""
+    head = (f"predicted peak memory {size(own.peak)} per rank ({parts}{heap}) exceeds the "
+            f"{size(own.device.memory_bytes)} available ({own.device.memory_source}) for {own.layout.describe()}")
     fitting = plan.fitting(3)
     if fitting:
         options = "; ".join(f"{shlex.join(e.layout.overrides())} ({size(e.peak)})" for e in fitting)
