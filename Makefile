@@ -1,7 +1,7 @@
 # The two commands of the README:  `make quickstart`  and  `make test`.
 VENV ?= .venv
 
-.PHONY: setup setup-test quickstart lint docs test test-fast clean
+.PHONY: setup setup-test quickstart lint docs docs-check test test-fast clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
@@ -22,6 +22,10 @@ lint: setup-test
 # The manual: a broken link or anchor fails the build.
 docs: setup-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The manual's shell blocks marked `<!-- docs-check: run -->`, run as written, in page order (long: they train).
+docs-check: setup-test
+	$(VENV)/bin/python scripts/docs_check.py
 
 # Two pytest workers (pytest-xdist): one's launches fill the cores the other's leave idle (tests/conftest.py says
 # which tests share a worker). TEST_WORKERS=0 runs everything in one process.
