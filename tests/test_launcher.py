@@ -135,3 +135,15 @@ def test_the_slurm_script_trains_on_two_machines_and_requeues_after_a_stop(confi
     assert sorted(train_losses(tmp_path / "run")) == list(range(1, 31))
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-30/trainer_state.json")).read_text())
     assert state["world_size"] == 2
+
+
+def test_evaluate_through_the_launcher_on_two_processes(tmp_path):
+    """`pretrainer evaluate HF_FOLDER --nproc-per-node 2`: the folder has no layout, so both processes are data-parallel
+    replicas (no dp= needed); the scores are printed once and written where --output says."""
+    scores = tmp_path / "scores.json"
+    done = run(pretrainer("evaluate", REPO / "examples" / "models" / "tiny-llama", "--tasks",
+                          REPO / "examples" / "tasks" / "python_docs_choices.jsonl", "--limit", 8, "dtype=fp32",
+                          "--output", scores, "--nproc-per-node", 2), timeout=240)
+    assert done.returncode == 0, describe(done)
+    assert done.stdout.count("python_docs_choices: acc ") == 1 and json.loads(scores.read_text())[
+        "python_docs_choices"]["records"] == 8

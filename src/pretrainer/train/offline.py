@@ -80,7 +80,8 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
 def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTrainingArguments, Path | None]:
     """The run to evaluate and the checkpoint holding its weights (None: an HF folder's own weights)."""
     target = Path(target)
-    layout = [] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else list(SINGLE_PROCESS_LAYOUT)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = [] if world_size > 1 else list(SINGLE_PROCESS_LAYOUT)
     if ckpt.checkpoints_root(target).is_dir():
         checkpoint = ckpt.find_latest(target)
         if checkpoint is None:
@@ -89,7 +90,8 @@ def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTraini
         args = PreTrainingArguments.from_yaml(checkpoint / "config.yaml", [*layout, *overrides])
         return args, checkpoint
     if (target / "config.json").is_file():
-        base = {"model_path": str(target), "num_training_steps": 1, "micro_batch_size": 1, "dp": 1,
+        # an HF folder has no layout of its own: every process of the launch is a data-parallel replica
+        base = {"model_path": str(target), "num_training_steps": 1, "micro_batch_size": 1, "dp": world_size,
                 "dtype": "auto", "write_report": False, "export_hf": False}
         return PreTrainingArguments.from_dict(base, [*layout, *overrides], source="evaluate"), None
     raise ConfigError(f"{target}: neither a run's save_dir (with checkpoints/) nor an HF model folder (with "
