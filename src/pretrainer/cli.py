@@ -89,7 +89,8 @@ def launch_command(ns, argv: list[str]) -> int:
     if ns.command == "train":
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
         quiet = logging.getLogger("pretrainer")
-        level, quiet.level = quiet.level, logging.ERROR  # the workers log what the check finds
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # the workers log what the check finds (setLevel also clears the level cache)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints as it is imported
                 check_before_launch(args, plan.world_size, plan.nproc_per_node)
