@@ -185,7 +185,8 @@ def test_missing_config_file_and_none():
 
 
 def test_warmup_and_lr_validation():
-    with pytest.raises(ConfigError, match="not both"):
+    with pytest.raises(ConfigError, match="set one of warmup_steps, warmup_fraction and warmup_tokens, not "
+                                          "warmup_steps and warmup_fraction"):
         PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, warmup_steps=1, warmup_fraction=0.1)
     with pytest.raises(ConfigError, match="longer than num_training_steps \\(10\\); give fewer warmup_steps, or "
                                           "warmup_fraction"):

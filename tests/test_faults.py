@@ -309,10 +309,42 @@ def test_loss_spike_rule_skips_a_step_far_above_the_running_mean(base_config, tm
     trainer.train()
     rows = read_metrics(tmp_path / "run")
     skipped = [r for r in rows if r.get("skipped_update")]
-    assert [(r["step"], r["reason"]) for r in skipped] == [(8, "loss spike")]
+    assert [(r["step"], r["reason"].split(":")[0]) for r in skipped] == [(8, "loss spike")]
+    assert "is above 2 x the mean of the last 7 accepted steps" in skipped[0]["reason"]
     losses = train_losses(tmp_path / "run")
     assert losses[8] > 2 * sum(losses[s] for s in range(3, 8)) / 5 and losses[9] < losses[8] / 2
     assert trainer.skips.total == 1
+
+
+def test_zscore_rule_skips_a_loss_spike_and_a_gradient_norm_spike_and_keeps_its_windows(base_config, tmp_path):
+    """spike_zscore 6 over a window of 6: step 8's loss (logits x 60) and step 10's gradient norm (one weight's
+    gradient x 1000, the loss as usual) are each far above their window; both updates are skipped with their
+    reason, and the windows come back from a checkpoint."""
+    config = {**base_config, "num_training_steps": 12, "eval_interval": 0, "save_interval": 6, "export_hf": False,
+              "spike_zscore": 6.0, "spike_window": 6, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    forwards = [0]
+
+    def scale_logits(module, inputs, output):  # step 8: forwards 15 and 16
+        forwards[0] += 1
+        if forwards[0] in (15, 16):
+            output.logits = output.logits * 60.0
+        return output
+
+    def scale_gradient(grad):  # step 10: the backwards of forwards 19 and 20
+        return grad * 1000.0 if forwards[0] in (19, 20) else grad
+    trainer.model.register_forward_hook(scale_logits)
+    trainer.model.get_input_embeddings().weight.register_hook(scale_gradient)
+    trainer.train()
+    skipped = [r for r in read_metrics(tmp_path / "run") if r.get("skipped_update")]
+    assert [(r["step"], r["reason"].split(":")[0]) for r in skipped] == [(8, "loss spike"),
+                                                                          (10, "gradient norm spike")]
+    assert all("standard deviations above the mean" in r["reason"] for r in skipped)
+    assert skipped[1]["grad_norm"] > 100
+    guard = trainer.spike_guard
+    assert len(guard.losses) == 10 and len(guard.norms) == 6  # accepted steps only (12 - 2; the window)
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step-12" / "trainer_state.json").read_text())
+    assert saved["loss_history"] == {"loss": list(guard.losses), "grad_norm": list(guard.norms)}
 
 
 def test_report_command_rebuilds_the_report_of_a_run(base_config, tmp_path):

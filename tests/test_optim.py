@@ -42,6 +42,68 @@ def test_wsd_is_stable_until_the_decay_fraction():
     assert values[17] < 1.0 and values[-1] == pytest.approx(0.1)
 
 
+def schedule_lrs(tokens_per_step: int = 64, **keys) -> list[float]:
+    """The lr of every update of a 1-layer model under the config `keys`, through the scheduler itself."""
+    args = PreTrainingArguments(**{"micro_batch_size": 1, "dp": 1, "lr": 1.0, "min_lr": 0.1, **keys})
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(args, tokens_per_step))
+    seen = []
+    for _ in range(args.num_training_steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+WSD_SHAPES = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+              "1-sqrt": lambda p: 1 - math.sqrt(p)}
+
+
+@pytest.mark.parametrize("shape", sorted(WSD_SHAPES))
+def test_every_wsd_shape_equals_its_formula_at_every_step_in_steps_and_in_tokens(shape):
+    from pretrainer.config.optimization import WSD_DECAY_SHAPES
+    from pretrainer.optim.schedules import DECAY_SHAPES
+    assert set(WSD_DECAY_SHAPES) == set(DECAY_SHAPES) == set(WSD_SHAPES)
+    total, peak, low = 40, 1.0, 0.1
+    # in steps: 4 warmup steps, decay over the last 20% of the 35 post-warmup updates (7 updates)
+    in_steps = schedule_lrs(num_training_steps=total, warmup_steps=4, lr_decay_style="wsd", wsd_decay_shape=shape)
+    # in tokens, 64 per update: warmup over 160 tokens (2.5 updates), decay over the last 640 (10 updates)
+    in_tokens = schedule_lrs(num_training_steps=total, warmup_tokens=160, lr_decay_style="wsd",
+                             wsd_decay_shape=shape, wsd_decay_tokens=640)
+    for k in range(total):
+        tokens = (k + 1) * 64   # trained by the end of update k
+        expected_steps = (k + 1) / 4 if k + 1 < 4 else \
+            low + (peak - low) * WSD_SHAPES[shape](min(1.0, max(0.0, (k + 1 - (total - 7)) / 7)))
+        expected_tokens = tokens / 160 if tokens < 160 else \
+            low + (peak - low) * WSD_SHAPES[shape](min(1.0, max(0.0, (tokens - (total * 64 - 640)) / 640)))
+        assert in_steps[k] == pytest.approx(expected_steps, abs=1e-12), k
+        assert in_tokens[k] == pytest.approx(expected_tokens, abs=1e-12), k
+    assert in_tokens[29] == 1.0 and in_tokens[30] < 1.0 and in_tokens[-1] == pytest.approx(low)
+    assert in_steps[32] == 1.0 and in_steps[33] < 1.0 and in_steps[-1] == pytest.approx(low)
+
+
+def test_token_warmup_equals_its_formula_under_cosine():
+    values = schedule_lrs(num_training_steps=12, warmup_tokens=96, tokens_per_step=32)  # 3 updates
+    assert values[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert values[-1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"warmup_steps": 2, "warmup_tokens": 100}, "warmup_tokens.: set one of warmup_steps, warmup_fraction and "
+                                                "warmup_tokens"),
+    ({"wsd_decay_shape": "1-sqrt"}, "wsd_decay_shape.: wsd_decay_shape shapes the wsd schedule, but lr_decay_style "
+                                    "is cosine"),
+    ({"lr_decay_style": "wsd", "wsd_decay_shape": "sqrt"}, "wsd_decay_shape 'sqrt' is not one of linear, cosine, "
+                                                            "1-sqrt"),
+    ({"lr_decay_style": "wsd", "wsd_decay_tokens": 100, "wsd_decay_fraction": 0.1}, "set wsd_decay_tokens or "
+                                                                                    "wsd_decay_fraction"),
+    ({"lr_decay_style": "wsd", "wsd_decay_tokens": -5}, "wsd_decay_tokens must be a number of tokens > 0"),
+])
+def test_bad_schedule_keys_are_named(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, **keys)
+
+
 def test_scheduler_follows_config_and_steps_once_per_update():
     model = torch.nn.Linear(2, 2)
     args = PreTrainingArguments(num_training_steps=10, micro_batch_size=1, dp=1, lr=1e-3, min_lr=1e-4,

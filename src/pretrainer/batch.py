@@ -9,7 +9,8 @@ its target count, so accumulation and ranks can average over tokens exactly.
 
 An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never
 exist (`models/chunked_loss.py`): `forward_logits` hands it the batch's targets, and its "logits" are then
-`[summed loss, correct predictions]` (`is_head_loss`), which `loss_sum` and evaluation read; inside
+`[summed loss, correct predictions]` (`is_head_loss`; a third entry with an output z-loss), which `loss_sum`
+and evaluation read; inside
 `per_token_losses()` (scoring, no backward) they are each token's loss instead, `[batch, seq]`.
 """
 
@@ -141,8 +142,18 @@ def token_losses(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def is_head_loss(output: torch.Tensor) -> bool:
-    """Whether a forward's output is an output head's own `[summed loss, correct predictions]`."""
-    return output.dim() == 1 and output.shape[0] == 2
+    """Whether a forward's output is an output head's own `[summed loss, correct predictions(, z sum)]`."""
+    return output.dim() == 1 and output.shape[0] in (2, 3)
+
+
+def z_loss_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sum over valid targets of logsumexp(logits)^2 (PaLM's output z-loss, before its coefficient), from
+    logits or from a head that computed it (`[.., .., z sum]`; its gradient then rides on the loss's)."""
+    if is_head_loss(output):
+        return output[2]
+    valid = (targets != IGNORE).reshape(-1)
+    log_norm = torch.logsumexp(output.float().reshape(-1, output.shape[-1]), dim=-1)
+    return (log_norm.square() * valid).sum()
 
 
 def loss_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .loading import (
 )
 from .moe import check_moe_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
-from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS
+from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .sizes import global_batch_size
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class PreTrainingArguments:
     rope_scaling: dict | None = None
     rope_theta: float | None = None
     loss_chunk_size: int | str = "auto"
+    z_loss_coeff: float = 0.0            # output z-loss: coeff x mean(logsumexp(logits)^2) over trained tokens
     context_parallel_degree: int = 1
 
     # --- Mixture-of-Experts (config/moe.py; only for a model with experts) ---
@@ -119,8 +120,11 @@ class PreTrainingArguments:
     min_lr: float = 0.0
     warmup_steps: int | None = None
     warmup_fraction: float | None = None
+    warmup_tokens: float | None = None     # warmup in trained tokens (instead of warmup_steps / warmup_fraction)
     lr_decay_style: str = "cosine"
     wsd_decay_fraction: float = 0.2
+    wsd_decay_tokens: float | None = None  # wsd: the decay's length in tokens (instead of wsd_decay_fraction)
+    wsd_decay_shape: str = "linear"        # wsd: linear | cosine | 1-sqrt
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -161,6 +165,8 @@ class PreTrainingArguments:
     device_memory: str | int | None = None
     max_skipped_updates: int = 10
     loss_spike_factor: float | None = None
+    spike_zscore: float | None = None      # skip an update whose loss or grad norm is this many std above the mean
+    spike_window: int = 128                # accepted steps in spike_zscore's rolling mean and deviation
     distributed_timeout_minutes: float = 30.0
     peak_tflops: float | None = None
     deepspeed: str | dict | None = None
@@ -380,7 +386,7 @@ class PreTrainingArguments:
         if self.export_dtype is not None:
             self.export_dtype = self.export_dtype.lower()
         # `engine` is checked against the engine registry when the run picks its engine (parallel/registry.py)
-        choices = {"lr_decay_style": DECAY_STYLES, "activation_checkpointing":
+        choices = {"lr_decay_style": DECAY_STYLES, "wsd_decay_shape": WSD_DECAY_SHAPES, "activation_checkpointing":
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
                    "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
                    "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
@@ -411,22 +417,38 @@ class PreTrainingArguments:
             raise key_error("eval_split", "eval_split must be >= 0")
 
     def _check_optimization(self) -> None:
-        if self.warmup_steps is not None and self.warmup_fraction is not None:
-            raise key_error("warmup_steps", "set warmup_steps or warmup_fraction, not both")
+        given = [k for k in ("warmup_steps", "warmup_fraction", "warmup_tokens") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise key_error(given[1], f"set one of warmup_steps, warmup_fraction and warmup_tokens, not {given[0]} "
+                            f"and {given[1]}")
+        self._check_wsd()
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
             raise key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps_resolved() > self.num_training_steps:
             raise key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
                              f"num_training_steps ({self.num_training_steps}); give fewer warmup_steps, or "
                             "warmup_fraction (a share of the run, which scales with it)")
-        if not 0 < self.wsd_decay_fraction <= 1:
-            raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
         self._check_muon()
         check_moe_keys(self)
+
+    def _check_wsd(self) -> None:
+        for key in ("warmup_tokens", "wsd_decay_tokens"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise key_error(key, f"{key} must be a number of tokens > 0 (e.g. 2e9), got {value}")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
+        changed = [k for k, default in (("wsd_decay_fraction", 0.2), ("wsd_decay_tokens", None),
+                                        ("wsd_decay_shape", "linear")) if getattr(self, k) != default]
+        if changed and self.lr_decay_style != "wsd":
+            raise key_error(changed[0], f"{changed[0]} shapes the wsd schedule, but lr_decay_style is "
+                            f"{self.lr_decay_style}; set lr_decay_style: wsd or remove {changed[0]}")
+        if self.wsd_decay_tokens is not None and self.wsd_decay_fraction != 0.2:
+            raise key_error("wsd_decay_tokens", "set wsd_decay_tokens or wsd_decay_fraction, not both")
 
     def _check_muon(self) -> None:
         if self.optimizer != "muon":
@@ -448,9 +470,17 @@ class PreTrainingArguments:
                                  f"['model.layers.*.mlp.*']), got {value!r}")
 
     def _check_loop(self) -> None:
+        if self.z_loss_coeff < 0:
+            raise key_error("z_loss_coeff", f"z_loss_coeff must be >= 0 (1e-4 is PaLM's and OLMo 2's), got "
+                            f"{self.z_loss_coeff}")
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
             raise key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
                              "exceeds this many times the running mean), or null")
+        if self.spike_zscore is not None and self.spike_zscore <= 0:
+            raise key_error("spike_zscore", f"spike_zscore must be > 0 (standard deviations; 6 is OLMo-core's), got "
+                            f"{self.spike_zscore}")
+        if self.spike_window < 4:
+            raise key_error("spike_window", f"spike_window must be >= 4 accepted steps, got {self.spike_window}")
         if self.distributed_timeout_minutes <= 0:
             raise key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "spectral", "original")
 MUON_NS_DTYPES = ("auto", "bf16", "fp32")
+WSD_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # their formulas: optim/schedules.py
 
 
 @dataclass(frozen=True)
@@ -58,21 +59,40 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class ScheduleSettings:
+    """The schedule in updates. Lengths given in tokens (`warmup_tokens`, `wsd_decay_tokens`) are divided by the
+    tokens one update trains, so they may be fractional; the shapes' formulas are in optim/schedules.py."""
     lr: float                # the peak
     min_lr: float
     total_steps: int
-    warmup_steps: int
+    warmup_steps: float
     style: str               # cosine | linear | constant | wsd
-    wsd_decay_fraction: float
+    decay_shape: str = "linear"        # wsd: linear | cosine | 1-sqrt
+    decay_steps: float | None = None   # wsd: the decay's length; None: wsd_decay_fraction of the post-warmup steps
+    wsd_decay_fraction: float = 0.2
+    tokens_per_step: int | None = None  # where lengths were given in tokens
 
     @staticmethod
-    def of(args) -> "ScheduleSettings":
-        return ScheduleSettings(args.lr, args.min_lr, args.num_training_steps, args.warmup_steps_resolved(),
-                                args.lr_decay_style, args.wsd_decay_fraction)
+    def of(args, tokens_per_step: int | None = None) -> "ScheduleSettings":
+        """`tokens_per_step`: the target tokens of one update (global batch x seq_length), needed for token
+        lengths."""
+        per_step = tokens_per_step or 0
+        uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None
+        if uses_tokens and not per_step:
+            raise ValueError("token lengths need the tokens of one update")
+        warmup = args.warmup_tokens / per_step if args.warmup_tokens is not None else args.warmup_steps_resolved()
+        decay = args.wsd_decay_tokens / per_step if args.wsd_decay_tokens is not None else None
+        return ScheduleSettings(args.lr, args.min_lr, args.num_training_steps, warmup, args.lr_decay_style,
+                                args.wsd_decay_shape, decay, args.wsd_decay_fraction,
+                                per_step if uses_tokens else None)
 
     @property
     def min_ratio(self) -> float:
         return self.min_lr / self.lr
 
     def describe(self) -> str:
-        return f"{self.lr:g} ({self.style}, warmup {self.warmup_steps} steps, min {self.min_lr:g})"
+        style = self.style
+        if style == "wsd":
+            length = f"{self.decay_steps:g} steps" if self.decay_steps is not None else \
+                f"the last {self.wsd_decay_fraction:g} of the steps"
+            style = f"wsd, {self.decay_shape} decay over {length}"
+        return f"{self.lr:g} ({style}, warmup {self.warmup_steps:g} steps, min {self.min_lr:g})"

@@ -14,6 +14,12 @@ the ranks all-reduce each token's max logit, then its sum of exponentials and it
 rank holds a chunk's logits for the whole vocabulary; the hidden states' gradient is a partial sum that the
 tensor-parallel layout reduces in backward.
 
+With an output z-loss (`z_loss_coeff` c, PaLM's), each chunk also sums logsumexp(logits)^2 over its trained
+tokens, and the stored gradients are those of cross-entropy + c x that sum: the head returns
+`[cross-entropy sum, correct, z sum]`, the first entry's gradient carrying the z-loss's too (the value of the
+cross-entropy, the gradient of the objective, as ce + c(z - sg(z)) has), so every engine's backward trains it
+and the logged loss stays the cross-entropy.
+
 The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its
 forward changes, and outside `batch.forward_logits` (no targets: `generate`, a user's call) it returns
 ordinary logits.
@@ -73,7 +79,7 @@ def resolve_loss_chunk(setting, micro_batch_size: int, seq_length: int, model_co
     return LossChunk(0 if reason else size, explicit, reason)
 
 
-def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool) -> bool:
+def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool, z_loss_coeff: float = 0.0) -> bool:
     """Make the model's output head compute the loss in chunks of `chunk_size` tokens; False (with a reason
     logged, or an error when the setting was explicit) for heads it cannot replace."""
     head = model.get_output_embeddings()
@@ -88,6 +94,7 @@ def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool
         return False
     head.forward = types.MethodType(_chunked_forward, head)
     head.loss_chunk_size = chunk_size
+    head.z_loss_coeff = z_loss_coeff
     logger.info("loss: the output head and cross-entropy run in chunks of %d tokens (loss_chunk_size)", chunk_size)
     return True
 
@@ -104,9 +111,10 @@ def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tenso
     from torch.distributed.tensor import DTensor
 
     per_token = wants_token_losses()
+    z_coeff = getattr(self, "z_loss_coeff", 0.0)
     if isinstance(self.weight, DTensor):
-        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token)
-    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token)
+        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token, z_coeff)
+    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token, z_coeff)
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,8 @@ class VocabShard:
     group: object
 
 
-def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_token: bool) -> torch.Tensor:
+def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_token: bool,
+                         z_coeff: float = 0.0) -> torch.Tensor:
     """The chunked loss of a head whose weight is a DTensor sharded by vocabulary rows over a 1-D mesh; the
     input arrives as the layout's replicated DTensor (sequence-parallel slices already gathered)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -131,7 +140,7 @@ def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     out = LinearCrossEntropy.apply(hidden, weight.to_local(), targets, chunk, VocabShard(offset, mesh.get_group()),
-                                   per_token)
+                                   per_token, z_coeff)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
@@ -139,11 +148,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions],
     ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a
     `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary. With
-    `per_token` (scoring, no gradient) the result is each target's loss instead, shaped as `targets`."""
+    `per_token` (scoring, no gradient) the result is each target's loss instead, shaped as `targets`. With
+    `z_coeff` > 0 a third entry sums logsumexp(logits)^2 over the valid targets, and the first entry's gradient
+    is that of sum + z_coeff x it (the z-loss trains through it; the third entry has none)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                shard: VocabShard | None, per_token: bool = False):
+                shard: VocabShard | None, per_token: bool = False, z_coeff: float = 0.0):
         flat = hidden.reshape(-1, hidden.shape[-1])
         labels = targets.reshape(-1).to(flat.device)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -151,6 +162,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         total = torch.zeros((), dtype=torch.float32, device=flat.device)
         correct = torch.zeros((), dtype=torch.float32, device=flat.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
         each = torch.zeros(labels.shape, dtype=torch.float32, device=flat.device) if per_token else None
         for start in range(0, flat.shape[0], chunk):
             h, t = flat[start:start + chunk], labels[start:start + chunk]
@@ -167,10 +179,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                 correct += ((target_logit >= best) & valid).sum()  # the target holds the largest logit
             losses = (log_norm - target_logit) * valid
             total += losses.sum()
+            if z_coeff:
+                z_sum += (log_norm.square() * valid).sum()
             if per_token:
                 each[start:start + chunk] = losses
             if want_hidden or want_weight:
                 grad_logits = torch.exp(logits - log_norm[:, None])  # softmax, minus one at the target
+                if z_coeff:  # d(c lse^2)/d logits = 2 c lse softmax
+                    grad_logits *= (1 + 2 * z_coeff * log_norm)[:, None]
                 grad_logits.scatter_add_(1, local[:, None], -mine.to(logits.dtype)[:, None])
                 grad_logits *= valid[:, None]
                 grad_logits = grad_logits.to(h.dtype)
@@ -181,7 +197,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         ctx.have = (want_hidden, want_weight)
-        return each.view(targets.shape) if per_token else torch.stack([total, correct])
+        if per_token:
+            return each.view(targets.shape)
+        return torch.stack([total, correct, z_sum] if z_coeff else [total, correct])
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -191,7 +209,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
         if grad_hidden is not None:
             grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _shard_statistics(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, shard: VocabShard):

@@ -194,6 +194,9 @@ def scheduler_values(kind: str | None, args) -> dict:
     """What each "auto" parameter of a DeepSpeed scheduler block becomes, from the run's lr, min_lr, warmup and
     num_training_steps. DeepSpeed refuses warmup_num_steps 0 (and warms up over at least 2 steps), so a run
     without warmup gets a flat one: warmup from lr to lr, which leaves the schedule the config asks for."""
+    if args.warmup_tokens is not None:
+        raise ConfigError("warmup_tokens cannot fill the DeepSpeed JSON scheduler's \"auto\" warmup (DeepSpeed "
+                          "counts steps): give warmup_steps or warmup_fraction, or remove the JSON's scheduler block")
     total, warmup = args.num_training_steps, args.warmup_steps_resolved()
     lr, min_lr = args.lr, args.min_lr
     warmup_steps = max(1, warmup)

@@ -152,4 +152,4 @@ def _install_chunked_loss(resolved: ResolvedRun, model: torch.nn.Module) -> None
     if chunk.reason:
         logger.info("chunked loss not used: %s", chunk.reason)
     if chunk.size:
-        install_chunked_loss(model, chunk.size, chunk.explicit)
+        install_chunked_loss(model, chunk.size, chunk.explicit, resolved.z_loss_coeff)

@@ -1,14 +1,16 @@
 """What a model feature adds to every training step, behind one interface the loop calls without knowing the
 feature: losses added to each micro-batch's backward (already weighted), work before and after the optimizer
 step, metrics for the log, its line in the banner and its fields in the start row. A Mixture-of-Experts model's
-routing is one (balancing losses, routing statistics, aux-loss-free bias updates); later extra losses (output
-z-loss, multi-token prediction) join the same way.
+routing is one (balancing losses, routing statistics, aux-loss-free bias updates); the output z-loss is another
+(a term on each micro-batch's loss, from its logits); later extra losses (multi-token prediction) join the
+same way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..batch import is_head_loss, z_loss_sum
 from ..models import MoeRouting
 
 
@@ -24,6 +26,11 @@ class StepExtension:
     def extra_losses(self) -> torch.Tensor | None:
         """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
         return None
+
+    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed loss with this feature's term (from the forward's `output`: logits or the
+        head's own sums); its value stays the cross-entropy's, for the log."""
+        return summed
 
     def end_step(self, applied: bool) -> None:
         """After the optimizer step (`applied`: the update was not skipped)."""
@@ -90,9 +97,75 @@ class MoeStep(StepExtension):
                f"{self.routing.experts_implementation}"
 
 
+class OutputZLoss(StepExtension):
+    """PaLM's output z-loss, `z_loss_coeff` x mean over trained tokens of logsumexp(logits)^2: it keeps the
+    softmax normaliser near 1 (log 0), against the logit drift that precedes loss spikes in bf16. It is
+    normalised as the cross-entropy is (the same token-mean), so its term is c x (z - sg(z)) on the summed
+    loss: the value stays the cross-entropy, the gradient gains the z-loss's. A chunked head computes it inside
+    its chunks with its gradient already included (models/chunked_loss.py). Logged as `z_loss`: the mean of
+    logsumexp^2, before the coefficient."""
+
+    def __init__(self, coeff: float, micro_batches: int):
+        self.coeff, self.micro_batches = coeff, micro_batches
+        self.engine = None
+        self._sums = None  # [z sum, targets] of the interval, on the device
+        self._window: list[torch.Tensor] = []  # this step's z sums, one per loss call
+
+    def attach(self, engine, model: torch.nn.Module) -> None:
+        self.engine = engine
+        self._sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+
+    def begin_step(self, counts: torch.Tensor) -> None:
+        self._sums[1] += counts[0]  # the global targets: the z sums are added over ranks when logged
+        self._window = []
+
+    def end_step(self, applied: bool) -> None:
+        # A pipeline schedule's first step also calls the loss once on stand-in outputs (it infers shapes):
+        # the micro-batches' own calls are the last ones.
+        for z in self._window[-self.micro_batches:]:
+            self._sums[0] += z
+        self._window = []
+
+    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        z = z_loss_sum(output, targets)
+        self._window.append(z.detach().double())
+        if is_head_loss(output):  # the chunked head's gradient already holds the z-loss's
+            return summed
+        return summed + self.coeff * (z - z.detach())
+
+    def interval_row(self) -> dict:
+        z_sum = self.engine.reduce_sum(self._sums[:1].clone())
+        row = {"z_loss": z_sum.item() / max(self._sums[1].item(), 1.0)}
+        self._sums.zero_()
+        return row
+
+    def start_row(self) -> dict:
+        return {"z_loss_coeff": self.coeff}
+
+    def describe(self) -> str:
+        return f"output z-loss {self.coeff:g}"
+
+
 def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
     """The extensions the resolved run's model needs, made on the unwrapped model."""
-    return [MoeStep(model, run)] if run.moe is not None else []
+    extensions: list[StepExtension] = [MoeStep(model, run)] if run.moe is not None else []
+    if run.z_loss_coeff:
+        extensions.append(OutputZLoss(run.z_loss_coeff, run.sizes.gradient_accumulation_steps))
+    return extensions
+
+
+def combined_loss(loss_fn, extensions: list[StepExtension]):
+    """`loss_fn(output, targets)` (a micro-batch's summed loss) with each extension's term added."""
+    if not extensions:
+        return loss_fn
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        summed = loss_fn(output, targets)
+        for extension in extensions:
+            summed = extension.add_to_loss(summed, output, targets)
+        return summed
+
+    return loss
 
 
 def combined_losses(extensions: list[StepExtension]):

@@ -63,6 +63,7 @@ class ResolvedRun:
     loss_chunk_setting: int | str = "auto"
     custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
     moe: MoeSettings | None = None    # a model with experts: its shape and how its routing is balanced
+    z_loss_coeff: float = 0.0         # the output z-loss's weight (run/extensions.py's OutputZLoss)
 
     @property
     def dims(self) -> ParallelDims:
@@ -114,9 +115,10 @@ class ResolvedRun:
 
 
 def optimizer_settings(args, entry: EngineEntry, dtype: str) -> OptimizerSettings:
-    if args.loss_spike_factor and entry.cls.applies_every_update:
-        raise key_error("loss_spike_factor", f"loss_spike_factor is not available with engine {entry.name} "
-                        f"({entry.name} applies every update it is given); remove it or use engine "
+    rule = next((key for key in ("loss_spike_factor", "spike_zscore") if getattr(args, key)), None)
+    if rule and entry.cls.applies_every_update:
+        raise key_error(rule, f"{rule} is not available with engine {entry.name} ({entry.name} applies every "
+                        f"update it is given); remove it or use engine "
                         f"{engines_that(lambda c: not c.applies_every_update)}")
     if args.optimizer == "muon" and not entry.cls.trains_muon:
         raise key_error("optimizer", f"optimizer: muon is not available with engine {entry.name}: "
@@ -222,9 +224,22 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
-                       optimizer_settings(args, entry, dtype), ScheduleSettings.of(args), reason,
+                       optimizer_settings(args, entry, dtype), schedule_settings(args, sizes), reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
-                       custom_loss, moe)
+                       custom_loss, moe, args.z_loss_coeff)
+
+
+def schedule_settings(args, sizes: BatchSizes) -> ScheduleSettings:
+    """The schedule in updates; lengths given in tokens are divided by the target tokens of one update and must
+    fit in the run."""
+    per_step = sizes.global_batch_size * sizes.seq_length
+    schedule = ScheduleSettings.of(args, per_step)
+    run_tokens = f"{schedule.total_steps} steps x {per_step} tokens = {schedule.total_steps * per_step} tokens"
+    for key, steps in (("warmup_tokens", schedule.warmup_steps), ("wsd_decay_tokens", schedule.decay_steps)):
+        if getattr(args, key) is not None and steps > schedule.total_steps:
+            raise key_error(key, f"{key} {getattr(args, key):g} is longer than the run ({run_tokens}); give fewer "
+                            "tokens or more num_training_steps")
+    return schedule
 
 
 def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp: bool = True) -> ParallelDims:

@@ -16,11 +16,13 @@ class SkippedUpdates:
         self.total = 0              # in the run (saved with checkpoints)
         self.in_a_row = 0
 
-    def record(self, step: int, applied: bool, grad_norm, reason: str) -> dict | None:
-        """After `step`'s optimizer step: the metrics row of a skipped update (None when it was applied)."""
+    def record(self, step: int, applied: bool, grad_norm, reason: str | None) -> dict | None:
+        """After `step`'s optimizer step: the metrics row of a skipped update (None when it was applied).
+        `reason`: a spike rule's; None: the gradient norm was not finite."""
         if applied:
             self.in_a_row = 0
             return None
+        reason = reason or "non-finite gradient norm"
         self.total += 1
         self.in_a_row += 1
         logger.warning("step %d: %s (gradient norm %s), update skipped (%d in a row, %d in the run)", step, reason,

@@ -1,27 +1,72 @@
-"""The optional loss-spike rule: skip an update whose loss exceeds `factor` x the running mean."""
+"""The optional spike rules, which skip an update (weights, optimizer state and schedule stay as they were):
+
+- `loss_spike_factor: f`: the step's loss is above f x the mean loss of the last 50 accepted steps;
+- `spike_zscore: k` (with `spike_window: n`): the step's loss, or its gradient norm, is more than k standard
+  deviations above the mean of the last n accepted steps' values (OLMo-core's rule: a spike shows in the
+  gradient norm as often as in the loss, and the norm is known before the update).
+
+A rule applies once its window holds enough accepted steps (5 for the factor, n / 2 for the z-score). Only
+accepted steps join the windows, so a run of spikes cannot raise the mean that judges them.
+"""
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
-WINDOW = 50  # accepted steps in the running mean
-MIN_HISTORY = 5  # the rule applies once this many steps are in it
+FACTOR_WINDOW = 50       # accepted losses in the factor rule's running mean
+FACTOR_MIN_HISTORY = 5
 
 
-class LossSpikeGuard:
-    def __init__(self, factor: float):
-        self.factor = factor
-        self.history: deque[float] = deque(maxlen=WINDOW)
+class SpikeGuard:
+    def __init__(self, factor: float | None, zscore: float | None, window: int):
+        self.factor, self.zscore, self.window = factor, zscore, window
+        self.losses: deque[float] = deque(maxlen=max(FACTOR_WINDOW, window))
+        self.norms: deque[float] = deque(maxlen=window)
+        self.reason: str | None = None  # why the current step's update is skipped
 
-    def is_spike(self, loss: float) -> bool:
-        """Whether to skip this step; an accepted step's loss joins the running mean."""
-        if len(self.history) >= MIN_HISTORY and loss > self.factor * (sum(self.history) / len(self.history)):
-            return True
-        self.history.append(loss)
-        return False
+    @staticmethod
+    def of(args) -> "SpikeGuard | None":
+        if not args.loss_spike_factor and not args.spike_zscore:
+            return None
+        return SpikeGuard(args.loss_spike_factor, args.spike_zscore, args.spike_window)
 
-    def state_dict(self) -> list[float]:
-        return list(self.history)
+    def check_loss(self, loss: float) -> bool:
+        """Before the update: whether the step's loss is a spike (the reason is kept)."""
+        self.reason, self._loss = None, loss
+        recent = list(self.losses)[-FACTOR_WINDOW:]
+        if self.factor and len(recent) >= FACTOR_MIN_HISTORY and loss > self.factor * statistics.fmean(recent):
+            self.reason = f"loss spike: {loss:.4g} is above {self.factor:g} x the mean of the last {len(recent)} " \
+                          "accepted steps"
+        else:
+            self.reason = self._zscore_reason("loss", loss, list(self.losses)[-self.window:])
+        return self.reason is not None
 
-    def load_state_dict(self, history: list[float]) -> None:
-        self.history = deque(history, maxlen=WINDOW)
+    def check_norm(self, grad_norm) -> bool:
+        """Inside the optimizer step, once the gradient norm is known: whether it is a spike."""
+        self.reason = self.reason or self._zscore_reason("gradient norm", float(grad_norm), list(self.norms))
+        return self.reason is not None
+
+    def _zscore_reason(self, name: str, value: float, history: list[float]) -> str | None:
+        if not self.zscore or len(history) < max(2, self.window // 2):
+            return None
+        mean, deviation = statistics.fmean(history), statistics.pstdev(history)
+        if deviation > 0 and value - mean > self.zscore * deviation:
+            return f"{name} spike: {value:.4g} is {(value - mean) / deviation:.1f} standard deviations above the " \
+                   f"mean {mean:.4g} of the last {len(history)} accepted steps (spike_zscore {self.zscore:g})"
+        return None
+
+    def after_update(self, applied: bool, grad_norm) -> None:
+        """An applied step's loss and gradient norm join the windows."""
+        if applied:
+            self.losses.append(self._loss)
+            self.norms.append(float(grad_norm))
+
+    def state_dict(self) -> dict:
+        return {"loss": list(self.losses), "grad_norm": list(self.norms)}
+
+    def load_state_dict(self, history) -> None:
+        if isinstance(history, list):  # written before the gradient-norm window existed: losses only
+            history = {"loss": history, "grad_norm": []}
+        self.losses.extend(history.get("loss", []))
+        self.norms.extend(history.get("grad_norm", []))

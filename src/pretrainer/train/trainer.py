@@ -26,7 +26,7 @@ from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
-from ..run.extensions import combined_losses
+from ..run.extensions import combined_loss, combined_losses
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
@@ -38,7 +38,7 @@ from .run_log import RunLog
 from .run_state import RunState, rng_state, seed_everything, set_rng_state
 from .signals import StopRequests, TrainingInterrupted
 from .skips import SkippedUpdates
-from .spikes import LossSpikeGuard
+from .spikes import SpikeGuard
 from .start import check_inputs, model_ready_row, prepare_process, print_banner, start_row
 from .validation import Validator
 from .watchdog import open_watchdog
@@ -72,6 +72,7 @@ class PreTrainer:
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
         self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
+        self.loss_fn = combined_loss(self.hooks.loss, self.extensions)  # with the extensions' terms (z-loss)
         self.model_memory = model_ready_row(self.engine, run.facts.load_stats)
         self._setup_loop()
 
@@ -82,7 +83,7 @@ class PreTrainer:
         self.tokens_seen = 0
         self.skips = SkippedUpdates(args.max_skipped_updates)
         self.stop_requests = StopRequests()
-        self.spike_guard = LossSpikeGuard(args.loss_spike_factor) if args.loss_spike_factor else None
+        self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.state = self._saved_state()
         self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters)
@@ -241,23 +242,24 @@ class PreTrainer:
         for extension in self.extensions:
             extension.begin_step(counts)
         with phases.device("compute"):
-            local_loss = engine.forward_backward(self.model, micro_batches, self.hooks.loss, scale, self.extra_losses)
-        spike = False
-        if self.spike_guard is not None:  # reads the loss each step: one sync, only with the rule on
-            step_loss = engine.reduce_sum(local_loss).item() / max(float(counts[0].item()), 1.0)
-            spike = self.spike_guard.is_spike(step_loss)
+            local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
+        guard = self.spike_guard  # reads the loss each step (one sync), only with a spike rule on
+        spike = guard is not None and guard.check_loss(engine.reduce_sum(local_loss).item()
+                                                       / max(float(counts[0].item()), 1.0))
         lr = self.optimizer.param_groups[0]["lr"]
         with phases.device("optimizer"):
             grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad,
-                                             skip_nonfinite=args.max_skipped_updates > 0, skip=spike)
+                                             skip_nonfinite=args.max_skipped_updates > 0, skip=spike,
+                                             skip_norm=guard.check_norm if guard is not None else None)
             if applied:
                 engine.finish_step(self.optimizer, self.lr_scheduler)
             else:
                 self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
             for extension in self.extensions:
                 extension.end_step(applied)
-        skipped = self.skips.record(self.completed_steps + 1, applied, grad_norm,
-                                    "loss spike" if spike else "non-finite gradient norm")
+        if guard is not None:
+            guard.after_update(applied, grad_norm)
+        skipped = self.skips.record(self.completed_steps + 1, applied, grad_norm, guard and guard.reason)
         if skipped is not None:
             self.log.defer(skipped)
         return local_loss, counts[:2], grad_norm, lr
