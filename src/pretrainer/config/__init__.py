@@ -12,13 +12,14 @@ from .errors import ConfigError, key_error
 from .loading import parse_size
 from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shape
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
-from .optimization import MUON_ADJUST_LR, OPTIMIZERS, MuonSettings, OptimizerSettings, ScheduleSettings
-from .paths import check_writable_folder
+from .optimization import MUON_ADJUST_LR, OPTIMIZERS, BranchPoint, MuonSettings, OptimizerSettings, ScheduleSettings
+from .paths import CHECKPOINT_STATE_FILE, check_writable_folder, extra_state_file
 from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "DEFAULT_DATA_SPLIT", "DTYPES", "HOOK_KEYS",
-           "MEGATRON_KEY_TO_FIELD", "MOE_KEYS", "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR", "OPTIMIZERS",
-           "BatchSizes", "ConfigError", "DownstreamTask", "ExpertShape", "MoeSettings", "MuonSettings",
-           "OptimizerSettings", "ParallelDims", "PreTrainingArguments", "ScheduleSettings", "TASK_FORMATS",
-           "check_writable_folder", "dtype_name", "expert_shape", "global_batch_size", "key_error", "megatron_args",
-           "model_positions", "parse_size", "read_downstream_tasks", "resolve_seq_length", "torch_dtype"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "CHECKPOINT_STATE_FILE", "DEFAULT_DATA_SPLIT", "DTYPES",
+           "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD", "MOE_KEYS", "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR",
+           "OPTIMIZERS", "TASK_FORMATS", "BatchSizes", "BranchPoint", "ConfigError", "DownstreamTask", "ExpertShape",
+           "MoeSettings", "MuonSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments",
+           "ScheduleSettings", "check_writable_folder", "dtype_name", "expert_shape", "extra_state_file",
+           "global_batch_size", "key_error", "megatron_args", "model_positions", "parse_size",
+           "read_downstream_tasks", "resolve_seq_length", "torch_dtype"]

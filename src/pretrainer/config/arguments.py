@@ -124,7 +124,10 @@ class PreTrainingArguments:
     lr_decay_style: str = "cosine"
     wsd_decay_fraction: float = 0.2
     wsd_decay_tokens: float | None = None  # wsd: the decay's length in tokens (instead of wsd_decay_fraction)
-    wsd_decay_shape: str = "linear"        # wsd: linear | cosine | 1-sqrt
+    wsd_decay_shape: str = "linear"        # wsd (and cooldown branches): linear | cosine | 1-sqrt
+    cooldown_from: str | None = None       # a checkpoint folder: start a cooldown branch there
+    cooldown_tokens: float | None = None   # the branch's decay length in tokens (num_training_steps derived)
+    override_schedule: bool = False        # resume although the schedule's keys changed since the checkpoint
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -442,8 +445,18 @@ class PreTrainingArguments:
                 raise key_error(key, f"{key} must be a number of tokens > 0 (e.g. 2e9), got {value}")
         if not 0 < self.wsd_decay_fraction <= 1:
             raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
+        if (self.cooldown_from is None) != (self.cooldown_tokens is None):
+            given, missing = ("cooldown_from", "cooldown_tokens") if self.cooldown_tokens is None else \
+                ("cooldown_tokens", "cooldown_from")
+            raise key_error(missing, f"{given} needs {missing}: a cooldown branch starts at a checkpoint "
+                            "(cooldown_from=RUN/checkpoints/step-N) and decays over a number of tokens "
+                            "(cooldown_tokens=T)")
+        if self.cooldown_tokens is not None and self.cooldown_tokens <= 0:
+            raise key_error("cooldown_tokens", f"cooldown_tokens must be > 0, got {self.cooldown_tokens}")
         changed = [k for k, default in (("wsd_decay_fraction", 0.2), ("wsd_decay_tokens", None),
                                         ("wsd_decay_shape", "linear")) if getattr(self, k) != default]
+        if self.cooldown_from is not None:  # a branch decays in wsd_decay_shape whatever the parent's style
+            changed = [k for k in changed if k != "wsd_decay_shape"]
         if changed and self.lr_decay_style != "wsd":
             raise key_error(changed[0], f"{changed[0]} shapes the wsd schedule, but lr_decay_style is "
                             f"{self.lr_decay_style}; set lr_decay_style: wsd or remove {changed[0]}")

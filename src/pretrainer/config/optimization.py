@@ -3,6 +3,7 @@ the schedule and DeepSpeed's JSON blocks all take these instead of the arguments
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw", "muon")
@@ -58,6 +59,19 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class BranchPoint:
+    """Where a cooldown branch starts (`cooldown_from`): a checkpoint of a run in its stable phase."""
+    checkpoint: str          # the checkpoint folder
+    run: str                 # the save_dir of the run that wrote it
+    step: int                # the updates it holds
+    lr_ratio: float          # the parent's lr multiplier for its next update (1.0 in a stable phase)
+
+    @property
+    def lineage(self) -> str:
+        return f"{self.run}@step-{self.step}"
+
+
+@dataclass(frozen=True)
 class ScheduleSettings:
     """The schedule in updates. Lengths given in tokens (`warmup_tokens`, `wsd_decay_tokens`) are divided by the
     tokens one update trains, so they may be fractional; the shapes' formulas are in optim/schedules.py."""
@@ -70,15 +84,22 @@ class ScheduleSettings:
     decay_steps: float | None = None   # wsd: the decay's length; None: wsd_decay_fraction of the post-warmup steps
     wsd_decay_fraction: float = 0.2
     tokens_per_step: int | None = None  # where lengths were given in tokens
+    branch: BranchPoint | None = None   # a cooldown branch: decay_steps from branch.step, from its lr
 
     @staticmethod
-    def of(args, tokens_per_step: int | None = None) -> "ScheduleSettings":
+    def of(args, tokens_per_step: int | None = None, branch: BranchPoint | None = None) -> "ScheduleSettings":
         """`tokens_per_step`: the target tokens of one update (global batch x seq_length), needed for token
-        lengths."""
+        lengths. A cooldown `branch` decays over `cooldown_tokens` from its step, and the run ends with the
+        update that finishes them."""
         per_step = tokens_per_step or 0
-        uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None
+        uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None or branch is not None
         if uses_tokens and not per_step:
             raise ValueError("token lengths need the tokens of one update")
+        if branch is not None:
+            decay = args.cooldown_tokens / per_step
+            total = branch.step + math.ceil(decay - 1e-9)
+            return ScheduleSettings(args.lr, args.min_lr, total, 0.0, "cooldown", args.wsd_decay_shape, decay,
+                                    tokens_per_step=per_step, branch=branch)
         warmup = args.warmup_tokens / per_step if args.warmup_tokens is not None else args.warmup_steps_resolved()
         decay = args.wsd_decay_tokens / per_step if args.wsd_decay_tokens is not None else None
         return ScheduleSettings(args.lr, args.min_lr, args.num_training_steps, warmup, args.lr_decay_style,
@@ -91,6 +112,9 @@ class ScheduleSettings:
 
     def describe(self) -> str:
         style = self.style
+        if self.branch is not None:
+            return f"{self.lr * self.branch.lr_ratio:g} at step {self.branch.step} ({self.decay_shape} cooldown over " \
+                   f"{self.decay_steps:g} steps to min {self.min_lr:g}; branch of {self.branch.lineage})"
         if style == "wsd":
             length = f"{self.decay_steps:g} steps" if self.decay_steps is not None else \
                 f"the last {self.wsd_decay_fraction:g} of the steps"

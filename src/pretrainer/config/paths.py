@@ -7,6 +7,13 @@ from pathlib import Path
 
 from .errors import ConfigError
 
+CHECKPOINT_STATE_FILE = "trainer_state.json"  # a checkpoint folder's run-level state, written last
+
+
+def extra_state_file(rank: int) -> str:
+    """A checkpoint's file of one rank's own state (RNG, loss scaler, schedule)."""
+    return f"extra_state_rank{rank}.pt"
+
 
 def check_writable_folder(path: str | Path, what: str) -> Path:
     """Create `path` (and its parents) if needed and write a probe file in it. `what` names the setting in the

@@ -4,7 +4,9 @@ Lengths arrive in updates (`ScheduleSettings`: the config's token lengths are al
 one update, so they may be fractional). Update k (0-based) ends at position k + 1; warmup rises as
 position / warmup, so its last update reaches the peak. Cosine and linear then decay over the remaining
 updates to `min_lr` at the last one. WSD stays at the peak until the last `decay` positions and decays over
-them in the chosen shape (`decay_shape`), reaching `min_lr` at the last update.
+them in the chosen shape (`decay_shape`), reaching `min_lr` at the last update. A cooldown branch from step N
+decays from the parent's lr at N the same way over its own length: with the parent stable at N, the branch's
+updates get exactly the lrs of a WSD run ending at the branch's end with a decay of the branch's length.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def lr_multiplier(step: int, *, total: int, warmup: float, style: str, min_ratio
 
 
 def schedule_multiplier(settings: ScheduleSettings, step: int) -> float:
+    branch = settings.branch
+    if branch is not None:  # a cooldown branch: from the parent's lr at its step down to min_lr
+        progress = min(1.0, max(0.0, (step + 1 - branch.step) / settings.decay_steps))
+        low = settings.min_ratio
+        return low + (branch.lr_ratio - low) * DECAY_SHAPES[settings.decay_shape](progress)
     return lr_multiplier(step, total=settings.total_steps, warmup=settings.warmup_steps, style=settings.style,
                          min_ratio=settings.min_ratio, decay_shape=settings.decay_shape,
                          decay=settings.decay_steps)
@@ -55,3 +62,16 @@ def schedule_multiplier(settings: ScheduleSettings, step: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: ScheduleSettings) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule_multiplier(settings, step))
+
+
+def realign_to_schedule(scheduler, base_lrs: list[float]) -> None:
+    """Give each parameter group the lr its schedule sets at the scheduler's current step, from this run's
+    peaks `base_lrs`: after a resume onto another schedule (a cooldown branch, override_schedule) the
+    optimizer's and the scheduler's saved lrs are the old schedule's."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    scheduler.base_lrs = list(base_lrs)
+    values = [base * rule(scheduler.last_epoch) for base, rule in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, base, value in zip(scheduler.optimizer.param_groups, base_lrs, values):
+        group["initial_lr"], group["lr"] = base, value
+    scheduler._last_lr = values

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import (
     BatchSizes,
+    BranchPoint,
     ConfigError,
     MoeSettings,
     OptimizerSettings,
@@ -37,6 +38,7 @@ from ..models import (
 from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, planned_world, select_engine
 from ..parallel.activation_checkpoint import RecomputeSettings
 from ..parallel.registry import engines_that
+from .branch import read_branch_point
 from .device import resolve_device, resolve_dtype
 from .plugin_layout import check_plugin_layout
 
@@ -212,6 +214,9 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
         path = args.resolved_tokenizer_path
         tokenizer = load_tokenizer(path, Path(path)) if path else None
     sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, config, where), dims.dp)
+    lr_schedule = schedule_settings(args, sizes, read_branch_point(args))
+    if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
+        sizes = dataclasses.replace(sizes, num_training_steps=lr_schedule.total_steps)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
@@ -224,16 +229,18 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
-                       optimizer_settings(args, entry, dtype), schedule_settings(args, sizes), reason,
+                       optimizer_settings(args, entry, dtype), lr_schedule, reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
                        custom_loss, moe, args.z_loss_coeff)
 
 
-def schedule_settings(args, sizes: BatchSizes) -> ScheduleSettings:
+def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None) -> ScheduleSettings:
     """The schedule in updates; lengths given in tokens are divided by the target tokens of one update and must
-    fit in the run."""
+    fit in the run. A cooldown `branch` sets the run's length."""
     per_step = sizes.global_batch_size * sizes.seq_length
-    schedule = ScheduleSettings.of(args, per_step)
+    schedule = ScheduleSettings.of(args, per_step, branch)
+    if branch is not None:
+        return schedule
     run_tokens = f"{schedule.total_steps} steps x {per_step} tokens = {schedule.total_steps * per_step} tokens"
     for key, steps in (("warmup_tokens", schedule.warmup_steps), ("wsd_decay_tokens", schedule.decay_steps)):
         if getattr(args, key) is not None and steps > schedule.total_steps:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..config import ConfigError
+from ..config import CHECKPOINT_STATE_FILE, ConfigError, extra_state_file
 from ..parallel.registry import BY_NAME
 from . import checkpoint_io
 from .checkpoint_io import DCP
@@ -37,7 +37,7 @@ from .run_state import RunState
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE_FILE = "trainer_state.json"
+STATE_FILE = CHECKPOINT_STATE_FILE
 MANIFEST = "manifest.json"
 FORMAT_NAMES = {DCP: "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
 
@@ -97,7 +97,7 @@ class Checkpointer:
         state = {**self.state.saved(per_rank=False), "config_hash": self.config_hash, "step": step,
                  "world_size": engine.world_size, "engine": engine.name, "checkpoint_format": engine.checkpoint_format}
         try:
-            torch.save(self.state.saved(per_rank=True), tmp / f"extra_state_rank{engine.rank}.pt")
+            torch.save(self.state.saved(per_rank=True), tmp / extra_state_file(engine.rank))
             with _single_process_ok():
                 if self.async_save:
                     self._pending = (checkpoint_io.save_state_async(engine, tmp, model, optimizer), tmp, final,
@@ -208,9 +208,9 @@ def load_checkpoint(path: str | Path, *, engine, model, optimizer, state: RunSta
     trainer_state = read_trainer_state(path)
     check_resumable(path, trainer_state, engine)
     _load_engine_state(path, engine, model, optimizer)
-    extra_file = path / f"extra_state_rank{engine.rank}.pt"
+    extra_file = path / extra_state_file(engine.rank)
     if not extra_file.is_file():  # resumed on more ranks than saved: share rank 0's
-        extra_file = path / "extra_state_rank0.pt"
+        extra_file = path / extra_state_file(0)
     state.restore(trainer_state, torch.load(extra_file, weights_only=False), str(path))
     return trainer_state
 

@@ -49,6 +49,8 @@ def start_row(trainer, meter, resumed: bool) -> dict:
            "flops_per_token": facts.flops.per_token}
     for extension in trainer.extensions:
         row.update(extension.start_row())
+    if trainer.branch is not None:  # a cooldown branch: its lineage, for the reports
+        row["branch_of"] = trainer.branch.lineage
     row["peak"] = meter.peak.describe()
     if trainer.predicted_memory is not None:
         row.update(trainer.predicted_memory.row())

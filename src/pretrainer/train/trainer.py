@@ -22,20 +22,23 @@ import torch
 
 from ..batch import count_inputs, count_targets, to_device
 from ..config import PreTrainingArguments
+from ..optim import realign_to_schedule
 from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
+from ..run.branch import branch_args
 from ..run.extensions import combined_loss, combined_losses
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
 from .export import export_hf
 from .hooks import Hooks
+from .loop_state import loop_state
 from .metrics import setup_logging
 from .report import write_report_logged
 from .run_log import RunLog
-from .run_state import RunState, rng_state, seed_everything, set_rng_state
+from .run_state import seed_everything
 from .signals import StopRequests, TrainingInterrupted
 from .skips import SkippedUpdates
 from .spikes import SpikeGuard
@@ -50,7 +53,9 @@ class PreTrainer:
     def __init__(self, pretrain_args: PreTrainingArguments, accelerator=None, model=None, optimizer=None,
                  lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
         setup_logging()
-        self.pretrain_args = args = pretrain_args
+        # a cooldown branch (cooldown_from) starts from its parent's checkpoint, in a folder of its own
+        args, self.branch = branch_args(pretrain_args)
+        self.pretrain_args = args
         self.accelerator = accelerator
         check_inputs(args, accelerator, model, optimizer, lr_scheduler)
         self.world = world = launch_world(args)
@@ -59,6 +64,9 @@ class PreTrainer:
         atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
         prepare_process(args, world)
         self.resume_from = ckpt.elect_resume(world, args.resume, args.save_dir)
+        self.starting_branch = self.branch is not None and self.resume_from is None
+        if self.starting_branch:
+            self.resume_from = Path(self.branch.checkpoint)
         seed_everything(args.seed)
         self.hooks = Hooks(args.plugin_args)
         if model is None and self.hooks.model_provider is not None:
@@ -71,6 +79,7 @@ class PreTrainer:
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
+        self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
         self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
         self.loss_fn = combined_loss(self.hooks.loss, self.extensions)  # with the extensions' terms (z-loss)
         self.model_memory = model_ready_row(self.engine, run.facts.load_stats)
@@ -85,29 +94,11 @@ class PreTrainer:
         self.stop_requests = StopRequests()
         self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
-        self.state = self._saved_state()
+        self.state = loop_state(self)
         self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters)
         self.downstream = DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
                                               args.eval_interval)
         self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state) if args.save_dir else None
-
-    def _saved_state(self) -> RunState:
-        """What a checkpoint keeps beside the model and optimizer (their keys are the checkpoint format's)."""
-        state = RunState()
-        state.register("scheduler", self.lr_scheduler.state_dict, self.lr_scheduler.load_state_dict, per_rank=True)
-        state.register("scaler", self.engine.precision.state_dict, self.engine.precision.load_state_dict,
-                       per_rank=True)
-        state.register("tokens", lambda: self.tokens_seen, self._load_tokens, default=0)
-        state.register("data", self.train_stream.state_dict, self.train_stream.load_state_dict)
-        state.register("skipped_updates", lambda: self.skips.total, self.skips.load, default=0)
-        guard = self.spike_guard
-        state.register("loss_history", guard.state_dict if guard else list, guard.load_state_dict if guard
-                       else lambda _: None, default=[])
-        state.register("rng", rng_state, set_rng_state, per_rank=True)  # last: loading the rest may draw numbers
-        return state
-
-    def _load_tokens(self, tokens) -> None:
-        self.tokens_seen = int(tokens)
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -162,17 +153,17 @@ class PreTrainer:
         args, engine = self.pretrain_args, self.engine
         self._maybe_resume()
         self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history)
-        log.record(start_row(self, log.meter, resumed=self.completed_steps > 0))
-        if self.completed_steps >= args.num_training_steps:
+        log.record(start_row(self, log.meter, resumed=self.completed_steps > 0 and not self.starting_branch))
+        if self.completed_steps >= self.total_steps:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
-                        self.completed_steps, args.num_training_steps)
+                        self.completed_steps, self.total_steps)
             self._export_to_save_dir()
             log.close()
             return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
         print_banner(self, log.meter)
         watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
         try:
-            stop = self._steps(log.start_progress(args.num_training_steps, self.completed_steps), watchdog)
+            stop = self._steps(log.start_progress(self.total_steps, self.completed_steps), watchdog)
         finally:  # on every way out: the watchdog thread is stopped and joined, the bar closed
             log.close_progress()
             watchdog.close()
@@ -195,13 +186,13 @@ class PreTrainer:
         args, log = self.pretrain_args, self.log
         self.model.train()
         step_start = time.perf_counter()
-        while self.completed_steps < args.num_training_steps:
+        while self.completed_steps < self.total_steps:
             with watchdog.watching(self.completed_steps + 1):
                 step_loss, counts, grad_norm, lr = self._train_step(log.meter.phases)
             self.completed_steps = step = self.completed_steps + 1
             log.meter.add(step_loss, counts, time.perf_counter() - step_start)
             log.write_deferred()
-            if step % args.log_interval == 0 or step == args.num_training_steps:
+            if step % args.log_interval == 0 or step == self.total_steps:
                 self._log_step(lr, grad_norm)
             progress.update(step)
             if self.checkpointer is not None and self.checkpointer.is_due(step):
@@ -267,7 +258,7 @@ class PreTrainer:
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
         args = self.pretrain_args
-        if step >= args.num_training_steps:
+        if step >= self.total_steps:
             return None
         if self.engine.any_rank(self.stop_requests.received is not None):
             return "interrupted"
@@ -309,12 +300,16 @@ class PreTrainer:
         path = self.resume_from
         if path is None:
             return
+        peaks = list(getattr(self.lr_scheduler, "base_lrs", []))  # this run's, before the checkpoint's replace them
         saved = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer,
                                      state=self.state)
         if saved.get("config_hash") != self.pretrain_args.config_hash():
             logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
         self.completed_steps = int(saved["step"])
-        logger.info("resumed from %s at step %d", path, self.completed_steps)
+        if self.starting_branch or self.pretrain_args.override_schedule:  # the new schedule from this step on
+            realign_to_schedule(self.lr_scheduler, peaks)
+        logger.info("%s from %s at step %d", "cooldown branch starts" if self.starting_branch else "resumed", path,
+                    self.completed_steps)
 
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:

@@ -1,0 +1,91 @@
+"""Cooldown branches (`cooldown_from`, `cooldown_tokens`): a branch from a stable-phase checkpoint gives the
+losses of the WSD run that decays over the same tokens; its length, folder and lineage; a resume onto a
+changed schedule is refused unless override_schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import read_metrics, train_losses
+from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
+
+TOKENS_PER_STEP = 4 * 32  # base_config: global batch 4 (2 x 2 accumulation) of 32 tokens
+
+
+def wsd_config(base_config, save_dir, steps: int = 8, decay_steps: int = 4) -> dict:
+    return {**base_config, "num_training_steps": steps, "lr_decay_style": "wsd", "wsd_decay_shape": "1-sqrt",
+            "wsd_decay_tokens": decay_steps * TOKENS_PER_STEP, "min_lr": 1e-4, "save_interval": 2,
+            "eval_interval": 4, "export_hf": False, "save_dir": str(save_dir)}
+
+
+def test_a_branch_from_the_stable_phase_equals_the_wsd_run_that_decays_over_its_tokens(base_config, tmp_path):
+    """A 12-step WSD run is stable to step 8; a branch from its step 4 that cools down over 512 tokens (4 updates,
+    1-sqrt) trains steps 5-8 with the lrs, losses and evaluations of the 8-step WSD run whose decay is those 512
+    tokens. The parent's config with the two keys added is all it needs (the branch's folder and length are
+    derived)."""
+    parent, reference = tmp_path / "parent", tmp_path / "reference"
+    PreTrainer(PreTrainingArguments(**wsd_config(base_config, parent, steps=12))).train()
+    PreTrainer(PreTrainingArguments(**wsd_config(base_config, reference, steps=8))).train()
+    stable = {**wsd_config(base_config, parent, steps=12), "cooldown_from": str(parent / "checkpoints" / "step-4"),
+              "cooldown_tokens": 4 * TOKENS_PER_STEP}
+    branch = PreTrainer(PreTrainingArguments(**stable))
+    assert branch.pretrain_args.save_dir == str(parent / "branches" / "cooldown-step-4-512")
+    assert branch.total_steps == 8
+    branch.train()
+    folder = parent / "branches" / "cooldown-step-4-512"
+    want, have = read_metrics(reference), read_metrics(folder)
+    for key in ("loss", "lr", "grad_norm", "eval_loss"):
+        expected = {row["step"]: row[key] for row in want if key in row and row["step"] > 4}
+        got = {row["step"]: row[key] for row in have if key in row and row["step"] > 4}
+        assert sorted(got) == sorted(expected) and [got[s] for s in sorted(got)] == pytest.approx(
+            [expected[s] for s in sorted(expected)], rel=1e-6, abs=1e-12), key
+    start = next(row for row in have if row.get("event") == "start")
+    assert start["branch_of"] == f"{parent}@step-4" and start["step"] == 4
+
+
+def test_a_shorter_branch_reaches_min_lr_at_its_own_end_and_resumes_as_itself(base_config, tmp_path):
+    parent = tmp_path / "parent"
+    PreTrainer(PreTrainingArguments(**wsd_config(base_config, parent))).train()
+    config = {**wsd_config(base_config, parent), "cooldown_from": str(parent / "checkpoints" / "step-2"),
+              "cooldown_tokens": 300, "save_dir": str(tmp_path / "short"), "exit_interval": 3}
+    first = PreTrainer(PreTrainingArguments(**config))
+    assert first.total_steps == 2 + 3  # 300 tokens: 3 updates of 128, the last partly past them
+    first.train()  # stops after step 3 (exit_interval), a checkpoint saved
+    PreTrainer(PreTrainingArguments(**{**config, "exit_interval": None})).train()
+    rows = [row for row in read_metrics(tmp_path / "short") if "lr" in row]
+    lrs = {row["step"]: row["lr"] for row in rows}
+    # the lr each update used: from the parent's peak at step 2 down along 1 - sqrt(tokens / 300)
+    expected = {step: 1e-4 + (1e-3 - 1e-4) * (1 - min(1.0, (step - 2) * 128 / 300) ** 0.5) for step in (3, 4, 5)}
+    assert lrs == pytest.approx(expected, rel=1e-9)
+    assert sorted(train_losses(tmp_path / "short")) == [3, 4, 5]
+
+
+def test_a_resume_onto_a_changed_schedule_is_refused_with_the_changed_keys(base_config, tmp_path):
+    config = {**base_config, "exit_interval": 3, "export_hf": False}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    changed = {**config, "exit_interval": None, "lr": 2e-3, "num_training_steps": 8}
+    with pytest.raises(ConfigError, match=r"the schedule changed since .*step-3 was saved \(lr 0\.001 -> 0\.002; "
+                                          r"num_training_steps 6 -> 8\).*set override_schedule: true"):
+        PreTrainer(PreTrainingArguments(**changed)).train()
+    PreTrainer(PreTrainingArguments(**{**changed, "override_schedule": True})).train()
+    lrs = {row["step"]: row["lr"] for row in read_metrics(base_config["save_dir"]) if "lr" in row}
+    assert max(lrs) == 8 and lrs[4] == pytest.approx(2e-3 * 0.5 * (1 + math.cos(math.pi * 1 / 5)), rel=1e-9)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"cooldown_tokens": 100}, "cooldown_tokens needs cooldown_from"),
+    ({"cooldown_from": "somewhere"}, "cooldown_from needs cooldown_tokens"),
+])
+def test_half_a_branch_is_refused(base_config, keys, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(**{**base_config, **keys})
+
+
+def test_a_branch_point_that_is_no_checkpoint_lists_the_run_s_checkpoints(base_config, tmp_path):
+    parent = tmp_path / "parent"
+    PreTrainer(PreTrainingArguments(**{**wsd_config(base_config, parent), "num_training_steps": 4})).train()
+    with pytest.raises(ConfigError, match=r"cooldown_from.*is not a complete checkpoint folder .*this folder's "
+                                          r"checkpoints: step-2, step-4"):
+        PreTrainer(PreTrainingArguments(**{**base_config, "cooldown_from": str(parent), "cooldown_tokens": 100}))
