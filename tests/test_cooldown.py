@@ -10,6 +10,7 @@ import pytest
 
 from helpers import read_metrics, train_losses
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
+from pretrainer.train.report import write_report
 
 TOKENS_PER_STEP = 4 * 32  # base_config: global batch 4 (2 x 2 accumulation) of 32 tokens
 
@@ -43,6 +44,11 @@ def test_a_branch_from_the_stable_phase_equals_the_wsd_run_that_decays_over_its_
             [expected[s] for s in sorted(expected)], rel=1e-6, abs=1e-12), key
     start = next(row for row in have if row.get("event") == "start")
     assert start["branch_of"] == f"{parent}@step-4" and start["step"] == 4
+    # the parent's report draws its branches over it; the branch's names its lineage
+    page = write_report(parent).read_text()
+    assert "branch cooldown-step-4-512</th><td>from step 4: final eval loss" in page
+    assert page.count("the run and its cooldown branches") == 2 and (parent / "report" / "branches_loss.svg").is_file()
+    assert f"(cooldown branch of {parent}@step-4)" in write_report(folder).read_text()
 
 
 def test_a_shorter_branch_reaches_min_lr_at_its_own_end_and_resumes_as_itself(base_config, tmp_path):

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
     report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
+    report.add_argument("--branch", action="append", metavar="DIR",
+                        help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
+                             "under SAVE_DIR/branches)")
 
     # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment
     # says the same.
@@ -274,7 +277,7 @@ def report_command(ns) -> int:
     if (Path(ns.save_dir) / "metrics.jsonl").is_file():
         check_writable_folder(Path(ns.save_dir) / "report", "SAVE_DIR")
     try:
-        print(f"report: {write_report(ns.save_dir)}")
+        print(f"report: {write_report(ns.save_dir, ns.branch)}")
     except ReportError as exc:
         raise DataError(str(exc)) from None
     return 0

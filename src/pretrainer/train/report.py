@@ -3,8 +3,9 @@
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
 learning rate, tokens/s, MFU and peak memory over steps, each downstream task's accuracy against the
-tokens trained on, and a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer
-heatmap); a table gives the config, engine, hardware and final figures. The plots are SVG drawn by
+tokens trained on, a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer
+heatmap) and, for a run with cooldown branches (RUN/branches/*, or given), their losses over the run's; a
+table gives the config, engine, hardware, lineage and final figures. The plots are SVG drawn by
 `svg_plot` (no plotting library to import: the report is written in milliseconds at the end of every run).
 """
 
@@ -17,6 +18,7 @@ import re
 import time
 from pathlib import Path
 
+from ..run.branch import find_branches
 from .svg_plot import heatmap, line_chart
 
 logger = logging.getLogger("pretrainer")
@@ -50,7 +52,8 @@ def write_report_logged(save_dir: str | Path) -> None:
         logger.info("no run report: %s", exc)
 
 
-def write_report(save_dir: str | Path) -> Path:
+def write_report(save_dir: str | Path, branches: list[str | Path] | None = None) -> Path:
+    """`branches`: cooldown branches to draw over the run (None: those under save_dir/branches)."""
     save_dir = Path(save_dir)
     rows = read_rows(save_dir)
     train = latest_per_step([r for r in rows if "loss" in r and "event" not in r])
@@ -69,13 +72,43 @@ def write_report(save_dir: str | Path) -> Path:
                 lines.append((legend, points))
         charts.append((name, line_chart(title, ylabel, lines)))
     tasks = downstream_rows(rows)
-    charts += downstream_charts(tasks, train) + moe_charts(train)
+    found = [Path(b) for b in branches] if branches is not None else find_branches(save_dir)
+    branch_rows = {branch: read_rows(branch) for branch in found}
+    charts += downstream_charts(tasks, train) + moe_charts(train) + branch_charts(train, evals, branch_rows)
     for name, chart in charts:
         (out / name).write_text(chart, encoding="utf-8")
     page = out / "report.html"
-    page.write_text(render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts]),
-                    encoding="utf-8")
+    page.write_text(render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts],
+                                branch_summary(branch_rows)), encoding="utf-8")
     return page
+
+
+def branch_charts(train: list[dict], evals: list[dict], branches: dict[Path, list[dict]]) -> list[tuple[str, str]]:
+    """The run's train and eval loss with each branch's over it (a branch logs the parent's step numbers)."""
+    if not branches:
+        return []
+    charts = []
+    for name, key, source in (("branches_loss.svg", "loss", train), ("branches_eval_loss.svg", "eval_loss", evals)):
+        lines = [("this run", [(r["step"], r[key]) for r in source if key in r])]
+        for folder, rows in branches.items():
+            lines.append((folder.name, [(r["step"], r[key]) for r in latest_per_step(
+                [r for r in rows if key in r and "event" not in r])]))
+        title = "Train loss" if key == "loss" else "Eval loss"
+        charts.append((name, line_chart(f"{title}: the run and its cooldown branches", key, lines)))
+    return charts
+
+
+def branch_summary(branches: dict[Path, list[dict]]) -> list[tuple[str, str]]:
+    """A line per branch: where it starts and its final losses."""
+    items = []
+    for folder, rows in branches.items():
+        start = next((r for r in rows if r.get("event") == "start"), {})
+        evals = [r for r in rows if "eval_loss" in r]
+        train = [r for r in rows if "loss" in r and "event" not in r]
+        final = f"final eval loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']:,}" if evals else "no eval"
+        trained = f"train loss {train[-1]['loss']:.4f}" if train else "no steps yet"
+        items.append((f"branch {folder.name}", f"from step {start.get('step', '?')}: {final}, {trained}"))
+    return items
 
 
 def downstream_rows(rows: list[dict]) -> dict[str, list[dict]]:
@@ -127,7 +160,8 @@ def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dic
     last = train[-1]
     steady = train[len(train) // 4:] or train
     items = [
-        ("run", str(save_dir.resolve())),
+        ("run", str(save_dir.resolve()) + (f" (cooldown branch of {start['branch_of']})"
+                                           if "branch_of" in start else "")),
         ("engine", f"{start.get('engine', '?')} on {start.get('world_size', '?')} process(es), "
                    f"device {start.get('device', '?')}, dtype {start.get('dtype', '?')}"),
         ("hardware", str(start.get("hardware", "?"))),
@@ -165,9 +199,10 @@ def peak_memory_line(measured_mb: float, predicted_mb: float | None) -> str:
     return f"{measured_mb:,.0f} MB measured, {predicted_mb:,.0f} MB predicted before launch ({error:+.0%})"
 
 
-def render_html(save_dir: Path, rows, train, evals, tasks, charts: list[str]) -> str:
+def render_html(save_dir: Path, rows, train, evals, tasks, charts: list[str],
+                branches: list[tuple[str, str]] = ()) -> str:
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                      for k, v in summary(save_dir, rows, train, evals, tasks))
+                      for k, v in summary(save_dir, rows, train, evals, tasks) + list(branches))
     figures = "\n".join(f"<figure>{chart}</figure>" for chart in charts)
     config = config_text(save_dir)
     return f"""<!DOCTYPE html>
