@@ -1,14 +1,17 @@
 """Cooldown branches (`cooldown_from`, `cooldown_tokens`): a branch from a stable-phase checkpoint gives the
 losses of the WSD run that decays over the same tokens; its length, folder and lineage; a resume onto a
-changed schedule is refused unless override_schedule."""
+changed schedule is refused unless override_schedule. The batch-size ramp (`batch_size_schedule`): samples,
+schedule, ranks and resume."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from helpers import read_metrics, train_losses
+from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 from pretrainer.train.report import write_report
 
@@ -95,3 +98,69 @@ def test_a_branch_point_that_is_no_checkpoint_lists_the_run_s_checkpoints(base_c
     with pytest.raises(ConfigError, match=r"cooldown_from.*is not a complete checkpoint folder .*this folder's "
                                           r"checkpoints: step-2, step-4"):
         PreTrainer(PreTrainingArguments(**{**base_config, "cooldown_from": str(parent), "cooldown_tokens": 100}))
+
+
+# ---- the batch-size ramp ----
+
+RAMP = [[0, 8], [512, 16], [1536, 32]]  # tokens of 32-token sequences: 2 steps of 8, 2 of 16, then 32
+
+
+def ramp_config(base_config, save_dir) -> dict:
+    return {**base_config, "num_training_steps": 7, "gradient_accumulation_steps": 16, "batch_size_schedule": RAMP,
+            "lr_decay_style": "wsd", "wsd_decay_tokens": 3 * 32 * 32, "min_lr": 1e-4, "save_interval": 0,
+            "eval_interval": 0, "export_hf": False, "save_dir": str(save_dir)}
+
+
+def test_a_ramp_reads_its_sum_decays_to_min_lr_and_trains_alike_on_two_ranks_and_after_a_stop(base_config,
+                                                                                             tmp_path):
+    """8 -> 16 -> 32 sequences by accumulation: 144 samples in 7 steps; the wsd decay over the last 3072 tokens
+    is the last 3 steps, ending at min_lr; ddp and fsdp on 2 ranks (micro-batch 2 x 8 accumulation at the end)
+    and a run stopped at step 3, inside the ramp, give the uninterrupted per-step losses."""
+    single = tmp_path / "single"
+    trainer = PreTrainer(PreTrainingArguments(**ramp_config(base_config, single)))
+    assert [trainer.resolved.sizes.accumulation(step) for step in range(7)] == [4, 4, 8, 8, 16, 16, 16]
+    trainer.train()
+    rows = [row for row in read_metrics(single) if "loss" in row]
+    assert [row["tokens"] for row in rows] == [32 * n for n in (8, 16, 32, 48, 80, 112, 144)]
+    lrs = [row["lr"] for row in rows]
+    assert lrs[3] == 1e-3 and 1e-4 < lrs[4] < lrs[3] and lrs[-1] == pytest.approx(1e-4)
+    saved = json.loads((single / "checkpoints" / "step-7" / "trainer_state.json").read_text())
+    assert saved["data"]["samples"] == 144 == sum((8, 8, 16, 16, 32, 32, 32))
+    cases = [{"name": name, "config": {"engine": engine, "dp": 2, "gradient_accumulation_steps": 8,
+                                       "save_dir": str(tmp_path / name), **extra}}
+             for name, engine, extra in (("ddp", "ddp", {}), ("fsdp", "fsdp", {}),
+                                         ("stop", "fsdp", {"exit_interval": 3, "save_dir": str(tmp_path / "moved")}),
+                                         ("rerun", "fsdp", {"save_dir": str(tmp_path / "moved")}))]
+    launch_cases(ramp_config(base_config, single), cases, 2, tmp_path)
+    want = train_losses(single)
+    for name in ("ddp", "fsdp", "moved"):
+        have = train_losses(tmp_path / name)
+        assert sorted(have) == sorted(want) and [have[s] for s in sorted(want)] == pytest.approx(
+            [want[s] for s in sorted(want)], rel=1e-5), name
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"batch_size_schedule": [[0, 8], [512, 16]]}, "the last stage has 16 sequences, but the global batch is 32"),
+    ({"batch_size_schedule": [[0, 7], [512, 32]]}, "the stage from token 0 has 7 sequences, not a multiple of "
+                                                  "micro_batch_size x dp = 2"),
+    ({"batch_size_schedule": [[100, 8], [512, 32]]}, "the stages' tokens must start at 0 and increase"),
+    ({"batch_size_schedule": [[0, 8], [2000, 32]], "deepspeed": {"zero_optimization": {"stage": 1}}},
+     "batch_size_schedule is not available here: engine deepspeed fixes the number of micro-batches per step"),
+])
+def test_a_bad_ramp_is_refused_naming_the_key(base_config, keys, message):
+    config = {**base_config, "gradient_accumulation_steps": 16, **keys}
+    with pytest.raises(ConfigError, match=message):
+        PreTrainer(PreTrainingArguments(**config))
+
+
+def test_the_plan_gives_each_ramp_stage_its_step_time_and_memory(base_config):
+    from pretrainer.plan.command import plan_for_command
+    from pretrainer.plan.render import as_json
+
+    plan = plan_for_command(PreTrainingArguments(**{**base_config, "gradient_accumulation_steps": 16,
+                                                    "batch_size_schedule": RAMP}), None, None, "cpu", None)
+    stages = as_json(plan)["ramp_stages"]
+    assert [(s["from_tokens"], s["sequences"], s["accumulation"]) for s in stages] == [(0, 8, 4), (512, 16, 8),
+                                                                                       (1536, 32, 16)]
+    times = [s["step_seconds"] for s in stages]
+    assert times[0] < times[1] < times[2] and stages[2]["step_seconds"] == pytest.approx(plan.estimate.step_seconds)

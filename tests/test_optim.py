@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrainer import PreTrainingArguments
-from pretrainer.config import ConfigError, OptimizerSettings, ScheduleSettings
+from pretrainer.config import BatchSizes, ConfigError, OptimizerSettings, ScheduleSettings
 from pretrainer.optim import (
     MuonAdamW,
     build_optimizer,
@@ -46,7 +46,8 @@ def schedule_lrs(tokens_per_step: int = 64, **keys) -> list[float]:
     """The lr of every update of a 1-layer model under the config `keys`, through the scheduler itself."""
     args = PreTrainingArguments(**{"micro_batch_size": 1, "dp": 1, "lr": 1.0, "min_lr": 0.1, **keys})
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
-    scheduler = build_scheduler(optimizer, ScheduleSettings.of(args, tokens_per_step))
+    sizes = BatchSizes.of(args, seq_length=tokens_per_step, data_parallel_size=1)  # 1 sequence per update
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(args, sizes))
     seen = []
     for _ in range(args.num_training_steps):
         seen.append(optimizer.param_groups[0]["lr"])

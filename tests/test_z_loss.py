@@ -53,7 +53,7 @@ def test_on_plain_logits_the_z_term_adds_its_gradient_and_keeps_the_value():
     hidden, weight, targets = problem()
     ce, z, grads = reference(hidden, weight, targets)
     logits = F.linear(hidden, weight)
-    term = OutputZLoss(COEFF, micro_batches=1)
+    term = OutputZLoss(COEFF)
     term._sums = torch.zeros(2, dtype=torch.float64)
     summed = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
     with_z = term.add_to_loss(summed, logits, targets)

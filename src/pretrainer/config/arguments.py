@@ -128,6 +128,7 @@ class PreTrainingArguments:
     cooldown_from: str | None = None       # a checkpoint folder: start a cooldown branch there
     cooldown_tokens: float | None = None   # the branch's decay length in tokens (num_training_steps derived)
     override_schedule: bool = False        # resume although the schedule's keys changed since the checkpoint
+    batch_size_schedule: list | None = None  # [[tokens, sequences], ...]: a global batch that grows in stages
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -425,6 +426,7 @@ class PreTrainingArguments:
             raise key_error(given[1], f"set one of warmup_steps, warmup_fraction and warmup_tokens, not {given[0]} "
                             f"and {given[1]}")
         self._check_wsd()
+        self._check_batch_ramp()
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
             raise key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps_resolved() > self.num_training_steps:
@@ -437,6 +439,25 @@ class PreTrainingArguments:
             raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
         self._check_muon()
         check_moe_keys(self)
+
+    def _check_batch_ramp(self) -> None:
+        stages = self.batch_size_schedule
+        if stages is None:
+            return
+        example = "e.g. [[0, 64], [2e6, 128], [8e6, 256]] (from token 0, 64 sequences per step; ...)"
+        if not (isinstance(stages, list) and stages and all(
+                isinstance(stage, (list, tuple)) and len(stage) == 2 and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in stage) for stage in stages)):
+            raise key_error("batch_size_schedule", f"batch_size_schedule is a list of [tokens, sequences] pairs, "
+                            f"{example}; got {stages!r}")
+        starts = [float(start) for start, _ in stages]
+        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise key_error("batch_size_schedule", f"the stages' tokens must start at 0 and increase, got "
+                            f"{[start for start, _ in stages]}; {example}")
+        if any(seqs < 1 or seqs != int(seqs) for _, seqs in stages):
+            raise key_error("batch_size_schedule", f"each stage's sequences per step must be a whole number >= 1, "
+                            f"got {[seqs for _, seqs in stages]}")
+        self.batch_size_schedule = [[int(start), int(seqs)] for start, seqs in stages]
 
     def _check_wsd(self) -> None:
         for key in ("warmup_tokens", "wsd_decay_tokens"):

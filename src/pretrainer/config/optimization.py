@@ -87,24 +87,29 @@ class ScheduleSettings:
     branch: BranchPoint | None = None   # a cooldown branch: decay_steps from branch.step, from its lr
 
     @staticmethod
-    def of(args, tokens_per_step: int | None = None, branch: BranchPoint | None = None) -> "ScheduleSettings":
-        """`tokens_per_step`: the target tokens of one update (global batch x seq_length), needed for token
-        lengths. A cooldown `branch` decays over `cooldown_tokens` from its step, and the run ends with the
-        update that finishes them."""
-        per_step = tokens_per_step or 0
+    def of(args, sizes=None, branch: BranchPoint | None = None) -> "ScheduleSettings":
+        """`sizes` (BatchSizes): the tokens each update trains, needed for lengths in tokens (through a batch ramp's
+        smaller first updates). A cooldown `branch` decays over `cooldown_tokens` from its step, and the run ends
+        with the update that finishes them."""
         uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None or branch is not None
-        if uses_tokens and not per_step:
-            raise ValueError("token lengths need the tokens of one update")
+        if uses_tokens and sizes is None:
+            raise ValueError("token lengths need the run's sizes")
+        per_step = sizes.tokens_per_step() if uses_tokens else None
         if branch is not None:
-            decay = args.cooldown_tokens / per_step
+            start = sizes.ramp.tokens_before(branch.step) if sizes.ramp is not None else branch.step * per_step
+            decay = sizes.steps_for(start + args.cooldown_tokens) - branch.step
             total = branch.step + math.ceil(decay - 1e-9)
             return ScheduleSettings(args.lr, args.min_lr, total, 0.0, "cooldown", args.wsd_decay_shape, decay,
                                     tokens_per_step=per_step, branch=branch)
-        warmup = args.warmup_tokens / per_step if args.warmup_tokens is not None else args.warmup_steps_resolved()
-        decay = args.wsd_decay_tokens / per_step if args.wsd_decay_tokens is not None else None
+        warmup = sizes.steps_for(args.warmup_tokens) if args.warmup_tokens is not None else \
+            args.warmup_steps_resolved()
+        decay = None
+        if args.wsd_decay_tokens is not None:  # the decay ends with the run's last token
+            total_tokens = sizes.ramp.tokens_before(args.num_training_steps) if sizes.ramp is not None else \
+                args.num_training_steps * per_step
+            decay = args.num_training_steps - sizes.steps_for(max(0.0, total_tokens - args.wsd_decay_tokens))
         return ScheduleSettings(args.lr, args.min_lr, args.num_training_steps, warmup, args.lr_decay_style,
-                                args.wsd_decay_shape, decay, args.wsd_decay_fraction,
-                                per_step if uses_tokens else None)
+                                args.wsd_decay_shape, decay, args.wsd_decay_fraction, per_step)
 
     @property
     def min_ratio(self) -> float:

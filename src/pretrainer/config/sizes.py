@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, key_error
 
 
 def resolve_seq_length(seq_length: int | None, model_config, where: str) -> int:
@@ -40,6 +41,54 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
 
 
+class BatchRamp:
+    """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained
+    tokens (sequences x seq_length, so the stage of every step follows from the steps before it, on any world
+    size and on resume). A stage's batch is made of more accumulated micro-batches, never larger ones."""
+
+    def __init__(self, stages: tuple[tuple[int, int], ...], seq_length: int):
+        self.stages = stages                 # (first token, sequences per step), the first at token 0
+        self.seq_length = seq_length
+        self._batches: list[int] = []        # of the updates walked so far
+        self._tokens: list[int] = [0]        # trained before each of them (and after the last)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BatchRamp) and (self.stages, self.seq_length) == (other.stages, other.seq_length)
+
+    def __hash__(self) -> int:
+        return hash((self.stages, self.seq_length))
+
+    def _walk_to(self, step: int) -> None:
+        while len(self._batches) <= step:
+            tokens = self._tokens[-1]
+            batch = next(seqs for start, seqs in reversed(self.stages) if tokens >= start)
+            self._batches.append(batch)
+            self._tokens.append(tokens + batch * self.seq_length)
+
+    def sequences(self, step: int) -> int:
+        """The global batch of the update numbered `step` (0-based)."""
+        self._walk_to(step)
+        return self._batches[step]
+
+    def tokens_before(self, step: int) -> int:
+        self._walk_to(step)
+        return self._tokens[step]
+
+    def samples(self, steps: int) -> int:
+        """Sequences the first `steps` updates read."""
+        return self.tokens_before(steps) // self.seq_length
+
+    def steps_for(self, tokens: float) -> float:
+        """The (fractional) number of updates after which `tokens` have been trained."""
+        step = 0
+        while self.tokens_before(step + 1) < tokens:
+            step += 1
+        return step + (tokens - self.tokens_before(step)) / (self.sequences(step) * self.seq_length)
+
+    def describe(self) -> str:
+        return " -> ".join(f"{seqs} from token {start:,}" for start, seqs in self.stages)
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     """How much each step and the whole run read: sequences, micro-batches, replicas, steps."""
@@ -49,11 +98,46 @@ class BatchSizes:
     data_parallel_size: int          # replicas that read different data
     num_training_steps: int
     eval_iters: int                  # micro-batches one evaluation reads on each replica
+    ramp: BatchRamp | None = None    # batch_size_schedule: a smaller global batch in the first stages
 
     @staticmethod
     def of(args, seq_length: int, data_parallel_size: int) -> "BatchSizes":
-        return BatchSizes(seq_length, args.micro_batch_size, args.gradient_accumulation_steps, data_parallel_size,
-                          args.num_training_steps, args.eval_iters)
+        sizes = BatchSizes(seq_length, args.micro_batch_size, args.gradient_accumulation_steps, data_parallel_size,
+                           args.num_training_steps, args.eval_iters)
+        return sizes.with_steps(args.num_training_steps, args.batch_size_schedule)
+
+    def with_steps(self, num_training_steps: int, schedule: list | None) -> "BatchSizes":
+        """These sizes over `num_training_steps`, with the ramp `schedule` ([[tokens, sequences], ...]) checked
+        against the global batch: each stage a whole number of micro-batches on every replica, the last this
+        config's global batch."""
+        ramp = None
+        if schedule:
+            per_round = self.micro_batch_size * self.data_parallel_size
+            for start, seqs in schedule:
+                if seqs % per_round:
+                    raise key_error("batch_size_schedule", f"the stage from token {start:g} has {seqs} sequences, not "
+                                    f"a multiple of micro_batch_size x dp = {per_round}")
+            if schedule[-1][1] != self.global_batch_size:
+                raise key_error("batch_size_schedule", f"the last stage has {schedule[-1][1]} sequences, but the "
+                                f"global batch is {self.global_batch_size} ({self.micro_batch_size} x "
+                                f"{self.gradient_accumulation_steps} accumulation x {self.data_parallel_size} "
+                                "replica(s)); the ramp ends at the config's global batch")
+            ramp = BatchRamp(tuple((int(start), int(seqs)) for start, seqs in schedule), self.seq_length)
+        return dataclasses.replace(self, num_training_steps=num_training_steps, ramp=ramp)
+
+    def accumulation(self, step: int) -> int:
+        """Micro-batches per replica in the update numbered `step` (0-based)."""
+        if self.ramp is None:
+            return self.gradient_accumulation_steps
+        return self.ramp.sequences(step) // (self.micro_batch_size * self.data_parallel_size)
+
+    def tokens_per_step(self) -> int:
+        """Input tokens of one update at the full global batch."""
+        return self.global_batch_size * self.seq_length
+
+    def steps_for(self, tokens: float) -> float:
+        """The (fractional) number of updates that train `tokens` (through the ramp's smaller first batches)."""
+        return self.ramp.steps_for(tokens) if self.ramp is not None else tokens / self.tokens_per_step()
 
     @property
     def global_batch_size(self) -> int:
@@ -67,6 +151,8 @@ class BatchSizes:
     @property
     def train_samples(self) -> int:
         """Samples the whole run reads, over all replicas."""
+        if self.ramp is not None:
+            return self.ramp.samples(self.num_training_steps)
         return self.num_training_steps * self.global_batch_size
 
     @property
@@ -75,6 +161,7 @@ class BatchSizes:
         return self.eval_iters * self.micro_batch_size * self.data_parallel_size
 
     def describe(self) -> str:
+        ramp = f" ramp=({self.ramp.describe()})" if self.ramp is not None else ""
         return (f"seq_length={self.seq_length} global_batch={self.global_batch_size} "
                 f"({self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation x "
-                f"{self.data_parallel_size} replica(s))")
+                f"{self.data_parallel_size} replica(s)){ramp}")

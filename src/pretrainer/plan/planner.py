@@ -18,8 +18,10 @@ class Plan:
     """The estimate of a run's own layout; the alternatives are searched when first asked for. `accumulation`:
     how `accumulate_gradients: auto` was decided, (mode, why), or None when the run did not leave it to the plan."""
 
-    def __init__(self, shape: ModelShape, own: Estimate, search, accumulation: tuple[str, str] | None = None):
+    def __init__(self, shape: ModelShape, own: Estimate, search, accumulation: tuple[str, str] | None = None,
+                 ramp_stages: list[tuple[int, int, Estimate]] = ()):
         self.shape, self.estimate, self._search, self.accumulation = shape, own, search, accumulation
+        self.ramp_stages = list(ramp_stages)  # (first token, sequences, estimate) per batch_size_schedule stage
 
     @property
     def layout(self):
@@ -42,8 +44,19 @@ def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Pl
     if layout.accumulate == "auto":
         own, decided = _decide_accumulation(own, shape, config, device, run)
         layout = own.layout
+    stages = _ramp_stages(layout, shape, config, device, run)
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
-                                                 run.weights), decided)
+                                                 run.weights), decided, stages)
+
+
+def _ramp_stages(layout, shape, config, device: DeviceSpec, run: ResolvedRun) -> list[tuple[int, int, Estimate]]:
+    """Each batch-ramp stage's estimate: the same layout with that stage's micro-batches per replica."""
+    ramp = run.sizes.ramp
+    if ramp is None:
+        return []
+    per_round = run.sizes.micro_batch_size * run.sizes.data_parallel_size
+    return [(start, seqs, estimate(layout.replace(accumulation=seqs // per_round), shape, config, device,
+                                   run.trainable, run.weights)) for start, seqs in ramp.stages]
 
 
 def _decide_accumulation(whole: Estimate, shape, config, device: DeviceSpec, run: ResolvedRun

@@ -55,6 +55,12 @@ def text(plan: Plan, count: int = 8) -> str:
                  f"(runtime + the larger of backward's start and the optimizer step{heap})")
     lines += ["", f"step: ~{own.step_seconds:,.3g} s (compute {own.compute_seconds:,.3g} s, communication "
               f"{own.communication_seconds:,.3g} s), from {assumptions(own)}", ""]
+    if plan.ramp_stages:
+        lines.append("batch ramp (batch_size_schedule), each stage by its micro-batches per replica:")
+        lines += [f"  from token {start:>14,}: {seqs:>6} sequences, {e.layout.accumulation:>4} micro-batches: "
+                  f"~{e.step_seconds:,.3g} s a step, peak {e.peak / GIB:.2f} GiB"
+                  for start, seqs, e in plan.ramp_stages]
+        lines.append("")
     shown = listed(plan, count)
     if plan.fitting(1):
         lines.append("layouts that fit, best first: within 5% of the fastest the simplest, then the smallest; then "
@@ -82,6 +88,8 @@ def as_json(plan: Plan, count: int = 50) -> dict:
         "host_memory_bytes": own.device.host_memory_bytes,
         "fits": own.fits,
         "step_seconds": own.step_seconds,
+        "ramp_stages": [{"from_tokens": start, "sequences": seqs, "accumulation": e.layout.accumulation,
+                         "step_seconds": e.step_seconds, "peak_bytes": e.peak} for start, seqs, e in plan.ramp_stages],
         "assumptions": assumptions(own),
         "layouts": [{"overrides": e.layout.overrides(), "peak_bytes": e.peak, "fits": e.fits,
                      "step_seconds": e.step_seconds} for e in listed(plan, count)],

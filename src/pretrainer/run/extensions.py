@@ -20,8 +20,9 @@ class StepExtension:
     def attach(self, engine, model: torch.nn.Module) -> None:
         """After the engine has wrapped the model (`model`: what the loop calls forward on)."""
 
-    def begin_step(self, counts: torch.Tensor) -> None:
-        """Before the step's micro-batches; `counts`: the global [targets, useful tokens, rows] (device)."""
+    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
+        """Before the step's micro-batches; `counts`: the global [targets, useful tokens, rows] (device);
+        `micro_batches`: how many each replica runs in this step (a batch ramp changes it)."""
 
     def extra_losses(self) -> torch.Tensor | None:
         """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
@@ -63,16 +64,16 @@ class MoeStep(StepExtension):
         if engine.balancing_losses_on_activations:
             self.routing.attach_losses()
 
-    def begin_step(self, counts: torch.Tensor) -> None:
-        self.routing.begin_step(self._unit_weight(counts[2]))
+    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
+        self.routing.begin_step(self._unit_weight(counts[2], micro_batches))
 
-    def _unit_weight(self, global_rows: torch.Tensor):
+    def _unit_weight(self, global_rows: torch.Tensor, micro_batches: int):
         """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
         units (sequences, or micro-batches), after the engine's average over its dims.gradient_ranks ranks."""
         engine = self.engine
         if self.run.moe.aux_loss_type == "seq":
             return engine.dims.gradient_ranks / global_rows.clamp(min=1).double()
-        return engine.dims.gradient_ranks / (self.run.sizes.gradient_accumulation_steps * engine.data_world_size)
+        return engine.dims.gradient_ranks / (micro_batches * engine.data_world_size)
 
     def extra_losses(self) -> torch.Tensor | None:
         return self.routing.take_losses()
@@ -105,8 +106,8 @@ class OutputZLoss(StepExtension):
     its chunks with its gradient already included (models/chunked_loss.py). Logged as `z_loss`: the mean of
     logsumexp^2, before the coefficient."""
 
-    def __init__(self, coeff: float, micro_batches: int):
-        self.coeff, self.micro_batches = coeff, micro_batches
+    def __init__(self, coeff: float):
+        self.coeff, self.micro_batches = coeff, 1
         self.engine = None
         self._sums = None  # [z sum, targets] of the interval, on the device
         self._window: list[torch.Tensor] = []  # this step's z sums, one per loss call
@@ -115,9 +116,9 @@ class OutputZLoss(StepExtension):
         self.engine = engine
         self._sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
 
-    def begin_step(self, counts: torch.Tensor) -> None:
+    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
         self._sums[1] += counts[0]  # the global targets: the z sums are added over ranks when logged
-        self._window = []
+        self._window, self.micro_batches = [], micro_batches
 
     def end_step(self, applied: bool) -> None:
         # A pipeline schedule's first step also calls the loss once on stand-in outputs (it infers shapes):
@@ -150,7 +151,7 @@ def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
     """The extensions the resolved run's model needs, made on the unwrapped model."""
     extensions: list[StepExtension] = [MoeStep(model, run)] if run.moe is not None else []
     if run.z_loss_coeff:
-        extensions.append(OutputZLoss(run.z_loss_coeff, run.sizes.gradient_accumulation_steps))
+        extensions.append(OutputZLoss(run.z_loss_coeff))
     return extensions
 
 

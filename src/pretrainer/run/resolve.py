@@ -216,7 +216,8 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, config, where), dims.dp)
     lr_schedule = schedule_settings(args, sizes, read_branch_point(args))
     if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
-        sizes = dataclasses.replace(sizes, num_training_steps=lr_schedule.total_steps)
+        sizes = sizes.with_steps(lr_schedule.total_steps, args.batch_size_schedule)
+    check_batch_ramp(args, entry, dims)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
@@ -237,16 +238,27 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
 def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None) -> ScheduleSettings:
     """The schedule in updates; lengths given in tokens are divided by the target tokens of one update and must
     fit in the run. A cooldown `branch` sets the run's length."""
-    per_step = sizes.global_batch_size * sizes.seq_length
-    schedule = ScheduleSettings.of(args, per_step, branch)
+    schedule = ScheduleSettings.of(args, sizes, branch)
     if branch is not None:
         return schedule
-    run_tokens = f"{schedule.total_steps} steps x {per_step} tokens = {schedule.total_steps * per_step} tokens"
+    run_tokens = f"{schedule.total_steps} steps, {sizes.train_samples * sizes.seq_length} tokens"
     for key, steps in (("warmup_tokens", schedule.warmup_steps), ("wsd_decay_tokens", schedule.decay_steps)):
         if getattr(args, key) is not None and steps > schedule.total_steps:
             raise key_error(key, f"{key} {getattr(args, key):g} is longer than the run ({run_tokens}); give fewer "
                             "tokens or more num_training_steps")
     return schedule
+
+
+def check_batch_ramp(args, entry: EngineEntry, dims: ParallelDims) -> None:
+    """A batch ramp changes the micro-batches per step, which DeepSpeed (its config's accumulation) and a
+    pipeline schedule (built for a number of micro-batches) cannot."""
+    if args.batch_size_schedule is None:
+        return
+    if entry.cls.applies_every_update or dims.pp > 1:
+        why = f"engine {entry.name} fixes" if dims.pp == 1 else "a pipeline schedule (pp > 1) is built for"
+        raise key_error("batch_size_schedule", f"batch_size_schedule is not available here: {why} the number of "
+                        "micro-batches per step; use engine ddp, fsdp or megatron without pipeline parallelism, or "
+                        "remove it")
 
 
 def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp: bool = True) -> ParallelDims:

@@ -11,7 +11,7 @@ from .run_state import RunState, rng_state, set_rng_state
 # (Megatron's check of its optimizer-parameter scheduler), since the lr would jump at the resumed step.
 SCHEDULE_KEYS = ("lr", "min_lr", "lr_decay_style", "warmup_steps", "warmup_fraction", "warmup_tokens",
                  "wsd_decay_fraction", "wsd_decay_tokens", "wsd_decay_shape", "num_training_steps",
-                 "cooldown_from", "cooldown_tokens")
+                 "cooldown_from", "cooldown_tokens", "batch_size_schedule")
 
 
 def loop_state(trainer) -> RunState:

@@ -68,7 +68,8 @@ def print_banner(trainer, meter) -> None:
                  f"  Num examples = {sizes.train_samples}",
                  f"  Instantaneous batch size per device = {sizes.micro_batch_size}",
                  f"  Total train batch size (w. parallel, distributed & accumulation) = {sizes.global_batch_size}",
-                 f"  Gradient Accumulation steps = {sizes.gradient_accumulation_steps}",
+                 f"  Gradient Accumulation steps = {sizes.gradient_accumulation_steps}"
+                 + (f" (batch_size_schedule: {sizes.ramp.describe()} sequences)" if sizes.ramp else ""),
                  f"  Total steps = {sizes.num_training_steps}",
                  f"  {engine.describe()}",
                  f"  Model parameters = {facts.parameters:,} (trainable {facts.trainable:,}){features}",

@@ -210,7 +210,8 @@ class PreTrainer:
         return None
 
     def _train_step(self, phases: StepPhases):
-        """One optimizer step over `gradient_accumulation_steps` micro-batches, averaged over all their tokens.
+        """One optimizer step over the step's micro-batches (`gradient_accumulation_steps`, or a batch ramp's),
+        averaged over all their tokens.
 
         Returns this rank's loss sum, the global [targets, useful tokens] (device tensors: nothing here waits
         for the device), the gradient norm and the learning rate used.
@@ -218,7 +219,7 @@ class PreTrainer:
         args, engine = self.pretrain_args, self.engine
         with phases.host("data"):
             host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
-                            for _ in range(args.gradient_accumulation_steps)]
+                            for _ in range(self.resolved.sizes.accumulation(self.completed_steps))]
             local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
                                          sum(count_inputs(b) for b in host_batches),
                                          sum(len(b["input_ids"]) for b in host_batches)], dtype=torch.int64)
@@ -231,7 +232,7 @@ class PreTrainer:
         # (sum of token losses on all ranks) / (tokens on all ranks).
         scale = engine.dims.gradient_ranks / counts[0].clamp(min=1)
         for extension in self.extensions:
-            extension.begin_step(counts)
+            extension.begin_step(counts, len(micro_batches))
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
         guard = self.spike_guard  # reads the loss each step (one sync), only with a spike rule on
