@@ -35,6 +35,7 @@ from .loading import (
     suggestion,
     top_level_key_lines,
 )
+from .mixture import Mixture, is_mixture, read_mixture
 from .moe import check_moe_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
@@ -81,6 +82,7 @@ class PreTrainingArguments:
     sliced_weight_loading: bool = True
     tokenizer_path: str | None = None
     train_data: str | list | None = None
+    mixture_schedule: list | None = None   # a mixture's weights by stage (config/mixture.py)
     eval_data: str | list | None = None
     eval_split: float | int = 0.05
     text_key: str = "text"
@@ -289,7 +291,14 @@ class PreTrainingArguments:
             None if self.megatron_dataset_flag else self.data_path)
         if value is None:
             return []
+        if is_mixture(value):  # every source's files
+            return [path for source in self.mixture.sources for path in source.paths]
         return [value] if isinstance(value, str) else list(value)
+
+    @property
+    def mixture(self) -> Mixture | None:
+        """The named, weighted sources of `train_data` (and `mixture_schedule`); None for plain files."""
+        return read_mixture(self.train_data, self.mixture_schedule)
 
     @property
     def resolved_eval_data(self) -> list[str]:
@@ -357,6 +366,7 @@ class PreTrainingArguments:
         self._check_loop()
         self._check_ranges()
         self._check_path_lists()
+        read_mixture(self.train_data, self.mixture_schedule)
         read_downstream_tasks(self.downstream_evals)
 
     def _check_path_lists(self) -> None:
@@ -364,6 +374,8 @@ class PreTrainingArguments:
         `data_path` may also hold Megatron's blend weights (numbers)."""
         for name, numbers in (("train_data", False), ("eval_data", False), ("data_path", True)):
             value = getattr(self, name)
+            if name == "train_data" and is_mixture(value):  # named sources: config/mixture.py checks them
+                continue
             for index, item in enumerate(value if isinstance(value, list) else ()):
                 if not (isinstance(item, str) and item.strip()) and not (
                         numbers and isinstance(item, (int, float)) and not isinstance(item, bool)):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from ..config import ConfigError
-from .builders import BuiltData, build_datasets, build_indexed_datasets
+from .builders import BuiltData, build_datasets, build_indexed_datasets, build_mixture
+from .mixture import MixtureDataset
 from .packing import DocumentMasking
 from .provided import provided_datasets
 from .streams import BatchStream, EvalBatches, SampleStream
@@ -36,6 +37,7 @@ class DataPlacement:
 class RunData:
     train: Iterator[dict]         # endless, resumable (state_dict/load_state_dict), with an `epoch`
     eval: Iterable[dict] | None   # re-iterable eval micro-batches, or None
+    mixture: MixtureDataset | None = None  # named sources: which source each train sample position reads
 
 
 def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_provider=None,
@@ -58,7 +60,7 @@ def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_
                          shuffle=not built.shuffled, **shard)
     if eval_dataloader is None and built.eval is not None:
         eval_dataloader = EvalBatches(built.eval, sizes.micro_batch_size, pad_id, **shard)
-    return RunData(train, eval_dataloader)
+    return RunData(train, eval_dataloader, built.mixture)
 
 
 def _build_datasets(args, sizes, tokenizer, placement: DataPlacement, datasets_provider) -> BuiltData:
@@ -73,4 +75,6 @@ def _build_datasets(args, sizes, tokenizer, placement: DataPlacement, datasets_p
     if args.dataloader_config:
         logger.info("dataloader_config is for user DataLoaders (get_dataloader_config()); the built-in pipeline "
                     "packs sequences without padding and does not use it")
+    if args.mixture is not None:
+        return build_mixture(args, tokenizer, sizes, placement)
     return build_datasets(args, tokenizer, sizes.seq_length, placement)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .mixture import InterleavedEval, MixtureDataset, blend_index, check_repeats, describe_plan, plan_sources
 from .packing import PackedDataset
 from .readers import DataError, expand_paths
 from .token_store import default_cache_root, open_store, store_spec
@@ -26,12 +27,12 @@ logger = logging.getLogger(__name__)
 class BuiltData:
     train: torch.utils.data.Dataset
     eval: torch.utils.data.Dataset | None
-    shuffled: bool = False  # the samples are already in a seeded random order (prepared data)
+    shuffled: bool = False  # the samples are already in a seeded random order (prepared data, a mixture)
+    mixture: MixtureDataset | None = None  # named sources: the train samples' blend, for the accounting
 
 
-def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
-    """Packed windows from the configured files, through their cached token stores (tokenized on first use);
-    an eval split of whole documents is held out when no eval files are given."""
+def _stores(args, tokenizer, placement):
+    """`store(what, patterns)`: the cached token store of some files (tokenized on first use), and the files."""
     root = Path(args.data_cache_path) / "tokenized" if args.data_cache_path else default_cache_root()
     workers = args.tokenize_workers or os.cpu_count() or 1
 
@@ -40,6 +41,13 @@ def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
         spec = store_spec(files, tokenizer, args.text_key, args.txt_mode, args.on_error)
         return open_store(spec, root, what, tokenizer, placement, workers), files
 
+    return store
+
+
+def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
+    """Packed windows from the configured files, through their cached token stores (tokenized on first use);
+    an eval split of whole documents is held out when no eval files are given."""
+    store = _stores(args, tokenizer, placement)
     train_store, train_files = store("train_data", args.resolved_train_data)
     if train_store.num_documents == 0:
         raise DataError(f"train_data: {', '.join(map(str, train_files))} holds no documents")
@@ -65,6 +73,42 @@ def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
                 len(train_ids), train.num_tokens, len(train), seq_length, len(eval_ids),
                 f"{len(evaluation)} windows" if evaluation else "no eval windows")
     return BuiltData(train, evaluation)
+
+
+def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
+    """Named sources blended by token weight (data/mixture.py): each source tokenized into its own store and
+    packed on its own, its eval split held out per source; the plan of draws is logged and checked."""
+    mixture, seq_length = args.mixture, sizes.seq_length
+    store = _stores(args, tokenizer, placement)
+    trains, evals = [], []
+    for source in mixture.sources:
+        source_store, files = store(f"train_data source {source.name}", list(source.paths))
+        train_ids, eval_ids = np.arange(source_store.num_documents), np.zeros(0, dtype=np.int64)
+        if args.eval_split and not args.resolved_eval_data:
+            train_ids, eval_ids = split_indices(source_store.num_documents, args.eval_split, args.seed)
+        train = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, train_ids))
+        if len(train) == 0:
+            raise DataError(f"train_data source {source.name}: {', '.join(map(str, files))} holds no tokens to "
+                            "train on")
+        trains.append(train)
+        if len(eval_ids):
+            held = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, eval_ids))
+            evals += [held] if len(held) else []
+    starts = [0] + [-(-int(stage.until_tokens) // seq_length) for stage in mixture.stages[:-1]]
+    source_of = blend_index([(start, np.asarray(stage.weights)) for start, stage in zip(starts, mixture.stages)],
+                            sizes.train_samples)
+    plans = plan_sources(list(mixture.names), trains, source_of, [s.max_epochs for s in mixture.sources])
+    logger.info("train_data: a mixture of %d sources (%s)\n%s", len(trains), mixture.describe(),
+                describe_plan(plans, seq_length))
+    check_repeats(plans)
+    blend = MixtureDataset(list(mixture.names), trains, source_of, args.seed)
+    evaluation = InterleavedEval(evals) if evals else None
+    if args.resolved_eval_data:
+        eval_store, _ = store("eval_data", args.resolved_eval_data)
+        evaluation = PackedDataset(eval_store.tokens, seq_length, document_spans(eval_store,
+                                                                                 np.arange(eval_store.num_documents)))
+    return BuiltData(blend, evaluation if evaluation is None or len(evaluation) else None, shuffled=True,
+                     mixture=blend)
 
 
 def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -146,7 +146,7 @@ class DeepSpeedEngine(DeepSpeedLayoutAnswers, DistributedEngine):
         if not self.model_engine.is_gradient_accumulation_boundary():
             self.model_engine.step()  # advances DeepSpeed's micro-step count; no update off the boundary
 
-    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False, skip_norm=None):
+    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip_rule=None):
         # DeepSpeed decides itself: its fp16 loss scaler skips non-finite steps; bf16/fp32 updates are applied.
         skipped_before = self.model_engine.skipped_steps
         self.model_engine.step()  # clips (gradient_clipping), updates, steps the schedule, zeroes grads

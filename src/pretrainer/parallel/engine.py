@@ -189,21 +189,20 @@ class Engine(LayoutAnswers, ABC):
         return local
 
     def step(self, model: torch.nn.Module, optimizer, max_norm: float | None,
-             skip_nonfinite: bool = True, skip: bool = False, skip_norm=None) -> tuple[torch.Tensor, bool]:
+             skip_nonfinite: bool = True, skip_rule=None) -> tuple[torch.Tensor, bool]:
         """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied).
 
         With `skip_nonfinite`, a non-finite gradient norm (a NaN/inf loss or gradient on any rank: the norm
         is global) skips the update; that check reads the norm, the one device sync of a step. fp16 runs
-        leave it to the loss scaler, which skips and lowers the scale. `skip` drops this update regardless
-        (a loss spike); the norm is still computed, for the log. `skip_norm(norm)`, given, decides from the
-        gradient norm (a spike rule; it reads the norm, as the non-finite check does).
+        leave it to the loss scaler, which skips and lowers the scale. `skip_rule(norm)`, given (the spike
+        rules), may drop the update from the norm and the step's loss, read with it in the same sync; the norm
+        is still computed, for the log.
         """
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
         grad_norm = self.clip_gradients([p for p in model.parameters() if p.grad is not None], max_norm)
-        skip = skip or (skip_norm is not None and bool(torch.isfinite(grad_norm)) and skip_norm(grad_norm))
-        if skip:
+        if skip_rule is not None and skip_rule(grad_norm):
             if scaler is not None:
                 scaler.update()  # keeps the scaler's per-step bookkeeping consistent
             return grad_norm, False

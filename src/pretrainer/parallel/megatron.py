@@ -379,9 +379,9 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         """Under tensor (and so sequence) parallelism each tp rank routes its own 1/tp of every sequence."""
         return self.mesh.get_group("tp") if self._routes_tokens and self.settings.tp > 1 else None
 
-    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip: bool = False, skip_norm=None):
+    def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip_rule=None):
         self._sum_partial_gradients_over_tp(model)
-        return super().step(model, optimizer, max_norm, skip_nonfinite, skip, skip_norm)
+        return super().step(model, optimizer, max_norm, skip_nonfinite, skip_rule)
 
     def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
         """Gradients that hold only this tp rank's part, summed over tp once per step (Megatron's

@@ -147,6 +147,21 @@ class OutputZLoss(StepExtension):
         return f"output z-loss {self.coeff:g}"
 
 
+class SourceTokens(StepExtension):
+    """A mixture's accounting: the target tokens trained from each source so far (`source_tokens/<name>`), read
+    off the blend index at the stream's position (the same on every rank, no collective, exact on resume)."""
+
+    def __init__(self, mixture, stream):
+        self.mixture, self.stream = mixture, stream
+
+    def interval_row(self) -> dict:
+        return {f"source_tokens/{name}": tokens
+                for name, tokens in self.mixture.trained_tokens(self.stream.position).items()}
+
+    def start_row(self) -> dict:
+        return {"sources": list(self.mixture.names)}
+
+
 def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
     """The extensions the resolved run's model needs, made on the unwrapped model."""
     extensions: list[StepExtension] = [MoeStep(model, run)] if run.moe is not None else []

@@ -6,13 +6,17 @@
   gradient norm as often as in the loss, and the norm is known before the update).
 
 A rule applies once its window holds enough accepted steps (5 for the factor, n / 2 for the z-score). Only
-accepted steps join the windows, so a run of spikes cannot raise the mean that judges them.
+accepted steps join the windows, so a run of spikes cannot raise the mean that judges them. The rules run
+inside the engine's optimizer step, once the gradient norm is known, and read the loss with it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
+
+import torch
 
 FACTOR_WINDOW = 50       # accepted losses in the factor rule's running mean
 FACTOR_MIN_HISTORY = 5
@@ -24,6 +28,7 @@ class SpikeGuard:
         self.losses: deque[float] = deque(maxlen=max(FACTOR_WINDOW, window))
         self.norms: deque[float] = deque(maxlen=window)
         self.reason: str | None = None  # why the current step's update is skipped
+        self._loss = float("nan")       # the current step's
 
     @staticmethod
     def of(args) -> "SpikeGuard | None":
@@ -31,21 +36,26 @@ class SpikeGuard:
             return None
         return SpikeGuard(args.loss_spike_factor, args.spike_zscore, args.spike_window)
 
-    def check_loss(self, loss: float) -> bool:
-        """Before the update: whether the step's loss is a spike (the reason is kept)."""
-        self.reason, self._loss = None, loss
+    def rule(self, loss_sum: torch.Tensor, targets: torch.Tensor):
+        """The step's skip rule for the engine's optimizer step: `loss_sum` / `targets` (device tensors, over all
+        ranks) is the step's loss; it is read with the gradient norm, in one transfer (the non-finite check
+        reads the norm anyway), so the rules add no wait of their own for the device."""
+        def decide(grad_norm: torch.Tensor) -> bool:
+            loss, norm = torch.stack([loss_sum.double() / targets.double().clamp(min=1),
+                                      grad_norm.detach().double().to(loss_sum.device)]).tolist()
+            self._loss, self.reason = loss, None
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the non-finite check's to skip
+                return False
+            self.reason = self._loss_reason(loss) or self._zscore_reason("gradient norm", norm, list(self.norms))
+            return self.reason is not None
+        return decide
+
+    def _loss_reason(self, loss: float) -> str | None:
         recent = list(self.losses)[-FACTOR_WINDOW:]
         if self.factor and len(recent) >= FACTOR_MIN_HISTORY and loss > self.factor * statistics.fmean(recent):
-            self.reason = f"loss spike: {loss:.4g} is above {self.factor:g} x the mean of the last {len(recent)} " \
-                          "accepted steps"
-        else:
-            self.reason = self._zscore_reason("loss", loss, list(self.losses)[-self.window:])
-        return self.reason is not None
-
-    def check_norm(self, grad_norm) -> bool:
-        """Inside the optimizer step, once the gradient norm is known: whether it is a spike."""
-        self.reason = self.reason or self._zscore_reason("gradient norm", float(grad_norm), list(self.norms))
-        return self.reason is not None
+            return f"loss spike: {loss:.4g} is above {self.factor:g} x the mean of the last {len(recent)} accepted " \
+                   "steps"
+        return self._zscore_reason("loss", loss, list(self.losses)[-self.window:])
 
     def _zscore_reason(self, name: str, value: float, history: list[float]) -> str | None:
         if not self.zscore or len(history) < max(2, self.window // 2):

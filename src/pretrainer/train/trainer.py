@@ -235,14 +235,12 @@ class PreTrainer:
             extension.begin_step(counts, len(micro_batches))
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
-        guard = self.spike_guard  # reads the loss each step (one sync), only with a spike rule on
-        spike = guard is not None and guard.check_loss(engine.reduce_sum(local_loss).item()
-                                                       / max(float(counts[0].item()), 1.0))
+        guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
+        rule = guard.rule(engine.reduce_sum(local_loss), counts[0]) if guard is not None else None
         lr = self.optimizer.param_groups[0]["lr"]
         with phases.device("optimizer"):
             grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad,
-                                             skip_nonfinite=args.max_skipped_updates > 0, skip=spike,
-                                             skip_norm=guard.check_norm if guard is not None else None)
+                                             skip_nonfinite=args.max_skipped_updates > 0, skip_rule=rule)
             if applied:
                 engine.finish_step(self.optimizer, self.lr_scheduler)
             else:

@@ -1,0 +1,143 @@
+"""Data mixtures (`train_data` as named, weighted sources; `mixture_schedule`): token shares within 1% of the
+weights at every logged step although the sources' documents differ in length by more than 10x, a two-stage
+schedule, the draws plan and its refusals, and a mid-stage stop resumed on 2 fsdp ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import CORPUS, read_metrics, train_losses
+from multi_run import launch_cases
+from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
+from pretrainer.data.mixture import blend_index
+from pretrainer.data.readers import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+WEIGHTS = {"prose": 0.5, "reviews": 0.3, "news": 0.2}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    """Long English prose (CPython docs over 4,000 characters), short Chinese reviews (under 150), medium
+    English pages (300-1,500), as JSONL."""
+    root = tmp_path_factory.mktemp("sources")
+    docs = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    reviews = [line.strip() for line in (REPO / "examples" / "data" / "zh_reviews.txt").read_text(
+        encoding="utf-8").splitlines() if 20 <= len(line.strip()) < 150]
+    texts = {"prose": [d for d in docs if len(d) > 4000][:40], "reviews": reviews[:1500],
+             "news": [d for d in docs if 300 <= len(d) < 1500][:300]}
+    out = {}
+    for name, items in texts.items():
+        out[name] = root / f"{name}.jsonl"
+        out[name].write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in items),
+                             encoding="utf-8")
+    lengths = {name: np.mean([len(t) for t in items]) for name, items in texts.items()}
+    assert lengths["prose"] > 10 * lengths["reviews"]
+    return out
+
+
+def mixture_config(base_config, sources, save_dir, **extra) -> dict:
+    return {**base_config, "train_data": [{"name": n, "path": str(sources[n]), "weight": w}
+                                          for n, w in WEIGHTS.items()],
+            "num_training_steps": 24, "micro_batch_size": 4, "gradient_accumulation_steps": 4, "eval_interval": 0,
+            "save_interval": 0, "export_hf": False, "save_dir": str(save_dir), **extra}
+
+
+def shares(row: dict) -> dict[str, float]:
+    tokens = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("source_tokens/")}
+    total = sum(tokens.values())
+    return {name: value / total for name, value in tokens.items()}
+
+
+def test_token_shares_follow_the_weights_at_every_logged_step(base_config, sources, tmp_path):
+    """16 windows a step: from step 7 (112 windows) on, every row's cumulative shares are within 1% of
+    0.5 / 0.3 / 0.2, where weighting documents instead would give the prose most of the tokens."""
+    PreTrainer(PreTrainingArguments(**mixture_config(base_config, sources, tmp_path / "run"))).train()
+    rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
+    assert len(rows) == 24 and all(f"source_tokens/{n}" in row for row in rows for n in WEIGHTS)
+    for row in rows[6:]:
+        for name, share in shares(row).items():
+            assert share == pytest.approx(WEIGHTS[name], abs=0.01), (row["step"], name)
+    assert sum(v for k, v in rows[-1].items() if k.startswith("source_tokens/")) == rows[-1]["tokens"]
+
+
+def test_a_two_stage_schedule_switches_the_shares_at_its_token(base_config, sources, tmp_path):
+    """Until 8,192 tokens (16 steps of 512) prose 0.8 / news 0.2; then reviews 0.6 / news 0.4: the tokens
+    trained before and after the switch each follow their stage within 1%."""
+    config = mixture_config(base_config, sources, tmp_path / "run", num_training_steps=32, mixture_schedule=[
+        {"until_tokens": 8192, "weights": {"prose": 0.8, "news": 0.2}},
+        {"weights": {"reviews": 0.6, "news": 0.4}}])
+    PreTrainer(PreTrainingArguments(**config)).train()
+    rows = {row["step"]: row for row in read_metrics(tmp_path / "run") if "loss" in row}
+    first = {k: v for k, v in rows[16].items() if k.startswith("source_tokens/")}
+    last = {k: rows[32][k] - first[k] for k in first}
+    for tokens, weights in ((first, {"prose": 0.8, "news": 0.2}), (last, {"reviews": 0.6, "news": 0.4})):
+        total = sum(tokens.values())
+        for key, value in tokens.items():
+            assert value / total == pytest.approx(weights.get(key.split("/")[1], 0.0), abs=0.01), key
+
+
+def test_the_blend_keeps_every_source_within_one_sample_of_its_share():
+    weights = np.array([0.5, 0.3, 0.2])
+    source_of = blend_index([(0, weights)], 5000)
+    counts = np.cumsum(np.eye(3)[source_of], axis=0)
+    ideal = np.outer(np.arange(1, 5001), weights)
+    assert np.abs(counts - ideal).max() <= 1.0
+    staged = blend_index([(0, np.array([1.0, 0.0, 0.0])), (100, np.array([0.0, 0.5, 0.5]))], 300)
+    assert set(staged[:100]) == {0} and np.bincount(staged[100:], minlength=3).tolist() == [0, 100, 100]
+
+
+def test_the_plan_is_logged_and_a_source_repeated_past_max_epochs_is_refused(base_config, sources, tmp_path,
+                                                                             caplog):
+    config = mixture_config(base_config, sources, tmp_path / "run")
+    config["train_data"][2]["max_epochs"] = 0.01
+    with pytest.raises(DataError, match=r"train_data source news: the run would read it 0\.\d+ times .*more than "
+                                        r"its max_epochs 0\.01; lower its weight"):
+        PreTrainer(PreTrainingArguments(**config))
+    assert "tokens available" in caplog.text and "epochs" in caplog.text
+
+
+@pytest.mark.parametrize("train_data, schedule, message", [
+    ([{"name": "a", "path": "x", "weight": -1}], None, r"train_data\[0\] \(a\): weight must be a number >= 0"),
+    ([{"name": "a", "path": "x", "weight": 0}], None, "weights must be numbers >= 0 with a positive sum"),
+    ([{"name": "a", "path": "x"}, {"name": "a", "path": "y"}], None, "source name\\(s\\) a appear more than once"),
+    ([{"name": "a", "path": "x"}, "data/b.jsonl"], None, r"train_data\[1\] is 'data/b.jsonl': in a mixture every "
+                                                         "source is a mapping"),
+    ([{"name": "a", "path": "x"}], [{"weights": {"b": 1}}], "names unknown source\\(s\\) b; the sources are a"),
+    ([{"name": "a", "path": "x"}], [{"until_tokens": 100, "weights": {"a": 1}}, {"until_tokens": 50,
+                                                                                 "weights": {"a": 1}},
+                                    {"weights": {"a": 1}}], "until_tokens must increase"),
+    ("data/x.jsonl", [{"weights": {"a": 1}}], "mixture_schedule needs named sources"),
+])
+def test_bad_mixtures_are_refused_naming_the_key(base_config, train_data, schedule, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(**{**base_config, "train_data": train_data, "mixture_schedule": schedule})
+
+
+def test_a_source_with_no_tokens_is_named(base_config, sources, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n")
+    config = mixture_config(base_config, {**sources, "news": empty}, tmp_path / "run")
+    with pytest.raises(DataError, match="train_data source news: .*empty.jsonl holds no tokens to train on"):
+        PreTrainer(PreTrainingArguments(**config))
+
+
+def test_a_stop_mid_stage_resumes_on_two_fsdp_ranks_as_one_process(base_config, sources, tmp_path):
+    schedule = [{"until_tokens": 4096, "weights": {"prose": 0.7, "reviews": 0.3}}, {"weights": WEIGHTS}]
+    config = mixture_config(base_config, sources, tmp_path / "one", num_training_steps=12, mixture_schedule=schedule,
+                            save_interval=3)
+    PreTrainer(PreTrainingArguments(**config)).train()
+    moved = {**config, "save_dir": str(tmp_path / "moved"), "exit_interval": 6}
+    PreTrainer(PreTrainingArguments(**moved)).train()  # stops after step 6, inside the second stage
+    launch_cases({**moved, "exit_interval": None}, [{"name": "resume", "config": {
+        "engine": "fsdp", "dp": 2, "micro_batch_size": 2}}], 2, tmp_path)
+    want, have = train_losses(tmp_path / "one"), train_losses(tmp_path / "moved")
+    assert sorted(have) == sorted(want)
+    assert [have[s] for s in sorted(want)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-5)
+    rows = [row for row in read_metrics(tmp_path / "moved") if "loss" in row]
+    assert rows[-1]["source_tokens/prose"] == [r for r in read_metrics(tmp_path / "one") if "loss" in r][-1][
+        "source_tokens/prose"]
