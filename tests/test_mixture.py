@@ -1,6 +1,7 @@
 """Data mixtures (`train_data` as named, weighted sources; `mixture_schedule`): token shares within 1% of the
-weights at every logged step although the sources' documents differ in length by more than 10x, a two-stage
-schedule, the draws plan and its refusals, and a mid-stage stop resumed on 2 fsdp ranks."""
+weights at every logged step although the sources' documents differ in length by more than 10x, each
+source's eval loss, a two-stage schedule, the draws plan and its refusals, and a mid-stage stop resumed on 2
+fsdp ranks."""
 
 from __future__ import annotations
 
@@ -56,7 +57,12 @@ def shares(row: dict) -> dict[str, float]:
 def test_token_shares_follow_the_weights_at_every_logged_step(base_config, sources, tmp_path):
     """16 windows a step: from step 7 (112 windows) on, every row's cumulative shares are within 1% of
     0.5 / 0.3 / 0.2, where weighting documents instead would give the prose most of the tokens."""
-    PreTrainer(PreTrainingArguments(**mixture_config(base_config, sources, tmp_path / "run"))).train()
+    PreTrainer(PreTrainingArguments(**mixture_config(base_config, sources, tmp_path / "run", eval_interval=12,
+                                                     eval_iters=2))).train()
+    evals = [row for row in read_metrics(tmp_path / "run") if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [12, 24]  # each source's held-out windows evaluated apart too
+    assert all(row[f"eval_loss/{n}"] > 0 for row in evals for n in WEIGHTS)
+    assert len({round(evals[-1][f"eval_loss/{n}"], 3) for n in WEIGHTS}) == 3
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert len(rows) == 24 and all(f"source_tokens/{n}" in row for row in rows for n in WEIGHTS)
     for row in rows[6:]:

@@ -8,7 +8,7 @@ own DataLoaders. The loop only consumes what `assemble_data` returns.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from ..config import ConfigError
@@ -38,6 +38,7 @@ class RunData:
     train: Iterator[dict]         # endless, resumable (state_dict/load_state_dict), with an `epoch`
     eval: Iterable[dict] | None   # re-iterable eval micro-batches, or None
     mixture: MixtureDataset | None = None  # named sources: which source each train sample position reads
+    eval_sources: dict = field(default_factory=dict)  # named sources: each one's eval micro-batches
 
 
 def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_provider=None,
@@ -60,7 +61,9 @@ def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_
                          shuffle=not built.shuffled, **shard)
     if eval_dataloader is None and built.eval is not None:
         eval_dataloader = EvalBatches(built.eval, sizes.micro_batch_size, pad_id, **shard)
-    return RunData(train, eval_dataloader, built.mixture)
+    sources = {name: EvalBatches(data, sizes.micro_batch_size, pad_id, **shard)
+               for name, data in built.eval_sources.items()}
+    return RunData(train, eval_dataloader, built.mixture, sources)
 
 
 def _build_datasets(args, sizes, tokenizer, placement: DataPlacement, datasets_provider) -> BuiltData:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ class BuiltData:
     eval: torch.utils.data.Dataset | None
     shuffled: bool = False  # the samples are already in a seeded random order (prepared data, a mixture)
     mixture: MixtureDataset | None = None  # named sources: the train samples' blend, for the accounting
+    eval_sources: dict = field(default_factory=dict)  # named sources: each one's held-out windows
 
 
 def _stores(args, tokenizer, placement):
@@ -80,7 +81,7 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
     packed on its own, its eval split held out per source; the plan of draws is logged and checked."""
     mixture, seq_length = args.mixture, sizes.seq_length
     store = _stores(args, tokenizer, placement)
-    trains, evals = [], []
+    trains, evals = [], {}
     for source in mixture.sources:
         source_store, files = store(f"train_data source {source.name}", list(source.paths))
         train_ids, eval_ids = np.arange(source_store.num_documents), np.zeros(0, dtype=np.int64)
@@ -93,7 +94,8 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
         trains.append(train)
         if len(eval_ids):
             held = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, eval_ids))
-            evals += [held] if len(held) else []
+            if len(held):
+                evals[source.name] = held
     starts = [0] + [-(-int(stage.until_tokens) // seq_length) for stage in mixture.stages[:-1]]
     source_of = blend_index([(start, np.asarray(stage.weights)) for start, stage in zip(starts, mixture.stages)],
                             sizes.train_samples)
@@ -102,13 +104,14 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
                 describe_plan(plans, seq_length))
     check_repeats(plans)
     blend = MixtureDataset(list(mixture.names), trains, source_of, args.seed)
-    evaluation = InterleavedEval(evals) if evals else None
+    evaluation = InterleavedEval(list(evals.values())) if evals else None
     if args.resolved_eval_data:
+        evals = {}
         eval_store, _ = store("eval_data", args.resolved_eval_data)
         evaluation = PackedDataset(eval_store.tokens, seq_length, document_spans(eval_store,
                                                                                  np.arange(eval_store.num_documents)))
     return BuiltData(blend, evaluation if evaluation is None or len(evaluation) else None, shuffled=True,
-                     mixture=blend)
+                     mixture=blend, eval_sources=evals)
 
 
 def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -78,6 +78,7 @@ class PreTrainer:
         self.resolved, self.engine, self.tokenizer = run.resolved, run.engine, run.resolved.tokenizer
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
+        self.eval_sources = run.data.eval_sources  # a mixture's: evaluated one by one too
         self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
         self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
         self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
@@ -95,7 +96,8 @@ class PreTrainer:
         self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.state = loop_state(self)
-        self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters)
+        self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
+                                   self.eval_sources)
         self.downstream = DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
                                               args.eval_interval)
         self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state) if args.save_dir else None

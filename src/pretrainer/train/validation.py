@@ -43,8 +43,9 @@ class Validator:
     """When to evaluate (every `interval` steps, and once at the end unless the last step just did) and the
     row an evaluation writes."""
 
-    def __init__(self, batches, engine, interval: int | None, max_batches: int | None):
+    def __init__(self, batches, engine, interval: int | None, max_batches: int | None, sources: dict | None = None):
         self.batches, self.engine, self.interval, self.max_batches = batches, engine, interval, max_batches
+        self.sources = sources or {}  # a mixture's sources: each one's eval batches, for eval_loss/<name>
         self.last_step: int | None = None
 
     def is_due(self, step: int) -> bool:
@@ -55,4 +56,7 @@ class Validator:
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         self.last_step = step
-        return {"step": step, **evaluate(model, self.batches, self.engine, self.max_batches)}
+        row = {"step": step, **evaluate(model, self.batches, self.engine, self.max_batches)}
+        for name, batches in self.sources.items():  # eval_iters batches of each source's held-out windows
+            row[f"eval_loss/{name}"] = evaluate(model, batches, self.engine, self.max_batches)["eval_loss"]
+        return row
