@@ -16,6 +16,7 @@ from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 from pretrainer.data.mixture import blend_index
 from pretrainer.data.readers import DataError
+from pretrainer.train.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = {"prose": 0.5, "reviews": 0.3, "news": 0.2}
@@ -69,6 +70,9 @@ def test_token_shares_follow_the_weights_at_every_logged_step(base_config, sourc
         for name, share in shares(row).items():
             assert share == pytest.approx(WEIGHTS[name], abs=0.01), (row["step"], name)
     assert sum(v for k, v in rows[-1].items() if k.startswith("source_tokens/")) == rows[-1]["tokens"]
+    page = write_report(tmp_path / "run").read_text()  # tokens per source stacked, eval loss per source
+    assert "Tokens trained per source (stacked)" in page and "Eval loss per source" in page
+    assert (tmp_path / "run" / "report" / "mixture_tokens.svg").is_file()
 
 
 def test_a_two_stage_schedule_switches_the_shares_at_its_token(base_config, sources, tmp_path):

@@ -3,10 +3,11 @@
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
 learning rate, tokens/s, MFU and peak memory over steps, each downstream task's accuracy against the
-tokens trained on, a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer
-heatmap) and, for a run with cooldown branches (RUN/branches/*, or given), their losses over the run's; a
-table gives the config, engine, hardware, lineage and final figures. The plots are SVG drawn by
-`svg_plot` (no plotting library to import: the report is written in milliseconds at the end of every run).
+tokens trained on, a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer heatmap), a
+data mixture's tokens per source (stacked) and eval loss per source, and, for a run with cooldown branches
+(RUN/branches/*, or given), their losses over the run's; a table gives the config, engine, hardware, lineage
+and final figures. The plots are SVG drawn by `svg_plot` (no plotting library to import: the report is
+written in milliseconds at the end of every run).
 """
 
 from __future__ import annotations
@@ -74,13 +75,33 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
     tasks = downstream_rows(rows)
     found = [Path(b) for b in branches] if branches is not None else find_branches(save_dir)
     branch_rows = {branch: read_rows(branch) for branch in found}
-    charts += downstream_charts(tasks, train) + moe_charts(train) + branch_charts(train, evals, branch_rows)
+    charts += downstream_charts(tasks, train) + moe_charts(train) + mixture_charts(train, evals)
+    charts += branch_charts(train, evals, branch_rows)
     for name, chart in charts:
         (out / name).write_text(chart, encoding="utf-8")
     page = out / "report.html"
     page.write_text(render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts],
                                 branch_summary(branch_rows)), encoding="utf-8")
     return page
+
+
+def mixture_charts(train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
+    """A mixture's tokens per source, stacked (each line is the sum of the sources up to it), and each
+    source's eval loss."""
+    names = [key.split("/", 1)[1] for key in (train[-1] if train else {}) if key.startswith("source_tokens/")]
+    if not names:
+        return []
+    stacked, below = [], [0] * len(train)
+    for name in names:
+        below = [b + r.get(f"source_tokens/{name}", 0) for b, r in zip(below, train)]
+        stacked.append((f"{name} (and above)" if stacked else name, [(r["step"], y) for r, y in zip(train, below)]))
+    charts = [("mixture_tokens.svg", line_chart("Tokens trained per source (stacked)", "tokens",
+                                                list(reversed(stacked))))]
+    losses = [(name, [(r["step"], r[f"eval_loss/{name}"]) for r in evals if f"eval_loss/{name}" in r])
+              for name in names]
+    if any(points for _, points in losses):
+        charts.append(("mixture_eval_loss.svg", line_chart("Eval loss per source", "eval loss", losses)))
+    return charts
 
 
 def branch_charts(train: list[dict], evals: list[dict], branches: dict[Path, list[dict]]) -> list[tuple[str, str]]:
