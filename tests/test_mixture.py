@@ -70,8 +70,15 @@ def test_token_shares_follow_the_weights_at_every_logged_step(base_config, sourc
         for name, share in shares(row).items():
             assert share == pytest.approx(WEIGHTS[name], abs=0.01), (row["step"], name)
     assert sum(v for k, v in rows[-1].items() if k.startswith("source_tokens/")) == rows[-1]["tokens"]
+    previous = dict.fromkeys(WEIGHTS, 0)
+    for row in rows:  # each source's loss, weighted by its tokens of the step, is the step's loss
+        counts = {n: row[f"source_tokens/{n}"] - previous[n] for n in WEIGHTS}
+        previous = {n: row[f"source_tokens/{n}"] for n in WEIGHTS}
+        mixed = sum(row[f"source_loss/{n}"] * counts[n] for n in WEIGHTS) / sum(counts.values())
+        assert mixed == pytest.approx(row["loss"], rel=1e-5), row["step"]
     page = write_report(tmp_path / "run").read_text()  # tokens per source stacked, eval loss per source
-    assert "Tokens trained per source (stacked)" in page and "Eval loss per source" in page
+    assert all(title in page for title in ("Tokens trained per source (stacked)", "Train loss per source",
+                                           "Eval loss per source"))
     assert (tmp_path / "run" / "report" / "mixture_tokens.svg").is_file()
 
 
@@ -136,18 +143,27 @@ def test_a_source_with_no_tokens_is_named(base_config, sources, tmp_path):
         PreTrainer(PreTrainingArguments(**config))
 
 
-def test_a_stop_mid_stage_resumes_on_two_fsdp_ranks_as_one_process(base_config, sources, tmp_path):
+def test_a_stop_mid_stage_resumes_on_two_fsdp_ranks_and_tp_accounts_as_one_process(base_config, sources, tmp_path):
     schedule = [{"until_tokens": 4096, "weights": {"prose": 0.7, "reviews": 0.3}}, {"weights": WEIGHTS}]
     config = mixture_config(base_config, sources, tmp_path / "one", num_training_steps=12, mixture_schedule=schedule,
                             save_interval=3)
     PreTrainer(PreTrainingArguments(**config)).train()
     moved = {**config, "save_dir": str(tmp_path / "moved"), "exit_interval": 6}
     PreTrainer(PreTrainingArguments(**moved)).train()  # stops after step 6, inside the second stage
-    launch_cases({**moved, "exit_interval": None}, [{"name": "resume", "config": {
-        "engine": "fsdp", "dp": 2, "micro_batch_size": 2}}], 2, tmp_path)
-    want, have = train_losses(tmp_path / "one"), train_losses(tmp_path / "moved")
-    assert sorted(have) == sorted(want)
-    assert [have[s] for s in sorted(want)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-5)
+    launch_cases({**moved, "exit_interval": None}, [
+        {"name": "resume", "config": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2}},
+        {"name": "tp2", "config": {"engine": "megatron", "plugin_args": {"tp_degree": 2}, "loss_chunk_size": 24,
+                                   "save_dir": str(tmp_path / "tp2")}}], 2, tmp_path)
+    want = train_losses(tmp_path / "one")
+    for name in ("moved", "tp2"):  # resumed on 2 fsdp ranks; the vocabulary-parallel chunked head
+        have = train_losses(tmp_path / name)
+        assert sorted(have) == sorted(want)
+        assert [have[s] for s in sorted(want)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-5), name
     rows = [row for row in read_metrics(tmp_path / "moved") if "loss" in row]
-    assert rows[-1]["source_tokens/prose"] == [r for r in read_metrics(tmp_path / "one") if "loss" in r][-1][
-        "source_tokens/prose"]
+    reference = [row for row in read_metrics(tmp_path / "one") if "loss" in row]
+    tp_rows = [row for row in read_metrics(tmp_path / "tp2") if "loss" in row]
+    for got, tp, want in zip(rows, tp_rows, reference):  # a source with no tokens in a row has no loss there
+        keys = sorted(k for k in want if k.startswith("source_"))
+        for row in (got, tp):
+            assert sorted(k for k in row if k.startswith("source_")) == keys
+            assert [row[k] for k in keys] == pytest.approx([want[k] for k in keys], rel=1e-5), row["step"]

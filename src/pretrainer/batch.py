@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+SOURCE = "source"  # a mixture's batches: each row's source (data/mixture.py), for per-source losses
 # The batch being forwarded, for an output head that computes the loss itself (its targets are derived
 # only when such a head asks: the common path pays nothing).
 _forwarded_batch: ContextVar[dict | None] = ContextVar("the batch in forward_logits", default=None)
@@ -119,8 +120,29 @@ def head_targets() -> torch.Tensor | None:
 
 def targets_for_head(targets: torch.Tensor):
     """Hand `targets` to an output head that computes the loss itself, for an engine that runs the model's
-    modules without `forward_logits` (pipeline stages)."""
-    return _holding(_forwarded_batch, {"shift_labels": targets})
+    modules without `forward_logits` (pipeline stages); the rows' sources of the batch being forwarded stay."""
+    outer = _forwarded_batch.get() or {}
+    return _holding(_forwarded_batch, {"shift_labels": targets, **{k: outer[k] for k in (SOURCE,) if k in outer}})
+
+
+_row_losses: list = [None]  # the last head forward's loss sum per row, where its batch carries SOURCE
+
+
+def forwarded_rows_wanted() -> bool:
+    """Whether the batch being forwarded asks for each row's loss sum (it carries each row's source)."""
+    batch = _forwarded_batch.get()
+    return batch is not None and SOURCE in batch
+
+
+def keep_row_losses(rows: torch.Tensor) -> None:
+    """An output head that computes the loss itself hands over each row's loss sum (no gradient)."""
+    _row_losses[0] = rows
+
+
+def take_row_losses() -> torch.Tensor | None:
+    """The row losses the last head forward kept (once)."""
+    rows, _row_losses[0] = _row_losses[0], None
+    return rows
 
 
 def per_token_losses():

@@ -101,7 +101,7 @@ class MixtureDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         source, window = self.window(index)
-        return self.sources[source][window]
+        return {**self.sources[source][window], "source": source}
 
     def _window_targets(self) -> np.ndarray:
         """The targets each position trains: seq_length, less where it reads a source's short last window."""

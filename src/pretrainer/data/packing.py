@@ -107,6 +107,13 @@ def collate_packed(samples: list[dict], pad_token_id: int, masking: DocumentMask
 
 
 def _stack_windows(samples: list[dict], pad_token_id: int) -> dict:
+    batch = _stack_tokens(samples, pad_token_id)
+    if "source" in samples[0]:  # a mixture's windows: each row's source (data/mixture.py)
+        batch["source"] = torch.tensor([s["source"] for s in samples], dtype=torch.long)
+    return batch
+
+
+def _stack_tokens(samples: list[dict], pad_token_id: int) -> dict:
     length = max(s["input_ids"].shape[0] for s in samples)
     if all(s["input_ids"].shape[0] == length for s in samples):
         return {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "shift_labels")}

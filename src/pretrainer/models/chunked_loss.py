@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE, head_targets, wants_token_losses
+from ..batch import IGNORE, forwarded_rows_wanted, head_targets, keep_row_losses, wants_token_losses
 from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -112,9 +112,15 @@ def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tenso
 
     per_token = wants_token_losses()
     z_coeff = getattr(self, "z_loss_coeff", 0.0)
+    rows = [] if forwarded_rows_wanted() else None  # a mixture's batch: each row's loss, for its source
     if isinstance(self.weight, DTensor):
-        return _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token, z_coeff)
-    return LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token, z_coeff)
+        out = _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token, z_coeff, rows)
+    else:
+        out = LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token, z_coeff,
+                                       rows)
+    if rows:
+        keep_row_losses(rows[0])
+    return out
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class VocabShard:
 
 
 def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_token: bool,
-                         z_coeff: float = 0.0) -> torch.Tensor:
+                         z_coeff: float = 0.0, rows: list | None = None) -> torch.Tensor:
     """The chunked loss of a head whose weight is a DTensor sharded by vocabulary rows over a 1-D mesh; the
     input arrives as the layout's replicated DTensor (sequence-parallel slices already gathered)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -140,7 +146,7 @@ def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     out = LinearCrossEntropy.apply(hidden, weight.to_local(), targets, chunk, VocabShard(offset, mesh.get_group()),
-                                   per_token, z_coeff)
+                                   per_token, z_coeff, rows)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
@@ -150,11 +156,12 @@ class LinearCrossEntropy(torch.autograd.Function):
     `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary. With
     `per_token` (scoring, no gradient) the result is each target's loss instead, shaped as `targets`. With
     `z_coeff` > 0 a third entry sums logsumexp(logits)^2 over the valid targets, and the first entry's gradient
-    is that of sum + z_coeff x it (the z-loss trains through it; the third entry has none)."""
+    is that of sum + z_coeff x it (the z-loss trains through it; the third entry has none). `rows`, a list,
+    receives each row's loss sum (no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                shard: VocabShard | None, per_token: bool = False, z_coeff: float = 0.0):
+                shard: VocabShard | None, per_token: bool = False, z_coeff: float = 0.0, rows: list | None = None):
         flat = hidden.reshape(-1, hidden.shape[-1])
         labels = targets.reshape(-1).to(flat.device)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -164,6 +171,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.float32, device=flat.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
         each = torch.zeros(labels.shape, dtype=torch.float32, device=flat.device) if per_token else None
+        row_sums = torch.zeros(targets.reshape(-1, targets.shape[-1]).shape[0], dtype=torch.float32,
+                               device=flat.device) if rows is not None else None
         for start in range(0, flat.shape[0], chunk):
             h, t = flat[start:start + chunk], labels[start:start + chunk]
             logits = F.linear(h, weight).float()
@@ -183,6 +192,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 z_sum += (log_norm.square() * valid).sum()
             if per_token:
                 each[start:start + chunk] = losses
+            if row_sums is not None:  # token j of the flat batch is in row j // seq
+                row_sums.index_add_(0, torch.arange(start, start + len(t), device=flat.device) // targets.shape[-1],
+                                    losses.detach())
             if want_hidden or want_weight:
                 grad_logits = torch.exp(logits - log_norm[:, None])  # softmax, minus one at the target
                 if z_coeff:  # d(c lse^2)/d logits = 2 c lse softmax
@@ -194,6 +206,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:start + chunk] = grad_logits @ weight.to(h.dtype)
                 if want_weight:
                     grad_weight += (grad_logits.t() @ h).float()
+        if rows is not None:
+            rows.append(row_sums)
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         ctx.have = (want_hidden, want_weight)
@@ -209,7 +223,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
         if grad_hidden is not None:
             grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _shard_statistics(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, shard: VocabShard):

@@ -84,8 +84,9 @@ class ContextParallel:
             targets = F.pad(targets, (0, extra), value=IGNORE)
             positions = F.pad(positions, (0, extra), value=0)
         mine = self.local_indices(window)
+        kept = {key: batch[key] for key in ("source",) if key in batch}  # per-row values stay whole
         return {"input_ids": ids[:, mine], "shift_labels": targets[:, mine], "position_ids": positions[:, mine],
-                "cp_length": window}
+                "cp_length": window, **kept}
 
     @contextlib.contextmanager
     def active(self, length: int):

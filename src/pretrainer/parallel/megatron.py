@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-from ..batch import IGNORE, PipelinedMasks, batch_targets, forwarding, is_head_loss, pipelining
+from ..batch import IGNORE, SOURCE, PipelinedMasks, batch_targets, forwarding, is_head_loss, pipelining
 from ..config import ConfigError, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
@@ -326,7 +326,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                 # an MoE model's routing reads the padding (the batch's and this engine's own)
                 padding = {"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)} \
                     if self._routes_tokens else {}
-                with forwarding(padding):
+                sources = {SOURCE: batch[SOURCE]} if SOURCE in batch else {}  # a mixture's, for per-source losses
+                with forwarding({**padding, **sources}):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
                 output = forward_in_order(self.stage_ids, self.stages, self.settings.num_stages,

@@ -33,7 +33,7 @@ from ..optim import build_optimizer, build_scheduler
 from ..parallel import Engine, World, create_engine
 from ..perf import flops_per_token
 from ..perf.flops import FlopsCount
-from .extensions import SourceTokens, StepExtension, step_extensions
+from .extensions import SourceAccounting, StepExtension, step_extensions
 from .resolve import ResolvedRun, resolve_run
 
 logger = logging.getLogger("pretrainer")
@@ -116,7 +116,7 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         build_optimizer=lambda m: build_optimizer(engine.trained_module(m), resolved.optimizer, engine.device),
         build_scheduler=lambda o: build_scheduler(o, resolved.schedule))
     if run_data.mixture is not None:
-        extensions.append(SourceTokens(run_data.mixture, run_data.train))
+        extensions.append(SourceAccounting(run_data.mixture, run_data.train))
     for extension in extensions:
         extension.attach(engine, model)
     return AssembledRun(resolved, engine, model, facts, optimizer, lr_scheduler, run_data, extensions, predicted)

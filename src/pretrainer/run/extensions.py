@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import is_head_loss, z_loss_sum
+from ..batch import IGNORE, SOURCE, is_head_loss, take_row_losses, token_losses, z_loss_sum
 from ..models import MoeRouting
 
 
@@ -20,9 +20,9 @@ class StepExtension:
     def attach(self, engine, model: torch.nn.Module) -> None:
         """After the engine has wrapped the model (`model`: what the loop calls forward on)."""
 
-    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
+    def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
         """Before the step's micro-batches; `counts`: the global [targets, useful tokens, rows] (device);
-        `micro_batches`: how many each replica runs in this step (a batch ramp changes it)."""
+        `batches`: this rank's host micro-batches of the step (a batch ramp changes how many)."""
 
     def extra_losses(self) -> torch.Tensor | None:
         """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
@@ -64,8 +64,8 @@ class MoeStep(StepExtension):
         if engine.balancing_losses_on_activations:
             self.routing.attach_losses()
 
-    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
-        self.routing.begin_step(self._unit_weight(counts[2], micro_batches))
+    def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
+        self.routing.begin_step(self._unit_weight(counts[2], len(batches)))
 
     def _unit_weight(self, global_rows: torch.Tensor, micro_batches: int):
         """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
@@ -116,9 +116,9 @@ class OutputZLoss(StepExtension):
         self.engine = engine
         self._sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
 
-    def begin_step(self, counts: torch.Tensor, micro_batches: int) -> None:
+    def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
         self._sums[1] += counts[0]  # the global targets: the z sums are added over ranks when logged
-        self._window, self.micro_batches = [], micro_batches
+        self._window, self.micro_batches = [], len(batches)
 
     def end_step(self, applied: bool) -> None:
         # A pipeline schedule's first step also calls the loss once on stand-in outputs (it infers shapes):
@@ -147,16 +147,49 @@ class OutputZLoss(StepExtension):
         return f"output z-loss {self.coeff:g}"
 
 
-class SourceTokens(StepExtension):
-    """A mixture's accounting: the target tokens trained from each source so far (`source_tokens/<name>`), read
-    off the blend index at the stream's position (the same on every rank, no collective, exact on resume)."""
+class SourceAccounting(StepExtension):
+    """A mixture's accounting. `source_tokens/<name>`: the target tokens trained from each source so far, read
+    off the blend index at the stream's position (the same on every rank, exact on resume). `source_loss/<name>`:
+    each source's mean token loss over the interval, from each row's loss sum in the step's own forwards (the
+    chunked head hands them over; plain logits give them), added over ranks as the loss is. A pipeline
+    schedule runs the head on concatenated micro-batches without their sources: no source_loss there."""
 
     def __init__(self, mixture, stream):
         self.mixture, self.stream = mixture, stream
+        self.engine, self._sources, self._window, self._sums = None, [], [], None
+        self._targets = torch.zeros(len(mixture.names), dtype=torch.float64)  # of the interval, this rank's
+
+    def attach(self, engine, model: torch.nn.Module) -> None:
+        self.engine = engine
+        self._sums = torch.zeros(len(self.mixture.names), dtype=torch.float64, device=engine.device)
+
+    def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
+        self._sources, self._window = [b.get(SOURCE) for b in batches], []
+
+    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = take_row_losses() if is_head_loss(output) else token_losses(output.detach(), targets).sum(-1)
+        self._window.append((rows, targets))
+        return summed
+
+    def end_step(self, applied: bool) -> None:
+        # as the z-loss's: a pipeline's stand-in call comes first, the micro-batches' own are the last ones
+        for (rows, targets), sources in zip(self._window[-len(self._sources):], self._sources):
+            if rows is None or sources is None:
+                continue
+            self._sums.index_add_(0, sources.to(rows.device), rows.double())
+            counted = (targets != IGNORE).sum(-1).double().cpu()
+            self._targets.index_add_(0, sources.cpu(), counted)
+        self._window = []
 
     def interval_row(self) -> dict:
-        return {f"source_tokens/{name}": tokens
-                for name, tokens in self.mixture.trained_tokens(self.stream.position).items()}
+        tokens = {f"source_tokens/{name}": n for name, n in self.mixture.trained_tokens(self.stream.position).items()}
+        both = self.engine.reduce_sum(torch.cat([self._sums, self._targets.to(self._sums.device)]))
+        sums, counted = both.split(len(self.mixture.names))
+        self._sums.zero_()
+        self._targets.zero_()
+        losses = {f"source_loss/{name}": loss / count for name, loss, count in
+                  zip(self.mixture.names, sums.tolist(), counted.tolist()) if count > 0}
+        return {**tokens, **losses}
 
     def start_row(self) -> dict:
         return {"sources": list(self.mixture.names)}

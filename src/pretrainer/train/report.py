@@ -4,7 +4,7 @@ Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint 
 made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
 learning rate, tokens/s, MFU and peak memory over steps, each downstream task's accuracy against the
 tokens trained on, a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer heatmap), a
-data mixture's tokens per source (stacked) and eval loss per source, and, for a run with cooldown branches
+data mixture's tokens per source (stacked) and train and eval loss per source, and, for a run with cooldown branches
 (RUN/branches/*, or given), their losses over the run's; a table gives the config, engine, hardware, lineage
 and final figures. The plots are SVG drawn by `svg_plot` (no plotting library to import: the report is
 written in milliseconds at the end of every run).
@@ -87,7 +87,7 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
 
 def mixture_charts(train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
     """A mixture's tokens per source, stacked (each line is the sum of the sources up to it), and each
-    source's eval loss."""
+    source's train and eval loss."""
     names = [key.split("/", 1)[1] for key in (train[-1] if train else {}) if key.startswith("source_tokens/")]
     if not names:
         return []
@@ -97,10 +97,11 @@ def mixture_charts(train: list[dict], evals: list[dict]) -> list[tuple[str, str]
         stacked.append((f"{name} (and above)" if stacked else name, [(r["step"], y) for r, y in zip(train, below)]))
     charts = [("mixture_tokens.svg", line_chart("Tokens trained per source (stacked)", "tokens",
                                                 list(reversed(stacked))))]
-    losses = [(name, [(r["step"], r[f"eval_loss/{name}"]) for r in evals if f"eval_loss/{name}" in r])
-              for name in names]
-    if any(points for _, points in losses):
-        charts.append(("mixture_eval_loss.svg", line_chart("Eval loss per source", "eval loss", losses)))
+    for file, title, key, rows in (("mixture_loss.svg", "Train loss per source", "source_loss", train),
+                                   ("mixture_eval_loss.svg", "Eval loss per source", "eval_loss", evals)):
+        lines = [(name, [(r["step"], r[f"{key}/{name}"]) for r in rows if f"{key}/{name}" in r]) for name in names]
+        if any(points for _, points in lines):
+            charts.append((file, line_chart(title, key.replace("_", " "), lines)))
     return charts
 
 

@@ -234,7 +234,7 @@ class PreTrainer:
         # (sum of token losses on all ranks) / (tokens on all ranks).
         scale = engine.dims.gradient_ranks / counts[0].clamp(min=1)
         for extension in self.extensions:
-            extension.begin_step(counts, len(micro_batches))
+            extension.begin_step(counts, host_batches)
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
         guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
