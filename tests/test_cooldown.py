@@ -77,7 +77,8 @@ def test_a_resume_onto_a_changed_schedule_is_refused_with_the_changed_keys(base_
     changed = {**config, "exit_interval": None, "lr": 2e-3, "num_training_steps": 8}
     with pytest.raises(ConfigError, match=r"the schedule changed since .*step-3 was saved \(lr 0\.001 -> 0\.002; "
                                           r"num_training_steps 6 -> 8\).*set override_schedule: true"):
-        PreTrainer(PreTrainingArguments(**changed)).train()
+        with PreTrainer(PreTrainingArguments(**changed)) as trainer:  # closed: no process group is left
+            trainer.train()
     PreTrainer(PreTrainingArguments(**{**changed, "override_schedule": True})).train()
     lrs = {row["step"]: row["lr"] for row in read_metrics(base_config["save_dir"]) if "lr" in row}
     assert max(lrs) == 8 and lrs[4] == pytest.approx(2e-3 * 0.5 * (1 + math.cos(math.pi * 1 / 5)), rel=1e-9)
@@ -148,9 +149,12 @@ def test_a_ramp_reads_its_sum_decays_to_min_lr_and_trains_alike_on_two_ranks_and
      "batch_size_schedule is not available here: engine deepspeed fixes the number of micro-batches per step"),
 ])
 def test_a_bad_ramp_is_refused_naming_the_key(base_config, keys, message):
+    import torch.distributed as dist
+
     config = {**base_config, "gradient_accumulation_steps": 16, **keys}
     with pytest.raises(ConfigError, match=message):
         PreTrainer(PreTrainingArguments(**config))
+    assert not dist.is_initialized()  # a construction that fails leaves no process group behind
 
 
 def test_the_plan_gives_each_ramp_stage_its_step_time_and_memory(base_config):

@@ -1,11 +1,17 @@
 """What a checkpoint keeps of the loop beside the model and optimizer: the schedule's and the loss scaler's
 state, the token count, the data position, the skipped updates, the spike rules' windows, the schedule's keys
-and the RNG, each registered once as a `RunState` component (run_state.py)."""
+and the RNG, each registered once as a `RunState` component (run_state.py); and the resume that loads them."""
 
 from __future__ import annotations
 
+import logging
+
 from ..config import ConfigError
+from ..optim import realign_to_schedule
+from . import checkpoint as ckpt
 from .run_state import RunState, rng_state, set_rng_state
+
+logger = logging.getLogger("pretrainer")
 
 # The keys that shape the learning rate: a resume whose values differ is refused unless override_schedule
 # (Megatron's check of its optimizer-parameter scheduler), since the lr would jump at the resumed step.
@@ -50,3 +56,21 @@ def check_schedule(saved: dict | None, trainer) -> None:
                           "the lr would jump at the resumed step. Resume with the checkpoint's values (its "
                           "config.yaml), set override_schedule: true to continue on the new schedule from here, "
                           "or start a cooldown branch (cooldown_from, cooldown_tokens)")
+
+
+def resume_run(trainer) -> None:
+    """Load the checkpoint the trainer elected, if any: model, optimizer and every state component; a cooldown
+    branch's first start (or override_schedule) then puts the lr on this run's schedule at that step."""
+    path = trainer.resume_from
+    if path is None:
+        return
+    peaks = list(getattr(trainer.lr_scheduler, "base_lrs", []))  # this run's, before the checkpoint's replace them
+    saved = ckpt.load_checkpoint(path, engine=trainer.engine, model=trainer.model, optimizer=trainer.optimizer,
+                                 state=trainer.state)
+    if saved.get("config_hash") != trainer.pretrain_args.config_hash():
+        logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
+    trainer.completed_steps = int(saved["step"])
+    if trainer.starting_branch or trainer.pretrain_args.override_schedule:  # the new schedule from this step on
+        realign_to_schedule(trainer.lr_scheduler, peaks)
+    logger.info("%s from %s at step %d", "cooldown branch starts" if trainer.starting_branch else "resumed", path,
+                trainer.completed_steps)

@@ -22,7 +22,6 @@ import torch
 
 from ..batch import count_inputs, count_targets, to_device
 from ..config import PreTrainingArguments
-from ..optim import realign_to_schedule
 from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
@@ -34,7 +33,7 @@ from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
 from .export import export_hf
 from .hooks import Hooks
-from .loop_state import loop_state
+from .loop_state import loop_state, resume_run
 from .metrics import setup_logging
 from .report import write_report_logged
 from .run_log import RunLog
@@ -58,10 +57,19 @@ class PreTrainer:
         self.pretrain_args = args
         self.accelerator = accelerator
         check_inputs(args, accelerator, model, optimizer, lr_scheduler)
-        self.world = world = launch_world(args)
+        self.world = launch_world(args)
         self._closed = False
         self._started = time.perf_counter()
         atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
+        try:
+            self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+        except BaseException:  # a construction that fails leaves no process group behind for the next one
+            self.close(barrier=False)
+            raise
+
+    def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader) -> None:
+        """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
+        world = self.world
         prepare_process(args, world)
         self.resume_from = ckpt.elect_resume(world, args.resume, args.save_dir)
         self.starting_branch = self.branch is not None and self.resume_from is None
@@ -153,7 +161,7 @@ class PreTrainer:
 
     def _train(self) -> dict:
         args, engine = self.pretrain_args, self.engine
-        self._maybe_resume()
+        resume_run(self)
         self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history)
         log.record(start_row(self, log.meter, resumed=self.completed_steps > 0 and not self.starting_branch))
         if self.completed_steps >= self.total_steps:
@@ -296,21 +304,6 @@ class PreTrainer:
             return None
         self._count_tokens()
         return self.checkpointer.save(self.completed_steps, model=self.model, optimizer=self.optimizer)
-
-    def _maybe_resume(self) -> None:
-        path = self.resume_from
-        if path is None:
-            return
-        peaks = list(getattr(self.lr_scheduler, "base_lrs", []))  # this run's, before the checkpoint's replace them
-        saved = ckpt.load_checkpoint(path, engine=self.engine, model=self.model, optimizer=self.optimizer,
-                                     state=self.state)
-        if saved.get("config_hash") != self.pretrain_args.config_hash():
-            logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
-        self.completed_steps = int(saved["step"])
-        if self.starting_branch or self.pretrain_args.override_schedule:  # the new schedule from this step on
-            realign_to_schedule(self.lr_scheduler, peaks)
-        logger.info("%s from %s at step %d", "cooldown branch starts" if self.starting_branch else "resumed", path,
-                    self.completed_steps)
 
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:
