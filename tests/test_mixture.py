@@ -43,7 +43,9 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 
 def mixture_config(base_config, sources, save_dir, **extra) -> dict:
-    return {**base_config, "train_data": [{"name": n, "path": str(sources[n]), "weight": w}
+    """With a `mixture_schedule` in `extra` the stages give the weights, so the sources have none."""
+    weighted = "mixture_schedule" not in extra
+    return {**base_config, "train_data": [{"name": n, "path": str(sources[n]), **({"weight": w} if weighted else {})}
                                           for n, w in WEIGHTS.items()],
             "num_training_steps": 24, "micro_batch_size": 4, "gradient_accumulation_steps": 4, "eval_interval": 0,
             "save_interval": 0, "export_hf": False, "save_dir": str(save_dir), **extra}
@@ -129,6 +131,8 @@ def test_the_plan_is_logged_and_a_source_repeated_past_max_epochs_is_refused(bas
                                                                                  "weights": {"a": 1}},
                                     {"weights": {"a": 1}}], "until_tokens must increase"),
     ("data/x.jsonl", [{"weights": {"a": 1}}], "mixture_schedule needs named sources"),
+    ([{"name": "a", "path": "x", "weight": 1}], [{"weights": {"a": 1}}], "source\\(s\\) a give a weight, but "
+                                                                        "mixture_schedule's stages set the weights"),
 ])
 def test_bad_mixtures_are_refused_naming_the_key(base_config, train_data, schedule, message):
     with pytest.raises(ConfigError, match=message):

@@ -10,7 +10,8 @@
       - {weights: {web: 0.4, code: 0.2, zh: 0.4}}
 
 A weight is a share of the trained tokens, normalised over the stage's sources; a source absent from a stage's
-weights gets none of its tokens. The blend itself is data/mixture.py's.
+weights gets none of its tokens. With `mixture_schedule` the stages give every weight (a source's own `weight`
+is refused). The blend itself is data/mixture.py's.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def read_mixture(train_data, schedule) -> Mixture | None:
     if schedule is None:
         return Mixture(sources, (MixtureStage(None, _normalised({s.name: s.weight for s in sources}, names,
                                                                 "train_data")),))
+    weighted = [item["name"] for item in train_data if "weight" in item]
+    if weighted:  # a key that would be ignored
+        raise key_error("train_data", f"source(s) {', '.join(weighted)} give a weight, but mixture_schedule's "
+                        "stages set the weights; remove weight from the sources or drop mixture_schedule")
     return Mixture(sources, _stages(schedule, names))
 
 
