@@ -171,3 +171,31 @@ def test_a_stop_mid_stage_resumes_on_two_fsdp_ranks_and_tp_accounts_as_one_proce
         for row in (got, tp):
             assert sorted(k for k in row if k.startswith("source_")) == keys
             assert [row[k] for k in keys] == pytest.approx([want[k] for k in keys], rel=1e-5), row["step"]
+
+
+def test_prepared_prefixes_mix_by_name_and_weight_like_raw_sources(base_config, tmp_path):
+    """data_path as named sources (megatron_dataset_flag): two prefixes whose documents are all token 7 and all
+    token 9, weights 0.75 / 0.25: every sample holds one prefix's tokens, the shares follow the weights, each
+    has its eval loss and the accounting adds up."""
+    from pretrainer.data.indexed import IndexedDatasetWriter
+
+    for name, token in (("sevens", 7), ("nines", 9)):
+        writer = IndexedDatasetWriter(tmp_path / name, np.uint16)
+        for _ in range(40):
+            writer.add_document([token] * 60 + [1])
+        writer.finalize()
+    config = {**base_config, "train_data": None, "megatron_dataset_flag": True, "num_training_steps": 8,
+              "micro_batch_size": 4, "gradient_accumulation_steps": 4, "eval_interval": 8, "eval_iters": 1,
+              "data_path": [{"name": "sevens", "path": str(tmp_path / "sevens"), "weight": 0.75},
+                            {"name": "nines", "path": str(tmp_path / "nines"), "weight": 0.25}],
+              "dataloader_config": {"split": "90,10,0"}, "data_cache_path": str(tmp_path / "cache"),
+              "save_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run")}
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    samples = [trainer.train_stream.dataset[i]["input_ids"] for i in range(64)]
+    assert all(len(set(s.tolist()) - {1}) == 1 for s in samples)  # one prefix per sample
+    assert sum(7 in s.tolist() for s in samples) == 48
+    trainer.train()
+    last = [row for row in read_metrics(tmp_path / "run") if "loss" in row][-1]
+    assert last["source_tokens/sevens"] == 3 * last["source_tokens/nines"] == 3 * 32 * 32
+    evals = [row for row in read_metrics(tmp_path / "run") if "eval_loss" in row][-1]
+    assert evals["eval_loss/sevens"] > 0 and evals["eval_loss/nines"] > 0

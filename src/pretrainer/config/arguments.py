@@ -297,8 +297,12 @@ class PreTrainingArguments:
 
     @property
     def mixture(self) -> Mixture | None:
-        """The named, weighted sources of `train_data` (and `mixture_schedule`); None for plain files."""
-        return read_mixture(self.train_data, self.mixture_schedule)
+        """The named, weighted sources of `train_data`, or of `data_path` (prepared prefixes, with
+        megatron_dataset_flag), and `mixture_schedule`; None for plain files or prefixes."""
+        value, key = self.train_data, "train_data"
+        if not is_mixture(value) and is_mixture(self.data_path) and (self.megatron_dataset_flag or value is None):
+            value, key = self.data_path, "data_path"
+        return read_mixture(value, self.mixture_schedule, key)
 
     @property
     def resolved_eval_data(self) -> list[str]:
@@ -366,7 +370,7 @@ class PreTrainingArguments:
         self._check_loop()
         self._check_ranges()
         self._check_path_lists()
-        read_mixture(self.train_data, self.mixture_schedule)
+        _ = self.mixture  # read once here, so a mistake fails at load
         read_downstream_tasks(self.downstream_evals)
 
     def _check_path_lists(self) -> None:
@@ -374,7 +378,7 @@ class PreTrainingArguments:
         `data_path` may also hold Megatron's blend weights (numbers)."""
         for name, numbers in (("train_data", False), ("eval_data", False), ("data_path", True)):
             value = getattr(self, name)
-            if name == "train_data" and is_mixture(value):  # named sources: config/mixture.py checks them
+            if name in ("train_data", "data_path") and is_mixture(value):  # named sources: config/mixture.py
                 continue
             for index, item in enumerate(value if isinstance(value, list) else ()):
                 if not (isinstance(item, str) and item.strip()) and not (

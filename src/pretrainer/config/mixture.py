@@ -58,14 +58,15 @@ def is_mixture(train_data) -> bool:
     return isinstance(train_data, list) and any(isinstance(item, dict) for item in train_data)
 
 
-def read_mixture(train_data, schedule) -> Mixture | None:
-    """The mixture `train_data` and `mixture_schedule` describe; None for plain files (one source)."""
+def read_mixture(train_data, schedule, key: str = "train_data") -> Mixture | None:
+    """The mixture `train_data` (or, `key` data_path, prepared prefixes) and `mixture_schedule` describe; None
+    for plain files (one source)."""
     if not is_mixture(train_data):
         if schedule is not None:
-            raise key_error("mixture_schedule", "mixture_schedule needs named sources: give train_data as a list "
-                            "of {name, path, weight}")
+            raise key_error("mixture_schedule", "mixture_schedule needs named sources: give train_data (or, "
+                            "prepared, data_path) as a list of {name, path, weight}")
         return None
-    sources = tuple(_source(index, item) for index, item in enumerate(train_data))
+    sources = tuple(_source(index, item, key) for index, item in enumerate(train_data))
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -81,29 +82,29 @@ def read_mixture(train_data, schedule) -> Mixture | None:
     return Mixture(sources, _stages(schedule, names))
 
 
-def _source(index: int, item) -> Source:
-    where = f"train_data[{index}]"
+def _source(index: int, item, key: str) -> Source:
+    where = f"{key}[{index}]"
     if not isinstance(item, dict):
-        raise key_error("train_data", f"{where} is {item!r}: in a mixture every source is a mapping "
+        raise key_error(key, f"{where} is {item!r}: in a mixture every source is a mapping "
                         "{name: web, path: data/web.jsonl, weight: 0.6}")
     unknown = sorted(set(item) - set(SOURCE_KEYS))
     if unknown:
-        raise key_error("train_data", f"{where} has unknown key(s) {', '.join(unknown)}; a source takes "
+        raise key_error(key, f"{where} has unknown key(s) {', '.join(unknown)}; a source takes "
                         f"{', '.join(SOURCE_KEYS)}")
     name, path, weight = item.get("name"), item.get("path"), item.get("weight", 1.0)
     if not isinstance(name, str) or not name.strip() or "/" in name:
-        raise key_error("train_data", f"{where}: name {name!r} must be a non-empty string without '/' (it names "
+        raise key_error(key, f"{where}: name {name!r} must be a non-empty string without '/' (it names "
                         "the source in metrics such as source_tokens/<name>)")
     paths = [path] if isinstance(path, str) else path
     if not (isinstance(paths, list) and paths and all(isinstance(p, str) and p.strip() for p in paths)):
-        raise key_error("train_data", f"{where} ({name}): path must be a file, glob or folder, or a list of them; "
+        raise key_error(key, f"{where} ({name}): path must be a file, glob or folder, or a list of them; "
                         f"got {path!r}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        raise key_error("train_data", f"{where} ({name}): weight must be a number >= 0, got {weight!r}")
+        raise key_error(key, f"{where} ({name}): weight must be a number >= 0, got {weight!r}")
     max_epochs = item.get("max_epochs")
     if max_epochs is not None and (isinstance(max_epochs, bool) or not isinstance(max_epochs, (int, float))
                                    or max_epochs <= 0):
-        raise key_error("train_data", f"{where} ({name}): max_epochs must be a number > 0, got {max_epochs!r}")
+        raise key_error(key, f"{where} ({name}): max_epochs must be a number > 0, got {max_epochs!r}")
     return Source(name, tuple(paths), float(weight), float(max_epochs) if max_epochs is not None else None)
 
 

@@ -96,22 +96,52 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
             held = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, eval_ids))
             if len(held):
                 evals[source.name] = held
+    evaluation = InterleavedEval(list(evals.values())) if evals else None
+    if args.resolved_eval_data:
+        eval_store, _ = store("eval_data", args.resolved_eval_data)
+        evals, evaluation = {}, PackedDataset(eval_store.tokens, seq_length,
+                                              document_spans(eval_store, np.arange(eval_store.num_documents)))
+    return _blended(args, sizes, trains, evaluation, evals)
+
+
+def _blended(args, sizes, trains: list, evaluation, evals: dict) -> BuiltData:
+    """The mixture's train samples over the sources' windows (`trains`, in the sources' order), its plan of
+    draws logged and checked."""
+    mixture, seq_length = args.mixture, sizes.seq_length
     starts = [0] + [-(-int(stage.until_tokens) // seq_length) for stage in mixture.stages[:-1]]
     source_of = blend_index([(start, np.asarray(stage.weights)) for start, stage in zip(starts, mixture.stages)],
                             sizes.train_samples)
     plans = plan_sources(list(mixture.names), trains, source_of, [s.max_epochs for s in mixture.sources])
-    logger.info("train_data: a mixture of %d sources (%s)\n%s", len(trains), mixture.describe(),
+    logger.info("train data: a mixture of %d sources (%s)\n%s", len(trains), mixture.describe(),
                 describe_plan(plans, seq_length))
     check_repeats(plans)
     blend = MixtureDataset(list(mixture.names), trains, source_of, args.seed)
-    evaluation = InterleavedEval(list(evals.values())) if evals else None
-    if args.resolved_eval_data:
-        evals = {}
-        eval_store, _ = store("eval_data", args.resolved_eval_data)
-        evaluation = PackedDataset(eval_store.tokens, seq_length, document_spans(eval_store,
-                                                                                 np.arange(eval_store.num_documents)))
     return BuiltData(blend, evaluation if evaluation is None or len(evaluation) else None, shuffled=True,
                      mixture=blend, eval_sources=evals)
+
+
+def build_prepared_mixture(args, sizes, cache) -> BuiltData:
+    """Named sources from prepared `.bin/.idx` prefixes (`data_path` as a list of {name, path, weight}): each
+    prefix's train part (Megatron's `split`) gives one epoch of GPT samples, blended as raw sources are."""
+    from .gpt_samples import GPTSamples
+    from .indexed import IndexedDataset
+
+    trains, evals = [], {}
+    for source in args.mixture.sources:
+        if len(source.paths) != 1:
+            raise DataError(f"data_path source {source.name}: give one prepared prefix, got {list(source.paths)}")
+        dataset = IndexedDataset(source.paths[0])
+        train_range, valid_range, _ = split_ranges(args.data_split, dataset.num_documents)
+        tokens = _split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0
+        if tokens < 2:
+            raise DataError(f"data_path source {source.name}: split {args.data_split!r} leaves it no training "
+                            "tokens; give the first (train) part a non-zero share")
+        trains.append(GPTSamples(dataset, train_range, sizes.seq_length, max(1, (tokens - 1) // sizes.seq_length),
+                                 args.seed, cache, f"train-{source.name}"))
+        if valid_range[1] > valid_range[0] and _split_tokens(dataset, valid_range) > sizes.seq_length:
+            evals[source.name] = GPTSamples(dataset, valid_range, sizes.seq_length, sizes.eval_samples, args.seed,
+                                            cache, f"valid-{source.name}")
+    return _blended(args, sizes, trains, InterleavedEval(list(evals.values())) if evals else None, evals)
 
 
 def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,13 +158,18 @@ def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: No
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
     from .indexed import IndexedDataset
 
-    raw = args.data_path if args.data_path is not None else args.get_dataloader_config().get("data_path")
-    prefixes, weights = parse_data_path(raw)
+    if args.mixture is not None:  # named prefixes: the cache goes next to the first
+        prefixes, weights = [source.paths[0] for source in args.mixture.sources], None
+    else:
+        raw = args.data_path if args.data_path is not None else args.get_dataloader_config().get("data_path")
+        prefixes, weights = parse_data_path(raw)
     split = args.data_split
     seq_length = sizes.seq_length
     cache_folder = Path(args.data_cache_path) if args.data_cache_path else _writable(
         default_cache_folder(prefixes[0]), args)
     cache = IndexCache(cache_folder, build_on_this_rank=is_main, barrier=barrier)
+    if args.mixture is not None:
+        return build_prepared_mixture(args, sizes, cache)
     datasets = [IndexedDataset(p) for p in prefixes]
     ranges = [split_ranges(split, d.num_documents) for d in datasets]
 

@@ -110,6 +110,11 @@ class GPTSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def num_target_tokens(self) -> int:
+        """Every sample holds `seq_length` targets (samples run on into the next document and epoch)."""
+        return self.num_samples * self.seq_length
+
     def tokens(self, index: int) -> np.ndarray:
         """The sample's `seq_length + 1` tokens, read across as many documents as it spans."""
         sample = int(self.sample_order[index])
