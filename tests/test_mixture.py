@@ -147,17 +147,25 @@ def test_a_source_with_no_tokens_is_named(base_config, sources, tmp_path):
         PreTrainer(PreTrainingArguments(**config))
 
 
-def test_a_stop_mid_stage_resumes_on_two_fsdp_ranks_and_tp_accounts_as_one_process(base_config, sources, tmp_path):
+def test_stops_mid_stage_resume_on_1_2_4_ranks_and_tp_accounts_as_one_process(base_config, sources, tmp_path):
+    """Stage 1 is the first 8 steps (4,096 tokens of 512). One process stops after step 5 (stage 1); 2 fsdp
+    ranks resume it and stop after step 10 (stage 2); 4 ddp ranks finish it. Losses and accounting equal the
+    uninterrupted one-process run's (1e-5), as do megatron tp=2's with the vocabulary-parallel chunked head."""
     schedule = [{"until_tokens": 4096, "weights": {"prose": 0.7, "reviews": 0.3}}, {"weights": WEIGHTS}]
     config = mixture_config(base_config, sources, tmp_path / "one", num_training_steps=12, mixture_schedule=schedule,
-                            save_interval=3)
+                            save_interval=5)
     PreTrainer(PreTrainingArguments(**config)).train()
-    moved = {**config, "save_dir": str(tmp_path / "moved"), "exit_interval": 6}
-    PreTrainer(PreTrainingArguments(**moved)).train()  # stops after step 6, inside the second stage
+    moved = {**config, "save_dir": str(tmp_path / "moved"), "exit_interval": 5}
+    PreTrainer(PreTrainingArguments(**moved)).train()
     launch_cases({**moved, "exit_interval": None}, [
-        {"name": "resume", "config": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2}},
+        {"name": "fsdp-to-10", "config": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2, "exit_interval": 10}},
         {"name": "tp2", "config": {"engine": "megatron", "plugin_args": {"tp_degree": 2}, "loss_chunk_size": 24,
                                    "save_dir": str(tmp_path / "tp2")}}], 2, tmp_path)
+    launch_cases({**moved, "exit_interval": None}, [
+        {"name": "ddp-4", "config": {"engine": "ddp", "dp": 4, "micro_batch_size": 1}}], 4, tmp_path)
+    resumes = [(row["step"], row["world_size"]) for row in read_metrics(tmp_path / "moved")
+               if row.get("event") == "resume"]
+    assert resumes == [(5, 2), (10, 4)]
     want = train_losses(tmp_path / "one")
     for name in ("moved", "tp2"):  # resumed on 2 fsdp ranks; the vocabulary-parallel chunked head
         have = train_losses(tmp_path / name)
