@@ -16,6 +16,8 @@ from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 from pretrainer.data.mixture import blend_index
 from pretrainer.data.readers import DataError
+from pretrainer.plan.command import plan_for_command
+from pretrainer.plan.render import text
 from pretrainer.train.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +80,15 @@ def test_token_shares_follow_the_weights_at_every_logged_step(base_config, sourc
         previous = {n: row[f"source_tokens/{n}"] for n in WEIGHTS}
         mixed = sum(row[f"source_loss/{n}"] * counts[n] for n in WEIGHTS) / sum(counts.values())
         assert mixed == pytest.approx(row["loss"], rel=1e-5), row["step"]
+    config = mixture_config(base_config, sources, tmp_path / "run", eval_interval=12, eval_iters=2)
+    plan = plan_for_command(PreTrainingArguments(**config), None, None, "cpu", None)  # the stores exist now
+    assert plan.data_plan.splitlines()[0].split() == ["source", "tokens", "available", "share", "tokens", "to",
+                                                      "draw", "epochs"]
+    assert [line.split()[0] for line in plan.data_plan.splitlines()[1:]] == list(WEIGHTS)
+    assert "the plan of draws" in text(plan)
+    fresh = plan_for_command(PreTrainingArguments(**{**config, "data_cache_path": str(tmp_path / "empty")}), None,
+                             None, "cpu", None)
+    assert fresh.data_plan.startswith("not tokenized yet: prose, reviews, news")
     page = write_report(tmp_path / "run").read_text()  # tokens per source stacked, eval loss per source
     assert all(title in page for title in ("Tokens trained per source (stacked)", "Train loss per source",
                                            "Eval loss per source"))

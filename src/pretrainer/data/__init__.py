@@ -10,6 +10,7 @@ _HOMES = {
     "DataPlacement": "assemble", "RunData": "assemble", "assemble_data": "assemble",
     "BuiltData": "builders", "build_datasets": "builders", "build_indexed_datasets": "builders",
     "split_indices": "builders", "split_ranges": "builders", "parse_data_path": "builders",
+    "mixture_plan": "builders",
     "ProvidedSamples": "provided",
     "PackedDataset": "packing", "collate_packed": "packing",
     "open_store": "token_store", "store_spec": "token_store", "default_cache_root": "token_store",

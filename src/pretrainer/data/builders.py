@@ -18,7 +18,7 @@ import torch
 from .mixture import InterleavedEval, MixtureDataset, blend_index, check_repeats, describe_plan, plan_sources
 from .packing import PackedDataset
 from .readers import DataError, expand_paths
-from .token_store import default_cache_root, open_store, store_spec
+from .token_store import cached_store, default_cache_root, open_store, store_spec
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +32,17 @@ class BuiltData:
     eval_sources: dict = field(default_factory=dict)  # named sources: each one's held-out windows
 
 
-def _stores(args, tokenizer, placement):
-    """`store(what, patterns)`: the cached token store of some files (tokenized on first use), and the files."""
+def _stores(args, tokenizer, placement, build: bool = True):
+    """`store(what, patterns)`: the cached token store of some files (tokenized on first use; with `build`
+    False, None where it is not built yet), and the files."""
     root = Path(args.data_cache_path) / "tokenized" if args.data_cache_path else default_cache_root()
     workers = args.tokenize_workers or os.cpu_count() or 1
 
     def store(what: str, patterns: list[str]):
         files = expand_paths(patterns, what)
         spec = store_spec(files, tokenizer, args.text_key, args.txt_mode, args.on_error)
+        if not build:
+            return cached_store(spec, root), files
         return open_store(spec, root, what, tokenizer, placement, workers), files
 
     return store
@@ -79,11 +82,25 @@ def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
 def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
     """Named sources blended by token weight (data/mixture.py): each source tokenized into its own store and
     packed on its own, its eval split held out per source; the plan of draws is logged and checked."""
-    mixture, seq_length = args.mixture, sizes.seq_length
     store = _stores(args, tokenizer, placement)
+    trains, evals = _source_windows(args, sizes.seq_length, store)
+    evaluation = InterleavedEval(list(evals.values())) if evals else None
+    if args.resolved_eval_data:
+        eval_store, _ = store("eval_data", args.resolved_eval_data)
+        evals, evaluation = {}, PackedDataset(eval_store.tokens, sizes.seq_length,
+                                              document_spans(eval_store, np.arange(eval_store.num_documents)))
+    return _blended(args, sizes, trains, evaluation, evals)
+
+
+def _source_windows(args, seq_length: int, store) -> tuple[list, dict]:
+    """Each raw source's train windows (in the sources' order) and its held-out windows by name; a source whose
+    store `store` does not have is None."""
     trains, evals = [], {}
-    for source in mixture.sources:
+    for source in args.mixture.sources:
         source_store, files = store(f"train_data source {source.name}", list(source.paths))
+        if source_store is None:
+            trains.append(None)
+            continue
         train_ids, eval_ids = np.arange(source_store.num_documents), np.zeros(0, dtype=np.int64)
         if args.eval_split and not args.resolved_eval_data:
             train_ids, eval_ids = split_indices(source_store.num_documents, args.eval_split, args.seed)
@@ -96,21 +113,34 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
             held = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, eval_ids))
             if len(held):
                 evals[source.name] = held
-    evaluation = InterleavedEval(list(evals.values())) if evals else None
-    if args.resolved_eval_data:
-        eval_store, _ = store("eval_data", args.resolved_eval_data)
-        evals, evaluation = {}, PackedDataset(eval_store.tokens, seq_length,
-                                              document_spans(eval_store, np.arange(eval_store.num_documents)))
-    return _blended(args, sizes, trains, evaluation, evals)
+    return trains, evals
+
+
+def mixture_plan(args, tokenizer, sizes) -> str | None:
+    """The plan of draws `train` will print, for `pretrainer plan`, where the sources are tokenized already
+    (nothing is tokenized here); a line naming those that are not; None without a mixture."""
+    mixture = args.mixture
+    if mixture is None:
+        return None
+    if args.megatron_dataset_flag:
+        return "the plan of draws of prepared prefixes is printed when train starts"
+    trains, _ = _source_windows(args, sizes.seq_length, _stores(args, tokenizer, None, build=False))
+    missing = [source.name for source, train in zip(mixture.sources, trains) if train is None]
+    if missing:
+        return (f"not tokenized yet: {', '.join(missing)} (train tokenizes them into the cache and prints the plan "
+                "of draws first)")
+    plans = plan_sources(list(mixture.names), trains, _blend_index(mixture, sizes),
+                         [s.max_epochs for s in mixture.sources])
+    over = [p.name for p in plans if p.max_epochs is not None and p.epochs > p.max_epochs]
+    note = f"\nrepeated past max_epochs (train refuses it): {', '.join(over)}" if over else ""
+    return describe_plan(plans, sizes.seq_length) + note
 
 
 def _blended(args, sizes, trains: list, evaluation, evals: dict) -> BuiltData:
     """The mixture's train samples over the sources' windows (`trains`, in the sources' order), its plan of
     draws logged and checked."""
     mixture, seq_length = args.mixture, sizes.seq_length
-    starts = [0] + [-(-int(stage.until_tokens) // seq_length) for stage in mixture.stages[:-1]]
-    source_of = blend_index([(start, np.asarray(stage.weights)) for start, stage in zip(starts, mixture.stages)],
-                            sizes.train_samples)
+    source_of = _blend_index(mixture, sizes)
     plans = plan_sources(list(mixture.names), trains, source_of, [s.max_epochs for s in mixture.sources])
     logger.info("train data: a mixture of %d sources (%s)\n%s", len(trains), mixture.describe(),
                 describe_plan(plans, seq_length))
@@ -118,6 +148,13 @@ def _blended(args, sizes, trains: list, evaluation, evals: dict) -> BuiltData:
     blend = MixtureDataset(list(mixture.names), trains, source_of, args.seed)
     return BuiltData(blend, evaluation if evaluation is None or len(evaluation) else None, shuffled=True,
                      mixture=blend, eval_sources=evals)
+
+
+def _blend_index(mixture, sizes) -> np.ndarray:
+    """The source of each train sample position; stages start at tokens counted as samples x seq_length."""
+    starts = [0] + [-(-int(stage.until_tokens) // sizes.seq_length) for stage in mixture.stages[:-1]]
+    return blend_index([(start, np.asarray(stage.weights)) for start, stage in zip(starts, mixture.stages)],
+                       sizes.train_samples)
 
 
 def build_prepared_mixture(args, sizes, cache) -> BuiltData:

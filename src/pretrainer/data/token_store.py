@@ -119,6 +119,15 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
     return store if store is not None else IndexedDataset(folder / PREFIX)
 
 
+def cached_store(spec: StoreSpec, root: Path) -> IndexedDataset | None:
+    """The store of `spec` under `root` if it is already built (nothing is tokenized); None otherwise."""
+    folder = root / spec.key()
+    try:
+        return IndexedDataset(folder / PREFIX) if _is_complete(folder) else None
+    except DataError:
+        return None
+
+
 def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 

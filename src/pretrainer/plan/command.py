@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ..config import ConfigError
+from ..data import mixture_plan
 from ..parallel import planned_world
 from ..run import described_world_size, resolve_run
 from .device_spec import device_spec
@@ -30,4 +31,7 @@ def plan_for_command(args, world_size: int | None, devices_per_node: int | None,
     run = resolve_run(args, planned, accelerator_bf16=None if on_cpu else True, check_dp=world_size is None)
     device = device_spec(run.dtype, per_node, device_name, device_memory, run.engine_class.baseline_engine,
                          host_memory=host_memory, links=links)
-    return make_plan(run, per_node, device)
+    plan = make_plan(run, per_node, device)
+    if run.tokenizer is not None:  # a mixture's plan of draws, where its sources are tokenized already
+        plan.data_plan = mixture_plan(args, run.tokenizer, run.sizes)
+    return plan

@@ -22,6 +22,7 @@ class Plan:
                  ramp_stages: list[tuple[int, int, Estimate]] = ()):
         self.shape, self.estimate, self._search, self.accumulation = shape, own, search, accumulation
         self.ramp_stages = list(ramp_stages)  # (first token, sequences, estimate) per batch_size_schedule stage
+        self.data_plan: str | None = None     # a data mixture's plan of draws (data.mixture_plan)
 
     @property
     def layout(self):

@@ -61,6 +61,8 @@ def text(plan: Plan, count: int = 8) -> str:
                   f"~{e.step_seconds:,.3g} s a step, peak {e.peak / GIB:.2f} GiB"
                   for start, seqs, e in plan.ramp_stages]
         lines.append("")
+    if plan.data_plan:
+        lines += ["data mixture, the plan of draws (train_data):", *plan.data_plan.splitlines(), ""]
     shown = listed(plan, count)
     if plan.fitting(1):
         lines.append("layouts that fit, best first: within 5% of the fastest the simplest, then the smallest; then "
@@ -91,6 +93,7 @@ def as_json(plan: Plan, count: int = 50) -> dict:
         "ramp_stages": [{"from_tokens": start, "sequences": seqs, "accumulation": e.layout.accumulation,
                          "step_seconds": e.step_seconds, "peak_bytes": e.peak} for start, seqs, e in plan.ramp_stages],
         "assumptions": assumptions(own),
+        "data_plan": plan.data_plan,
         "layouts": [{"overrides": e.layout.overrides(), "peak_bytes": e.peak, "fits": e.fits,
                      "step_seconds": e.step_seconds} for e in listed(plan, count)],
     }
