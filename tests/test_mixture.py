@@ -171,23 +171,26 @@ def test_stops_mid_stage_resume_on_1_2_4_ranks_and_tp_accounts_as_one_process(ba
     launch_cases({**moved, "exit_interval": None}, [
         {"name": "fsdp-to-10", "config": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2, "exit_interval": 10}},
         {"name": "tp2", "config": {"engine": "megatron", "plugin_args": {"tp_degree": 2}, "loss_chunk_size": 24,
-                                   "save_dir": str(tmp_path / "tp2")}}], 2, tmp_path)
+                                   "save_dir": str(tmp_path / "tp2")}},
+        {"name": "pp2", "config": {"engine": "megatron", "plugin_args": {"pp_degree": 2},
+                                   "save_dir": str(tmp_path / "pp2")}}], 2, tmp_path)
     launch_cases({**moved, "exit_interval": None}, [
         {"name": "ddp-4", "config": {"engine": "ddp", "dp": 4, "micro_batch_size": 1}}], 4, tmp_path)
     resumes = [(row["step"], row["world_size"]) for row in read_metrics(tmp_path / "moved")
                if row.get("event") == "resume"]
     assert resumes == [(5, 2), (10, 4)]
     want = train_losses(tmp_path / "one")
-    for name in ("moved", "tp2"):  # resumed on 2 fsdp ranks; the vocabulary-parallel chunked head
+    for name in ("moved", "tp2", "pp2"):  # resumed on 2 fsdp ranks; the vocabulary-parallel chunked head
         have = train_losses(tmp_path / name)
         assert sorted(have) == sorted(want)
         assert [have[s] for s in sorted(want)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-5), name
     rows = [row for row in read_metrics(tmp_path / "moved") if "loss" in row]
     reference = [row for row in read_metrics(tmp_path / "one") if "loss" in row]
     tp_rows = [row for row in read_metrics(tmp_path / "tp2") if "loss" in row]
-    for got, tp, want in zip(rows, tp_rows, reference):  # a source with no tokens in a row has no loss there
+    pp_rows = [row for row in read_metrics(tmp_path / "pp2") if "loss" in row]  # per micro-batch logits
+    for got, tp, pp, want in zip(rows, tp_rows, pp_rows, reference):  # no tokens in a row: no loss there
         keys = sorted(k for k in want if k.startswith("source_"))
-        for row in (got, tp):
+        for row in (got, tp, pp):
             assert sorted(k for k in row if k.startswith("source_")) == keys
             assert [row[k] for k in keys] == pytest.approx([want[k] for k in keys], rel=1e-5), row["step"]
 

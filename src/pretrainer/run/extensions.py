@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import IGNORE, SOURCE, is_head_loss, take_row_losses, token_losses, z_loss_sum
+from ..batch import IGNORE, SOURCE, batch_targets, is_head_loss, take_row_losses, token_losses, z_loss_sum
 from ..models import MoeRouting
+from ..parallel.engine import to_device_async
 
 
 class StepExtension:
@@ -152,11 +153,12 @@ class SourceAccounting(StepExtension):
     off the blend index at the stream's position (the same on every rank, exact on resume). `source_loss/<name>`:
     each source's mean token loss over the interval, from each row's loss sum in the step's own forwards (the
     chunked head hands them over; plain logits give them), added over ranks as the loss is. A pipeline
-    schedule runs the head on concatenated micro-batches without their sources: no source_loss there."""
+    schedule hands the chunked head no row sources: with pp > 1 and the chunked loss, no source_loss."""
 
     def __init__(self, mixture, stream):
         self.mixture, self.stream = mixture, stream
         self.engine, self._sources, self._window, self._sums = None, [], [], None
+        self._without_rows = False  # a pipeline schedule hands the head no sources: no source_loss
         self._targets = torch.zeros(len(mixture.names), dtype=torch.float64)  # of the interval, this rank's
 
     def attach(self, engine, model: torch.nn.Module) -> None:
@@ -164,21 +166,27 @@ class SourceAccounting(StepExtension):
         self._sums = torch.zeros(len(self.mixture.names), dtype=torch.float64, device=engine.device)
 
     def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
-        self._sources, self._window = [b.get(SOURCE) for b in batches], []
+        """Each micro-batch's row sources, sent ahead to the device; the targets per source counted on the host
+        (nothing here waits for the device)."""
+        self._sources, self._window = [], []
+        for batch in batches:
+            sources = batch.get(SOURCE)
+            self._sources.append(to_device_async(sources, self.engine.device) if sources is not None else None)
+            if sources is not None:
+                self._targets.index_add_(0, sources, (batch_targets(batch) != IGNORE).sum(-1).double())
 
     def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         rows = take_row_losses() if is_head_loss(output) else token_losses(output.detach(), targets).sum(-1)
-        self._window.append((rows, targets))
+        self._window.append(rows)
         return summed
 
     def end_step(self, applied: bool) -> None:
         # as the z-loss's: a pipeline's stand-in call comes first, the micro-batches' own are the last ones
-        for (rows, targets), sources in zip(self._window[-len(self._sources):], self._sources):
-            if rows is None or sources is None:
-                continue
-            self._sums.index_add_(0, sources.to(rows.device), rows.double())
-            counted = (targets != IGNORE).sum(-1).double().cpu()
-            self._targets.index_add_(0, sources.cpu(), counted)
+        for rows, sources in zip(self._window[-len(self._sources):], self._sources):
+            if sources is not None and rows is None:  # the head ran without the rows' sources (pipelined)
+                self._without_rows = True
+            elif sources is not None:
+                self._sums.index_add_(0, sources, rows.double())
         self._window = []
 
     def interval_row(self) -> dict:
@@ -187,6 +195,8 @@ class SourceAccounting(StepExtension):
         sums, counted = both.split(len(self.mixture.names))
         self._sums.zero_()
         self._targets.zero_()
+        if self._without_rows:
+            return tokens
         losses = {f"source_loss/{name}": loss / count for name, loss, count in
                   zip(self.mixture.names, sums.tolist(), counted.tolist()) if count > 0}
         return {**tokens, **losses}
