@@ -150,6 +150,20 @@ def test_bad_mixtures_are_refused_naming_the_key(base_config, train_data, schedu
         PreTrainingArguments(**{**base_config, "train_data": train_data, "mixture_schedule": schedule})
 
 
+def test_a_source_s_own_eval_path_replaces_its_split(base_config, sources, tmp_path):
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": "十" * 40}) + "\n" for _ in range(20)), encoding="utf-8")
+    config = mixture_config(base_config, sources, tmp_path / "run", num_training_steps=2, eval_interval=2,
+                            eval_iters=1)
+    config["train_data"][1]["eval_path"] = str(held)
+    trainer = PreTrainer(PreTrainingArguments(**config))
+    per_document = len(trainer.tokenizer("十" * 40, add_special_tokens=False)["input_ids"]) + 2  # BOS, EOS
+    assert trainer.eval_sources["reviews"].dataset.num_tokens == 20 * per_document
+    assert len(trainer.train_stream.dataset.sources[1]) * 32 >= 237_502  # no document of reviews held out
+    trainer.train()
+    assert "eval_loss/reviews" in [row for row in read_metrics(tmp_path / "run") if "eval_loss" in row][-1]
+
+
 def test_a_source_with_no_tokens_is_named(base_config, sources, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"text": ""}) + "\n")
@@ -212,6 +226,10 @@ def test_prepared_prefixes_mix_by_name_and_weight_like_raw_sources(base_config, 
                             {"name": "nines", "path": str(tmp_path / "nines"), "weight": 0.25}],
               "dataloader_config": {"split": "90,10,0"}, "data_cache_path": str(tmp_path / "cache"),
               "save_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run")}
+    plan = plan_for_command(PreTrainingArguments(**config), None, None, "cpu", None)
+    windows = (36 * 61 - 1) // 32  # the train part: 36 of 40 documents of 61 tokens, in samples of 32 targets
+    assert [line.split()[:2] for line in plan.data_plan.splitlines()[1:]] == [["sevens", f"{windows * 32:,}"],
+                                                                            ["nines", f"{windows * 32:,}"]]
     trainer = PreTrainer(PreTrainingArguments(**config))
     samples = [trainer.train_stream.dataset[i]["input_ids"] for i in range(64)]
     assert all(len(set(s.tolist()) - {1}) == 1 for s in samples)  # one prefix per sample

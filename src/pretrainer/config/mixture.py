@@ -4,7 +4,7 @@
     train_data:
       - {name: web, path: data/web/*.jsonl, weight: 0.6}
       - {name: code, path: [data/code.jsonl, data/more-code/], weight: 0.3, max_epochs: 2}
-      - {name: zh, path: data/zh.csv, weight: 0.1}
+      - {name: zh, path: data/zh.csv, weight: 0.1, eval_path: data/zh-held-out.csv}
     mixture_schedule:                   # optional; the last stage runs to the end
       - {until_tokens: 8.0e+9, weights: {web: 0.7, code: 0.3}}
       - {weights: {web: 0.4, code: 0.2, zh: 0.4}}
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .errors import key_error
 
-SOURCE_KEYS = ("name", "path", "weight", "max_epochs")
+SOURCE_KEYS = ("name", "path", "weight", "max_epochs", "eval_path")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Source:
     paths: tuple[str, ...]           # files, globs or folders, as `train_data` takes them
     weight: float                    # before normalisation
     max_epochs: float | None = None  # refuse a plan that repeats this source more often
+    eval_paths: tuple[str, ...] = ()  # its own held-out files (instead of its eval_split)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,13 @@ def _source(index: int, item, key: str) -> Source:
     if max_epochs is not None and (isinstance(max_epochs, bool) or not isinstance(max_epochs, (int, float))
                                    or max_epochs <= 0):
         raise key_error(key, f"{where} ({name}): max_epochs must be a number > 0, got {max_epochs!r}")
-    return Source(name, tuple(paths), float(weight), float(max_epochs) if max_epochs is not None else None)
+    eval_paths = item.get("eval_path", ())
+    eval_paths = [eval_paths] if isinstance(eval_paths, str) else eval_paths
+    if not (isinstance(eval_paths, (list, tuple)) and all(isinstance(p, str) and p.strip() for p in eval_paths)):
+        raise key_error(key, f"{where} ({name}): eval_path must be a file, glob or folder, or a list of them; got "
+                        f"{item.get('eval_path')!r}")
+    return Source(name, tuple(paths), float(weight), float(max_epochs) if max_epochs is not None else None,
+                  tuple(eval_paths))
 
 
 def _stages(schedule, names: list[str]) -> tuple[MixtureStage, ...]:

@@ -102,15 +102,19 @@ def _source_windows(args, seq_length: int, store) -> tuple[list, dict]:
             trains.append(None)
             continue
         train_ids, eval_ids = np.arange(source_store.num_documents), np.zeros(0, dtype=np.int64)
-        if args.eval_split and not args.resolved_eval_data:
+        if args.eval_split and not args.resolved_eval_data and not source.eval_paths:
             train_ids, eval_ids = split_indices(source_store.num_documents, args.eval_split, args.seed)
         train = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, train_ids))
         if len(train) == 0:
             raise DataError(f"train_data source {source.name}: {', '.join(map(str, files))} holds no tokens to "
                             "train on")
         trains.append(train)
+        held_store = source_store
+        if source.eval_paths and not args.resolved_eval_data:  # its own held-out files
+            held_store, _ = store(f"eval_path of source {source.name}", list(source.eval_paths))
+            eval_ids = np.arange(held_store.num_documents) if held_store is not None else eval_ids
         if len(eval_ids):
-            held = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, eval_ids))
+            held = PackedDataset(held_store.tokens, seq_length, document_spans(held_store, eval_ids))
             if len(held):
                 evals[source.name] = held
     return trains, evals
@@ -123,8 +127,9 @@ def mixture_plan(args, tokenizer, sizes) -> str | None:
     if mixture is None:
         return None
     if args.megatron_dataset_flag:
-        return "the plan of draws of prepared prefixes is printed when train starts"
-    trains, _ = _source_windows(args, sizes.seq_length, _stores(args, tokenizer, None, build=False))
+        trains = [_prepared_windows(args, source, sizes.seq_length) for source in mixture.sources]
+    else:
+        trains, _ = _source_windows(args, sizes.seq_length, _stores(args, tokenizer, None, build=False))
     missing = [source.name for source, train in zip(mixture.sources, trains) if train is None]
     if missing:
         return (f"not tokenized yet: {', '.join(missing)} (train tokenizes them into the cache and prints the plan "
@@ -150,6 +155,30 @@ def _blended(args, sizes, trains: list, evaluation, evals: dict) -> BuiltData:
                      mixture=blend, eval_sources=evals)
 
 
+@dataclass(frozen=True)
+class _Counted:
+    """A prepared source's train part as the plan counts it: its windows (one epoch of GPT samples)."""
+    windows: int
+    seq_length: int
+
+    def __len__(self) -> int:
+        return self.windows
+
+    @property
+    def num_target_tokens(self) -> int:
+        return self.windows * self.seq_length
+
+
+def _prepared_windows(args, source, seq_length: int) -> _Counted:
+    """One epoch of GPT samples of a prepared source's train part, counted without building its index."""
+    from .indexed import IndexedDataset
+
+    dataset = IndexedDataset(source.paths[0])
+    train_range = split_ranges(args.data_split, dataset.num_documents)[0]
+    tokens = _split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0
+    return _Counted(max(1, (tokens - 1) // seq_length), seq_length)
+
+
 def _blend_index(mixture, sizes) -> np.ndarray:
     """The source of each train sample position; stages start at tokens counted as samples x seq_length."""
     starts = [0] + [-(-int(stage.until_tokens) // sizes.seq_length) for stage in mixture.stages[:-1]]
@@ -169,12 +198,12 @@ def build_prepared_mixture(args, sizes, cache) -> BuiltData:
             raise DataError(f"data_path source {source.name}: give one prepared prefix, got {list(source.paths)}")
         dataset = IndexedDataset(source.paths[0])
         train_range, valid_range, _ = split_ranges(args.data_split, dataset.num_documents)
-        tokens = _split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0
-        if tokens < 2:
+        if (_split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0) < 2:
             raise DataError(f"data_path source {source.name}: split {args.data_split!r} leaves it no training "
                             "tokens; give the first (train) part a non-zero share")
-        trains.append(GPTSamples(dataset, train_range, sizes.seq_length, max(1, (tokens - 1) // sizes.seq_length),
-                                 args.seed, cache, f"train-{source.name}"))
+        epoch = _prepared_windows(args, source, sizes.seq_length).windows
+        trains.append(GPTSamples(dataset, train_range, sizes.seq_length, epoch, args.seed, cache,
+                                 f"train-{source.name}"))
         if valid_range[1] > valid_range[0] and _split_tokens(dataset, valid_range) > sizes.seq_length:
             evals[source.name] = GPTSamples(dataset, valid_range, sizes.seq_length, sizes.eval_samples, args.seed,
                                             cache, f"valid-{source.name}")

@@ -19,7 +19,17 @@ GPU_DEVICES_PER_NODE = 8
 def plan_for_command(args, world_size: int | None, devices_per_node: int | None, device_name: str | None,
                      device_memory: str | None, host_memory: str | None = None,
                      links: tuple[str | None, str | None] = (None, None)) -> Plan:
-    logging.getLogger("pretrainer").setLevel(logging.WARNING)  # the plan is the output
+    """The plan the command prints; the run's own log lines are quieted meanwhile (the plan is the output)."""
+    quiet = logging.getLogger("pretrainer")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        return _plan(args, world_size, devices_per_node, device_name, device_memory, host_memory, links)
+    finally:  # a caller in the same process (a script, a test) keeps its logging
+        quiet.setLevel(level)
+
+
+def _plan(args, world_size, devices_per_node, device_name, device_memory, host_memory, links) -> Plan:
     for flag, value in (("--world-size", world_size), ("--devices-per-node", devices_per_node)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
