@@ -57,6 +57,20 @@ ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # s3://, gs://, az://, file://, https://, ...
+
+
+def _strings_in(value) -> list[str]:
+    """The strings of a config value: itself, a list's items, a mapping's values (named sources' paths)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in _strings_in(item)]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings_in(item)]
+    return []
+
+
 @dataclass
 class PreTrainingArguments:
     # --- the seed's schema (openMind PreTrainingArguments) ---
@@ -370,8 +384,22 @@ class PreTrainingArguments:
         self._check_loop()
         self._check_ranges()
         self._check_path_lists()
+        self._check_local_paths()
         _ = self.mixture  # read once here, so a mistake fails at load
         read_downstream_tasks(self.downstream_evals)
+
+    def _check_local_paths(self) -> None:
+        """Object-storage URLs are refused by name: a path like `s3://bucket/run` would otherwise be read as a
+        local folder `s3:/bucket/run`, and a run's checkpoints would be written to the node's disk."""
+        keys = ("save_dir", "resume", "cooldown_from", "train_data", "eval_data", "data_path", "data_cache_path",
+                "model_path", "tokenizer_path", "openmind_model_path", "downstream_evals")
+        for key in keys:
+            for value in _strings_in(getattr(self, key, None)):
+                scheme = URL_SCHEME.match(value)
+                if scheme:
+                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is not read or "
+                                    "written yet: give a local path, or mount the bucket (s3fs-fuse, gcsfuse, "
+                                    "blobfuse2) and give the mount's path")
 
     def _check_path_lists(self) -> None:
         """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;
