@@ -389,17 +389,18 @@ class PreTrainingArguments:
         read_downstream_tasks(self.downstream_evals)
 
     def _check_local_paths(self) -> None:
-        """Object-storage URLs are refused by name: a path like `s3://bucket/run` would otherwise be read as a
-        local folder `s3:/bucket/run`, and a run's checkpoints would be written to the node's disk."""
-        keys = ("save_dir", "resume", "cooldown_from", "train_data", "eval_data", "data_path", "data_cache_path",
-                "model_path", "tokenizer_path", "openmind_model_path", "downstream_evals")
+        """Object-storage URLs are refused by name where they are not read yet: a path like `s3://bucket/run`
+        would otherwise be read as a local folder `s3:/bucket/run`, and a run's checkpoints would be written to
+        the node's disk. Raw training and eval files (`train_data`, `eval_data`) may be URLs (data/remote.py)."""
+        keys = ("save_dir", "resume", "cooldown_from", "data_path", "data_cache_path", "model_path",
+                "tokenizer_path", "openmind_model_path", "downstream_evals")
         for key in keys:
             for value in _strings_in(getattr(self, key, None)):
                 scheme = URL_SCHEME.match(value)
                 if scheme:
-                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is not read or "
-                                    "written yet: give a local path, or mount the bucket (s3fs-fuse, gcsfuse, "
-                                    "blobfuse2) and give the mount's path")
+                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is read here "
+                                    "for train_data and eval_data only: give a local path, or mount the bucket "
+                                    "(s3fs-fuse, gcsfuse, blobfuse2) and give the mount's path")
 
     def _check_path_lists(self) -> None:
         """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;

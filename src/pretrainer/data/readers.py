@@ -91,9 +91,15 @@ class SpecialTokens:
 
 
 def expand_paths(patterns: list[str], what: str = "train_data") -> list[Path]:
-    """Files named directly, by glob, or as a directory (its supported files, sorted)."""
+    """Files named directly, by glob, or as a directory (its supported files, sorted); a URL names objects in
+    object storage (data/remote.py's RemoteFile, read as a stream)."""
+    from .remote import expand_remote, is_url
+
     files: list[Path] = []
     for pattern in patterns:
+        if is_url(pattern):
+            files.extend(expand_remote(pattern, what, lambda p: record_format(p) in SUPPORTED_SUFFIXES))
+            continue
         path = Path(pattern)
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if record_format(p) in SUPPORTED_SUFFIXES and p.is_file())
@@ -265,7 +271,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
         raise DataError(f"{path}: reading .parquet files needs the pyarrow package "
                         "(pip install pyarrow, or pip install 'pretrainer[parquet]')") from None
     try:
-        table = pq.ParquetFile(path)
+        table = pq.ParquetFile(path if isinstance(path, Path) else path.open("rb"))
     except Exception as exc:  # pyarrow raises its own error types for a corrupt or non-parquet file
         raise DataError(f"{path}: not a readable parquet file ({exc})") from None
     index = 0
@@ -284,7 +290,7 @@ def _open_binary(path: Path, meter: BytesRead | None = None):
         except ImportError:
             raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") \
                 from None
-    with open(path, "rb") as raw:
+    with path.open("rb") as raw:  # a Path, or a RemoteFile's stream
         if meter is not None:
             meter.watch(raw)
         if path.suffix == ".gz":

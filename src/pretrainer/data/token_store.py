@@ -58,13 +58,21 @@ class StoreSpec:
     def key(self) -> str:
         description = {
             "format": STORE_FORMAT,
-            "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files],
+            "files": [_identity(p) for p in self.files],
             "tokenizer": hashlib.sha256(self.tokenizer_fingerprint.encode()).hexdigest(),
             "bos": self.encode.bos, "eos": self.encode.eos, "policy": self.encode.policy,
             "dtype": str(self.encode.dtype.__name__), "text_key": self.text_key, "txt_mode": self.txt_mode,
             "special": [self.special.bos, self.special.eos], "skip_bad_records": self.skip_bad_records,
         }
         return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _identity(file) -> list:
+    """What names a file's contents: a local file's path, size and modification time; an object's URL, size and
+    version (data/remote.py)."""
+    if hasattr(file, "identity"):
+        return file.identity()
+    return [str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns]
 
 
 def pack_settings(tokenizer) -> EncodeSettings:
