@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import atexit
 import inspect
+import logging
 import os
 import shutil
 import subprocess as subprocess_module
@@ -128,3 +129,29 @@ def fast_config(model: Path, corpus: Path, save_dir: Path) -> dict:
         "save_dir": str(save_dir), "lr": 1e-3, "warmup_steps": 2, "eval_interval": 3, "eval_iters": 2,
         "save_interval": 3, "seed": 7, "write_report": False,  # the report has its own tests
     }
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def take(self) -> str:
+        """The lines logged since the last take."""
+        text, self.lines = "\n".join(self.lines), []
+        return text
+
+
+@pytest.fixture
+def pretrainer_log():
+    """The `pretrainer` logger's INFO lines, whatever handlers and propagation earlier runs left it with."""
+    logger, handler = logging.getLogger("pretrainer"), _Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -122,13 +122,14 @@ def test_the_blend_keeps_every_source_within_one_sample_of_its_share():
 
 
 def test_the_plan_is_logged_and_a_source_repeated_past_max_epochs_is_refused(base_config, sources, tmp_path,
-                                                                             caplog):
+                                                                             pretrainer_log):
     config = mixture_config(base_config, sources, tmp_path / "run")
     config["train_data"][2]["max_epochs"] = 0.01
     with pytest.raises(DataError, match=r"train_data source news: the run would read it 0\.\d+ times .*more than "
                                         r"its max_epochs 0\.01; lower its weight"):
         PreTrainer(PreTrainingArguments(**config))
-    assert "tokens available" in caplog.text and "epochs" in caplog.text
+    log = pretrainer_log.take()
+    assert "tokens available" in log and "epochs" in log
 
 
 @pytest.mark.parametrize("train_data, schedule, message", [

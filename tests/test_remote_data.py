@@ -61,7 +61,7 @@ def zst_corpus(source: Path, folder: Path, parts: int = 2) -> list[Path]:
 
 
 def test_s3_training_data_trains_like_local_files_and_a_changed_object_is_tokenized_again(
-        s3_server, base_config, small_corpus, tmp_path, capsys):
+        s3_server, base_config, small_corpus, tmp_path, pretrainer_log):
     files = zst_corpus(small_corpus, tmp_path / "corpus")
     for path in files:
         s3_server.put(str(path), f"bucket/corpus/{path.name}")
@@ -72,15 +72,14 @@ def test_s3_training_data_trains_like_local_files_and_a_changed_object_is_tokeni
     PreTrainer(PreTrainingArguments(**{**remote, "save_dir": str(tmp_path / "remote")})).train()
     local, fetched = train_losses(tmp_path / "local"), train_losses(tmp_path / "remote")
     assert fetched == pytest.approx(local, rel=1e-6) and len(fetched) == 6
-    log = capsys.readouterr().out
-    assert log.count("tokenizing 2 file(s)") == 2  # the local files, then the objects: two stores
+    assert pretrainer_log.take().count("tokenizing 2 file(s)") == 2  # the local files, then the objects
     PreTrainer(PreTrainingArguments(**{**remote, "save_dir": str(tmp_path / "again")})).train()
-    log = capsys.readouterr().out
+    log = pretrainer_log.take()
     assert "reusing the tokenized store" in log and "tokenizing 2 file(s)" not in log
     other = zst_corpus(small_corpus, tmp_path / "other", 3)[0]  # other lines under the same name
     s3_server.put(str(other), "bucket/corpus/part-1.jsonl.zst")
     PreTrainer(PreTrainingArguments(**{**remote, "save_dir": str(tmp_path / "changed")})).train()
-    assert "tokenizing 2 file(s)" in capsys.readouterr().out
+    assert "tokenizing 2 file(s)" in pretrainer_log.take()
     assert train_losses(tmp_path / "changed") != pytest.approx(local, rel=1e-6)
 
 

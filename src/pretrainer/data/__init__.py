@@ -17,7 +17,7 @@ _HOMES = {
     "DocumentMasking": "packing", "document_position_ids": "packing",
     "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
     "BatchStream": "streams", "EvalBatches": "streams", "SampleStream": "streams",
-    "DataError": "readers", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
+    "DataError": "errors", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
     "record_to_text": "readers",
 }
 

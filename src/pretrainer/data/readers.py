@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .errors import DataError
+from .remote import expand_remote, is_url
+
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".zst")  # e.g. docs.jsonl.gz, rows.csv.zst
 
@@ -39,14 +42,6 @@ ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a respo
 # as a CSV row train on identical tokens.
 CHAT_ROLE_NAMES = {"user": "Human", "human": "Human", "assistant": "Assistant", "gpt": "Assistant",
                    "system": "System"}
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file and line. `reason` groups bad records in summaries."""
-
-    def __init__(self, message: str, reason: str = "bad data"):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -93,8 +88,6 @@ class SpecialTokens:
 def expand_paths(patterns: list[str], what: str = "train_data") -> list[Path]:
     """Files named directly, by glob, or as a directory (its supported files, sorted); a URL names objects in
     object storage (data/remote.py's RemoteFile, read as a stream)."""
-    from .remote import expand_remote, is_url
-
     files: list[Path] = []
     for pattern in patterns:
         if is_url(pattern):

@@ -14,7 +14,7 @@ import re
 from pathlib import PurePosixPath
 from types import SimpleNamespace
 
-from .readers import DataError
+from .errors import DataError
 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}

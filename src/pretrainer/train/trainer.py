@@ -63,8 +63,12 @@ class PreTrainer:
         atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
         try:
             self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
-        except BaseException:  # a construction that fails leaves no process group behind for the next one
-            self.close(barrier=False)
+        except BaseException:
+            # In a process of its own (a script, a notebook, a test) the next PreTrainer must find no group
+            # left; under a launcher the process ends with the error, which is told first (a peer's exit makes
+            # the launcher stop this one).
+            if self.world.size == 1:
+                self.close(barrier=False)
             raise
 
     def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader) -> None:
