@@ -143,12 +143,15 @@ def test_the_plan_is_logged_and_a_source_repeated_past_max_epochs_is_refused(bas
                                                                                  "weights": {"a": 1}},
                                     {"weights": {"a": 1}}], "until_tokens must increase"),
     ("data/x.jsonl", [{"weights": {"a": 1}}], "mixture_schedule needs named sources"),
+    ([{"name": "a", "path": "x", "eval_path": "y"}], None, "source\\(s\\) a give an eval_path, but eval_data "
+                                                          "replaces every source's held-out set"),
     ([{"name": "a", "path": "x", "weight": 1}], [{"weights": {"a": 1}}], "source\\(s\\) a give a weight, but "
                                                                         "mixture_schedule's stages set the weights"),
 ])
 def test_bad_mixtures_are_refused_naming_the_key(base_config, train_data, schedule, message):
+    eval_data = {"eval_data": "held.jsonl"} if "eval_path" in message else {}
     with pytest.raises(ConfigError, match=message):
-        PreTrainingArguments(**{**base_config, "train_data": train_data, "mixture_schedule": schedule})
+        PreTrainingArguments(**{**base_config, "train_data": train_data, "mixture_schedule": schedule, **eval_data})
 
 
 def test_a_source_s_own_eval_path_replaces_its_split(base_config, sources, tmp_path):

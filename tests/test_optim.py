@@ -99,6 +99,7 @@ def test_token_warmup_equals_its_formula_under_cosine():
     ({"lr_decay_style": "wsd", "wsd_decay_tokens": 100, "wsd_decay_fraction": 0.1}, "set wsd_decay_tokens or "
                                                                                     "wsd_decay_fraction"),
     ({"lr_decay_style": "wsd", "wsd_decay_tokens": -5}, "wsd_decay_tokens must be a number of tokens > 0"),
+    ({"spike_window": 64}, "spike_window is the window of spike_zscore, which is not set"),
 ])
 def test_bad_schedule_keys_are_named(keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -385,7 +385,13 @@ class PreTrainingArguments:
         self._check_ranges()
         self._check_path_lists()
         self._check_local_paths()
-        _ = self.mixture  # read once here, so a mistake fails at load
+        mixture = self.mixture  # read once here, so a mistake fails at load
+        own_eval = [source.name for source in (mixture.sources if mixture else ()) if source.eval_paths]
+        if own_eval and (self.eval_data is not None or self.megatron_dataset_flag):
+            why = "eval_data replaces every source's held-out set" if self.eval_data is not None else \
+                "prepared prefixes are evaluated on their valid split"
+            raise key_error("eval_data" if self.eval_data is not None else "data_path",
+                            f"source(s) {', '.join(own_eval)} give an eval_path, but {why}; remove one of them")
         read_downstream_tasks(self.downstream_evals)
 
     def _check_local_paths(self) -> None:
@@ -560,6 +566,9 @@ class PreTrainingArguments:
                             f"{self.spike_zscore}")
         if self.spike_window < 4:
             raise key_error("spike_window", f"spike_window must be >= 4 accepted steps, got {self.spike_window}")
+        if self.spike_window != 128 and self.spike_zscore is None:
+            raise key_error("spike_window", "spike_window is the window of spike_zscore, which is not set; set "
+                            "spike_zscore (e.g. 6) or remove spike_window")
         if self.distributed_timeout_minutes <= 0:
             raise key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
 
