@@ -243,3 +243,11 @@ def test_prepared_prefixes_mix_by_name_and_weight_like_raw_sources(base_config, 
     assert last["source_tokens/sevens"] == 3 * last["source_tokens/nines"] == 3 * 32 * 32
     evals = [row for row in read_metrics(tmp_path / "run") if "eval_loss" in row][-1]
     assert evals["eval_loss/sevens"] > 0 and evals["eval_loss/nines"] > 0
+
+
+def test_a_prepared_mixture_s_mistake_names_data_path(base_config):
+    """The error names the key the sources were written under."""
+    with pytest.raises(ConfigError, match=r"key 'data_path': data_path: weights must be numbers >= 0 with a "
+                                          r"positive sum"):
+        PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
+                                "data_path": [{"name": "a", "path": "prefix", "weight": 0}]})

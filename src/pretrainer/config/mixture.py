@@ -75,7 +75,7 @@ def read_mixture(train_data, schedule, key: str = "train_data") -> Mixture | Non
                         "source its own name")
     if schedule is None:
         return Mixture(sources, (MixtureStage(None, _normalised({s.name: s.weight for s in sources}, names,
-                                                                "train_data")),))
+                                                                key, key)),))
     weighted = [item["name"] for item in train_data if "weight" in item]
     if weighted:  # a key that would be ignored
         raise key_error("train_data", f"source(s) {', '.join(weighted)} give a weight, but mixture_schedule's "
@@ -138,20 +138,20 @@ def _stages(schedule, names: list[str]) -> tuple[MixtureStage, ...]:
             raise key_error("mixture_schedule", f"{where}: weights is a mapping {{source name: weight}}, got "
                             f"{weights!r}")
         stages.append(MixtureStage(float(until) if until is not None else None,
-                                   _normalised(weights, names, where)))
+                                   _normalised(weights, names, where, "mixture_schedule")))
         previous = float(until) if until is not None else previous
     return tuple(stages)
 
 
-def _normalised(weights: dict, names: list[str], where: str) -> tuple[float, ...]:
+def _normalised(weights: dict, names: list[str], where: str, key: str) -> tuple[float, ...]:
     unknown = sorted(set(weights) - set(names))
     if unknown:
-        raise key_error("mixture_schedule" if where != "train_data" else "train_data",
+        raise key_error(key,
                         f"{where} names unknown source(s) {', '.join(map(str, unknown))}; the sources are "
                         f"{', '.join(names)}")
     values = [weights.get(name, 0.0) for name in names]
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) or sum(values) <= 0:
-        raise key_error("mixture_schedule" if where != "train_data" else "train_data",
+        raise key_error(key,
                         f"{where}: weights must be numbers >= 0 with a positive sum, got "
                         f"{dict(zip(names, values))}")
     total = float(sum(values))

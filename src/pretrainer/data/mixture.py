@@ -73,6 +73,11 @@ def draw_numbers(source_of: np.ndarray, num_sources: int) -> np.ndarray:
     return draws
 
 
+def source_permutation(seed: int, source: int, epoch: int, windows: int) -> np.ndarray:
+    """The order in which `source` reads its windows in `epoch`."""
+    return np.random.default_rng([seed, source, epoch]).permutation(windows)
+
+
 class MixtureDataset(torch.utils.data.Dataset):
     """The run's train samples in blend order: position `i` reads draw `draw_of[i]` of source `source_of[i]`,
     window `perm(source, epoch)[draw % windows]`."""
@@ -82,6 +87,7 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.draw_of = draw_numbers(source_of, len(sources))
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._targets = self._window_targets()
+        self._counted = (0, np.zeros(len(names)))  # (position, target tokens per source before it)
 
     def __len__(self) -> int:
         return len(self.source_of)
@@ -91,7 +97,7 @@ class MixtureDataset(torch.utils.data.Dataset):
         if key not in self._perms:
             if len(self._perms) >= 4 * len(self.sources):  # a batch spans at most two epochs of a source
                 self._perms.pop(next(iter(self._perms)))
-            self._perms[key] = np.random.default_rng([self.seed, source, epoch]).permutation(len(self.sources[source]))
+            self._perms[key] = source_permutation(self.seed, source, epoch, len(self.sources[source]))
         return self._perms[key]
 
     def window(self, index: int) -> tuple[int, int]:
@@ -113,15 +119,20 @@ class MixtureDataset(torch.utils.data.Dataset):
             drawn = np.empty(len(positions), dtype=np.int64)
             for epoch in range(-(-len(positions) // windows)):
                 part = slice(epoch * windows, min((epoch + 1) * windows, len(positions)))
-                drawn[part] = np.random.default_rng([self.seed, source, epoch]).permutation(windows)[
-                    :part.stop - part.start]
+                drawn[part] = source_permutation(self.seed, source, epoch, windows)[:part.stop - part.start]
             targets[positions] = np.where(drawn == windows - 1, last, full)
         return targets
 
     def trained_tokens(self, position: int) -> dict[str, int]:
-        """Target tokens of each source in the first `position` samples."""
+        """Target tokens of each source in the first `position` samples (counted on from the last call, so a
+        log costs the samples since the previous one, not the whole run so far)."""
         position = min(position, len(self.source_of))
-        counts = np.bincount(self.source_of[:position], weights=self._targets[:position], minlength=len(self.names))
+        start, counts = self._counted
+        if position < start:  # a resume to an earlier position: count again
+            start, counts = 0, np.zeros(len(self.names))
+        counts = counts + np.bincount(self.source_of[start:position], weights=self._targets[start:position],
+                                      minlength=len(self.names))
+        self._counted = (position, counts)
         return {name: int(count) for name, count in zip(self.names, counts)}
 
 
