@@ -13,6 +13,7 @@ import subprocess as subprocess_module
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,44 @@ def pretrainer_log():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1 (a process of its own) and a client of it (s3fs, the real stack)."""
+
+    def __init__(self, port: int):
+        self.port, self.endpoint = port, f"http://127.0.0.1:{port}"
+        self.fs = None
+
+
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                  "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on a free local port, for the module, with a bucket named `bucket`; the environment
+    points the clients (this process's and the runs it starts) at it."""
+    s3fs = pytest.importorskip("s3fs", reason="the s3 extra (s3fs) is part of make setup-test")
+    from launch import listening_port
+
+    server = S3Server(listening_port())
+    process = subprocess_module.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p",
+                                       str(server.port)], stdout=subprocess_module.DEVNULL,
+                                      stderr=subprocess_module.DEVNULL)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {"AWS_ENDPOINT_URL": server.endpoint, **S3_CREDENTIALS}.items():
+            patch.setenv(key, value)
+        server.fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        for _ in range(100):  # until it answers
+            try:
+                server.fs.mkdir("bucket")
+                break
+            except Exception:
+                time.sleep(0.1)
+        else:
+            process.kill()
+            pytest.fail(f"moto_server did not start on {server.endpoint}")
+        yield server
+    process.terminate()
+    process.wait(timeout=10)

@@ -171,7 +171,7 @@ def write_layout_check(trainer) -> None:
     if trainer.pretrain_args.save_dir:
         rank = trainer.engine.rank
         check = json.dumps(layout_check(trainer))
-        Path(trainer.pretrain_args.save_dir, f"layout_check_rank{rank}.json").write_text(check)
+        Path(trainer.pretrain_args.run_dir, f"layout_check_rank{rank}.json").write_text(check)
 
 
 def assert_layout_answers(save_dir: Path, ranks: int) -> list[dict]:

@@ -77,7 +77,7 @@ def run_case(base: dict, case: dict) -> None:
     trainer.train()
     write_layout_check(trainer)  # what the engine holds beside what the planner says it holds
     if case.get("hooks"):
-        Path(args.save_dir, f"hook_calls_rank{os.environ.get('RANK', '0')}.json").write_text(
+        Path(args.run_dir, f"hook_calls_rank{os.environ.get('RANK', '0')}.json").write_text(
             json.dumps(dict(HOOK_CALLS)))
         HOOK_CALLS.clear()
 

@@ -321,14 +321,16 @@ def test_an_unknown_engine_is_refused_by_the_registry_with_the_nearest_name():
 
 
 @pytest.mark.parametrize("keys, named", [
-    ({"save_dir": "s3://bucket/run"}, "save_dir"),
-    ({"data_path": ["data/a", "gs://bucket/b"], "megatron_dataset_flag": True}, "data_path"),
+    ({"staging_dir": "s3://bucket/staging"}, "staging_dir"),
+    ({"tokenizer_path": "gs://bucket/tokenizer"}, "tokenizer_path"),
     ({"data_cache_path": "az://container/cache"}, "data_cache_path"),
-    ({"resume": "s3://bucket/run/checkpoints/step-10"}, "resume"),
+    ({"model_path": "s3://bucket/llama"}, "model_path"),
 ])
 def test_an_object_storage_url_is_refused_naming_the_key(keys, named):
     """Read as a path, `s3://bucket/run` would be a local folder `s3:/bucket/run`: the run's checkpoints would
-    stay on the node's disk. The key is named, with the way out (a mount); train_data and eval_data take URLs."""
+    stay on the node's disk. The key is named, with the way out (a mount); a run's folders, data and task
+    files take URLs."""
     with pytest.raises(ConfigError, match=rf"key '{named}': .* is a URL \((s3|gs|az)://\); object storage is read "
-                                          r"here for train_data and eval_data only: give a local path, or mount"):
+                                          r"for a run's data, tasks and folders \(save_dir, resume, cooldown_from\), "
+                                          r"not here: give a local path, or mount"):
         PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})

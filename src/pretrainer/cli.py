@@ -148,12 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write an HF folder from a checkpoint")
     export.add_argument("config", help="the run's YAML config")
     export.add_argument("overrides", nargs="*", help="key=value overrides")
-    export.add_argument("--checkpoint", help="checkpoint folder (default: the latest in save_dir)")
-    export.add_argument("--output", help="output folder (default: save_dir/hf)")
+    export.add_argument("--checkpoint", help="checkpoint folder or its URL (default: the latest in save_dir)")
+    export.add_argument("--output", help="output folder or URL (default: save_dir/hf)")
 
     evaluate = commands.add_parser("evaluate", help="score multiple-choice tasks on a run's newest checkpoint or an "
                                    "HF folder")
-    evaluate.add_argument("target", help="a run's save_dir (its newest checkpoint and config) or an HF model folder")
+    evaluate.add_argument("target", help="a run's save_dir, a folder or a URL (its newest checkpoint and config), or "
+                          "an HF model folder")
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides (seq_length, micro_batch_size, dtype, ...)")
     evaluate.add_argument("--tasks", action="append", metavar="FILE[,FILE...]",
                           help="task files, comma-separated or the flag repeated (default: the run's "

@@ -39,6 +39,7 @@ from .mixture import Mixture, is_mixture, read_mixture
 from .moe import check_moe_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
+from .paths import staging_folder
 from .sizes import global_batch_size
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see parallel/activation_checkpoint.py
 ACCUMULATE_GRADIENTS = ("auto", "sharded", "unsharded")  # see run/resolve.py and plan/memory_check.py
+CHECKPOINT_FAILURES = ("fatal", "warn")  # see train/remote_checkpoints.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
@@ -172,6 +174,9 @@ class PreTrainingArguments:
     keep_last_checkpoints: int | None = None
     keep_checkpoints_every: int | None = None
     checkpoint_checksums: bool = True
+    checkpoint_failure: str = "fatal"      # a checkpoint that cannot be uploaded: stop the run, or warn and go on
+    storage_retries: int = 4              # tries of each object-storage operation before it counts as failed
+    staging_dir: str | None = None        # the local folder a save_dir URL's files are written in first
     export_hf: bool = True
     export_dtype: str | None = None
     export_max_shard_size: str | int = "5GB"
@@ -291,6 +296,18 @@ class PreTrainingArguments:
         return str(self.get_dataloader_config().get("split") or self.megatron_args.get("split") or DEFAULT_DATA_SPLIT)
 
     @property
+    def remote_save_dir(self) -> str | None:
+        """`save_dir` when it is an object-storage URL."""
+        return self.save_dir if self.save_dir and URL_SCHEME.match(self.save_dir) else None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The local folder the run writes in: `save_dir`, or for a URL the staging folder mirrored to it."""
+        if self.save_dir is None:
+            return None
+        return staging_folder(self.save_dir, self.staging_dir) if self.remote_save_dir else Path(self.save_dir)
+
+    @property
     def resolved_model_path(self) -> str | None:
         return self.model_path or self.openmind_model_path
 
@@ -397,16 +414,18 @@ class PreTrainingArguments:
     def _check_local_paths(self) -> None:
         """Object-storage URLs are refused by name where they are not read yet: a path like `s3://bucket/run`
         would otherwise be read as a local folder `s3:/bucket/run`, and a run's checkpoints would be written to
-        the node's disk. Raw training and eval files (`train_data`, `eval_data`) may be URLs (data/remote.py)."""
-        keys = ("save_dir", "resume", "cooldown_from", "data_path", "data_cache_path", "model_path",
-                "tokenizer_path", "openmind_model_path", "downstream_evals")
+        the node's disk. A run's folders (`save_dir`, `resume`, `cooldown_from`: train/remote_checkpoints.py),
+        its data (`train_data`, `eval_data`, `data_path`) and task files (`downstream_evals`: data/remote.py) may
+        be URLs; models and tokenizers are read from local folders."""
+        keys = ("data_cache_path", "staging_dir", "model_path", "tokenizer_path", "openmind_model_path")
         for key in keys:
             for value in _strings_in(getattr(self, key, None)):
                 scheme = URL_SCHEME.match(value)
                 if scheme:
-                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is read here "
-                                    "for train_data and eval_data only: give a local path, or mount the bucket "
-                                    "(s3fs-fuse, gcsfuse, blobfuse2) and give the mount's path")
+                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is read for "
+                                    "a run's data, tasks and folders (save_dir, resume, cooldown_from), not here: "
+                                    "give a local path, or mount the bucket (s3fs-fuse, gcsfuse, blobfuse2) and "
+                                    "give the mount's path")
 
     def _check_path_lists(self) -> None:
         """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;
@@ -424,7 +443,7 @@ class PreTrainingArguments:
 
     def _check_counts(self) -> None:
         for name in ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
-                     "eval_iters"):
+                     "eval_iters", "storage_retries"):
             if getattr(self, name) < 1:
                 raise key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("seq_length", "save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints",
@@ -445,7 +464,7 @@ class PreTrainingArguments:
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
                    "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
                    "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
-                   "accumulate_gradients": ACCUMULATE_GRADIENTS}
+                   "accumulate_gradients": ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:

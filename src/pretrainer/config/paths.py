@@ -29,3 +29,13 @@ def check_writable_folder(path: str | Path, what: str) -> Path:
         raise ConfigError(f"{what}: {folder} cannot be created or written ({reason}); choose a folder you can "
                           "write to") from None
     return folder
+
+
+def staging_folder(url: str, staging_dir: str | None) -> Path:
+    """The local folder a save_dir URL's files are written in before they are uploaded: `staging_dir`, or one
+    named after the URL under the user's cache folder (`$XDG_CACHE_HOME`, else ~/.cache)."""
+    if staging_dir:
+        return Path(staging_dir)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    scheme, _, rest = url.partition("://")
+    return cache / "pretrainer" / "staging" / scheme / rest.strip("/")

@@ -13,7 +13,7 @@ _HOMES = {
     "mixture_plan": "builders",
     "ProvidedSamples": "provided",
     "PackedDataset": "packing", "collate_packed": "packing",
-    "open_store": "token_store", "store_spec": "token_store", "default_cache_root": "token_store",
+    "open_store": "token_store", "store_spec": "token_store", "default_cache_root": "cache_roots",
     "DocumentMasking": "packing", "document_position_ids": "packing",
     "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
     "BatchStream": "streams", "EvalBatches": "streams", "SampleStream": "streams",

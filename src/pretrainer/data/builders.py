@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache_roots import default_cache_root
 from .mixture import InterleavedEval, MixtureDataset, blend_index, check_repeats, describe_plan, plan_sources
 from .packing import PackedDataset
 from .readers import DataError, expand_paths
-from .token_store import cached_store, default_cache_root, open_store, store_spec
+from .remote import with_local_prefixes
+from .token_store import cached_store, open_store, store_spec
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ def mixture_plan(args, tokenizer, sizes) -> str | None:
     if mixture is None:
         return None
     if args.megatron_dataset_flag:
+        args = with_local_prefixes(args)
+        mixture = args.mixture
         trains = [_prepared_windows(args, source, sizes.seq_length) for source in mixture.sources]
     else:
         trains, _ = _source_windows(args, sizes.seq_length, _stores(args, tokenizer, None, build=False))
@@ -224,6 +228,7 @@ def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: No
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
     from .indexed import IndexedDataset
 
+    args = with_local_prefixes(args)  # prefixes in object storage: copied to local disk on first use
     if args.mixture is not None:  # named prefixes: the cache goes next to the first
         prefixes, weights = [source.paths[0] for source in args.mixture.sources], None
     else:
@@ -297,7 +302,7 @@ def _writable(folder: Path, args) -> Path:
         probe = probe.parent
     if os.access(probe, os.W_OK):
         return folder
-    fallback = Path(args.save_dir or ".") / "data_cache"
+    fallback = (args.run_dir or Path(".")) / "data_cache"
     logger.info("%s is not writable; sample indices are cached in %s (set data_cache_path to choose)", folder,
                 fallback)
     return fallback

@@ -10,32 +10,25 @@ here logs or stores them. The filesystem package is an extra: `pip install 'pret
 
 from __future__ import annotations
 
-import re
-from pathlib import PurePosixPath
+import dataclasses
+from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 
+from ..storage import URL, StorageError, download_once, identity_key, is_url, object_identity
+from ..storage import filesystem as storage_filesystem
+from .cache_roots import remote_cache_root
 from .errors import DataError
 
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-
-
-def is_url(text: str) -> bool:
-    return bool(URL.match(str(text)))
+__all__ = ["URL", "RemoteFile", "expand_remote", "filesystem", "is_url", "local_file", "local_prefix",
+           "with_local_prefixes"]
 
 
 def filesystem(url: str):
-    """(the fsspec filesystem of `url`, its path there); a fresh instance, so the environment of this moment
-    (endpoint, credentials) applies."""
-    import fsspec
-
-    protocol = URL.match(url).group(1)
+    """(the fsspec filesystem of `url`, its path there), a missing client package told as a data error."""
     try:
-        return fsspec.core.url_to_fs(url, skip_instance_cache=True)
-    except (ImportError, ValueError) as exc:
-        package = PACKAGES.get(protocol, f"the fsspec implementation of {protocol}://")
-        raise DataError(f"{url}: reading {protocol}:// needs {package} ({exc}); pip install 'pretrainer[s3]' for "
-                        "S3, or the package fsspec names for this protocol") from None
+        return storage_filesystem(url)
+    except StorageError as exc:
+        raise DataError(str(exc)) from None
 
 
 class RemoteFile:
@@ -108,3 +101,50 @@ def expand_remote(pattern: str, what: str, supported) -> list[RemoteFile]:
         raise
     except Exception as exc:  # the client's own error types (credentials, endpoint, permissions)
         raise DataError(f"{what}: listing {pattern} failed ({type(exc).__name__}: {str(exc)[:300]})") from None
+
+
+# ---------------------------------------------------------------- objects copied locally on first use
+def local_prefix(prefix: str, attempts: int = 4) -> str:
+    """A prepared prefix in object storage (`s3://bucket/data/web_text_document`: its `.bin` and `.idx`) as a
+    local prefix: both copied into the local cache on first use (storage/cache.py says why not range reads),
+    into a folder named by both objects' identities."""
+    try:
+        identities = [object_identity(prefix + suffix, attempts) for suffix in (".bin", ".idx")]
+        folder = remote_cache_root() / "prefixes" / identity_key(identities)
+        name = prefix.rstrip("/").rsplit("/", 1)[-1]
+        for suffix, (url, size, _) in zip((".bin", ".idx"), identities):
+            download_once(url, folder / f"{name}{suffix}", size, attempts)
+    except StorageError as exc:
+        raise DataError(f"data_path {prefix}: {exc}") from None
+    return str(folder / name)
+
+
+def local_file(url: str, what: str, attempts: int = 4) -> Path:
+    """One object (a task file) as a local file in the cache, copied on first use."""
+    try:
+        identity = object_identity(url, attempts)
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        return download_once(url, remote_cache_root() / "files" / identity_key([identity]) / name, identity[1],
+                             attempts)
+    except StorageError as exc:
+        raise DataError(f"{what}: {exc}") from None
+
+
+def with_local_prefixes(args):
+    """`args` with every prefix URL in `data_path` (or `dataloader_config.data_path`) replaced by its local copy;
+    the run's own arguments (its config copy and hash) keep the URLs."""
+    def local(item):
+        if isinstance(item, str):
+            return " ".join(local_prefix(word, args.storage_retries) if is_url(word) else word
+                            for word in item.split()) if any(is_url(w) for w in item.split()) else item
+        if isinstance(item, dict) and isinstance(item.get("path"), str) and is_url(item["path"]):
+            return {**item, "path": local_prefix(item["path"], args.storage_retries)}
+        return item
+
+    def localized(value):
+        return [local(item) for item in value] if isinstance(value, list) else local(value)
+    loader = args.get_dataloader_config()
+    changes = {"data_path": localized(args.data_path)}
+    if "data_path" in loader:
+        changes["dataloader_config"] = {**loader, "data_path": localized(loader["data_path"])}
+    return dataclasses.replace(args, **changes)

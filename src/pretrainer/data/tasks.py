@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..config import DownstreamTask
 from .readers import DataError, read_records
+from .remote import is_url, local_file
 
 LETTERS = ("A", "B", "C", "D")
 
@@ -46,12 +47,12 @@ class _Parsed:
 
 def read_task(task: DownstreamTask) -> list[ChoiceRecord]:
     """The task's scored records, each with its few-shot prefix; a bad record raises with its file and line."""
-    path = Path(task.path)
+    path = task.path
     rows = _parsed_rows(path, task.format)
     shots: list[_Parsed] = []
     if task.num_fewshot:
         if task.fewshot_path:
-            shots = list(islice(_parsed_rows(Path(task.fewshot_path), task.format), task.num_fewshot))
+            shots = list(islice(_parsed_rows(task.fewshot_path, task.format), task.num_fewshot))
         else:
             shots = [parsed for _, parsed in islice(rows, task.num_fewshot)]
             rows = rows[task.num_fewshot:]
@@ -66,7 +67,9 @@ def read_task(task: DownstreamTask) -> list[ChoiceRecord]:
             for where, parsed in rows]
 
 
-def _parsed_rows(path: Path, fmt: str) -> list[tuple[str, _Parsed]]:
+def _parsed_rows(name: str, fmt: str) -> list[tuple[str, _Parsed]]:
+    # a URL: read whole, at every evaluation, so copied to the local cache on first use
+    path = local_file(name, "downstream_evals") if is_url(name) else Path(name)
     if not path.is_file():
         raise DataError(f"downstream_evals: task file {path} does not exist")
     out = []

@@ -31,16 +31,9 @@ from .readers import BytesRead, DataError, SpecialTokens, read_documents
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "PRETRAINER_CACHE_DIR"
 STORE_FORMAT = 1  # raise when the way tokens are produced changes: older stores are then not reused
 MANIFEST = "manifest.json"
 PREFIX = "tokens"
-
-
-def default_cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pretrainer" / "tokenized"
 
 
 @dataclass(frozen=True)

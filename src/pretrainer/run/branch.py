@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import CHECKPOINT_STATE_FILE, BranchPoint, extra_state_file, key_error
+from ..config import CHECKPOINT_STATE_FILE, BranchPoint, extra_state_file, key_error, staging_folder
+from ..storage import RemoteFolder, StorageError, is_url, join_url
 
 logger = logging.getLogger("pretrainer")
 
@@ -24,32 +25,62 @@ BRANCHES = "branches"  # a run's branches live in RUN/branches/<name> unless giv
 
 
 def read_branch_point(args) -> BranchPoint | None:
-    """The checkpoint `cooldown_from` names: its step, its run and the lr multiplier its schedule had reached
-    (None without `cooldown_from`)."""
+    """The checkpoint `cooldown_from` names (a folder, or its URL): its step, its run and the lr multiplier its
+    schedule had reached (None without `cooldown_from`)."""
     if args.cooldown_from is None:
         return None
-    folder = Path(args.cooldown_from)
+    folder = args.cooldown_from
+    state, schedule = remote_branch_state(args) if is_url(folder) else local_branch_state(Path(folder))
+    if not schedule.get("base_lrs") or not schedule.get("_last_lr"):
+        raise key_error("cooldown_from", f"{folder} holds no pretrainer schedule state (a DeepSpeed JSON "
+                        "scheduler or a user's lr_scheduler wrote it), so its lr at the branch point is unknown")
+    ratio = schedule["_last_lr"][0] / schedule["base_lrs"][0]
+    run = folder.rstrip("/").rsplit("/", 2)[0] if is_url(folder) else str(Path(folder).parent.parent)
+    return BranchPoint(str(folder), run, int(state["step"]), ratio)
+
+
+def local_branch_state(folder: Path) -> tuple[dict, dict]:
+    """The checkpoint's trainer_state.json and rank 0's scheduler state."""
     if not (folder / CHECKPOINT_STATE_FILE).is_file():
         steps = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.is_dir() else []
         hint = f" (this folder's checkpoints: {', '.join(steps)})" if steps else ""
         raise key_error("cooldown_from", f"{folder} is not a complete checkpoint folder (expected "
                         f"{CHECKPOINT_STATE_FILE} inside, e.g. RUN/checkpoints/step-1000){hint}")
-    step = int(json.loads((folder / CHECKPOINT_STATE_FILE).read_text())["step"])
     schedule = torch.load(folder / extra_state_file(0), weights_only=False).get("scheduler", {})
-    if not schedule.get("base_lrs") or not schedule.get("_last_lr"):
-        raise key_error("cooldown_from", f"{folder} holds no pretrainer schedule state (a DeepSpeed JSON "
-                        "scheduler or a user's lr_scheduler wrote it), so its lr at the branch point is unknown")
-    ratio = schedule["_last_lr"][0] / schedule["base_lrs"][0]
-    return BranchPoint(str(folder), str(folder.parent.parent), step, ratio)
+    return json.loads((folder / CHECKPOINT_STATE_FILE).read_text()), schedule
+
+
+def remote_branch_state(args) -> tuple[dict, dict]:
+    """As local_branch_state, read from object storage (the checkpoint itself is downloaded when the branch
+    starts, as any resume's)."""
+    url = args.cooldown_from
+    remote = RemoteFolder(url, args.storage_retries)
+    try:
+        text = remote.read_text(CHECKPOINT_STATE_FILE)
+        if text is None:
+            raise key_error("cooldown_from", f"{url} is not a complete checkpoint (no {CHECKPOINT_STATE_FILE} "
+                            "there: its upload did not finish, or the URL names no checkpoint, e.g. "
+                            "s3://bucket/run/checkpoints/step-1000)")
+        local = staging_folder(url, None) / extra_state_file(0)
+        remote.get_file(extra_state_file(0), local)
+    except StorageError as exc:
+        raise key_error("cooldown_from", str(exc)) from None
+    return json.loads(text), torch.load(local, weights_only=False).get("scheduler", {})
 
 
 def branch_save_dir(args, branch: BranchPoint) -> str:
     """The branch's folder: `save_dir` as given, unless it is the parent's own (its config reused): then
-    RUN/branches/cooldown-step-N-T."""
-    if args.save_dir is not None and Path(args.save_dir).resolve() != Path(branch.run).resolve():
-        return args.save_dir
+    RUN/branches/cooldown-step-N-T (a URL under a parent in object storage)."""
     tokens = re.sub(r"\.0$", "", f"{args.cooldown_tokens:g}".replace("+", ""))
-    return str(Path(branch.run) / BRANCHES / f"cooldown-step-{branch.step}-{tokens}")
+    name = f"cooldown-step-{branch.step}-{tokens}"
+    if is_url(branch.run):
+        if args.save_dir is not None and args.save_dir.rstrip("/") != branch.run:
+            return args.save_dir
+        return join_url(branch.run, BRANCHES, name)
+    if args.save_dir is not None and (is_url(args.save_dir) or
+                                      Path(args.save_dir).resolve() != Path(branch.run).resolve()):
+        return args.save_dir
+    return str(Path(branch.run) / BRANCHES / name)
 
 
 def find_branches(save_dir: str | Path) -> list[Path]:

@@ -18,32 +18,42 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import warnings
-import zlib
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..config import CHECKPOINT_STATE_FILE, ConfigError, extra_state_file
+from ..config import ConfigError, extra_state_file, staging_folder
 from ..parallel.registry import BY_NAME
+from ..storage import RemoteFolder, is_url
 from . import checkpoint_io
+from .checkpoint_files import (
+    MANIFEST,
+    STATE_FILE,
+    STEP_DIR,
+    checkpoints_root,
+    find_latest,
+    is_complete,
+    manifest,
+    read_trainer_state,
+    retention_victims,
+    verify_checkpoint,
+)
 from .checkpoint_io import DCP
 from .errors import CheckpointError
+from .remote_checkpoints import CheckpointUploads, RemoteCheckpoints, fetch_checkpoint
 from .run_state import RunState
 
 logger = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE_FILE = CHECKPOINT_STATE_FILE
-MANIFEST = "manifest.json"
+# what callers read about checkpoint folders, from checkpoint_files.py
+__all__ = ["Checkpointer", "checkpoints_root", "elect_resume", "find_latest", "is_complete", "load_checkpoint",
+           "read_trainer_state", "resolve_resume", "verify_checkpoint"]
+
+RESUME_DOWNLOADS = ".resume"  # where a checkpoint in object storage is downloaded to be resumed
 FORMAT_NAMES = {DCP: "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
-
-
-def checkpoints_root(save_dir: str | Path) -> Path:
-    return Path(save_dir) / "checkpoints"
 
 
 class Checkpointer:
@@ -56,24 +66,36 @@ class Checkpointer:
 
     def __init__(self, save_dir: str | Path, engine, state: RunState, config_yaml: str, config_hash: str,
                  async_save: bool = False, keep_last: int | None = None, keep_every: int | None = None,
-                 checksums: bool = True, interval: int | None = None):
+                 checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None):
         self.root = checkpoints_root(save_dir)
+        self.uploads = uploads  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
         self.engine, self.state = engine, state
         self.config_yaml, self.config_hash = config_yaml, config_hash
         self.interval = interval
         self.last_saved_step: int | None = None
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
-        self.async_save = async_save and engine.supports_async_save
+        # To a URL the slow part is the upload, which async_checkpoint moves to the background; the write to the
+        # local staging folder stays synchronous, so that the upload can start from complete files.
+        self.async_save = async_save and engine.supports_async_save and uploads is None
+        self.last_bytes: int | None = None  # the size of the last checkpoint written here (free-space estimate)
         if async_save and not engine.supports_async_save:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
         self._pending = None
 
     @classmethod
-    def of_run(cls, args, engine, state: RunState) -> "Checkpointer":
-        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval)."""
-        return cls(args.save_dir, engine, state, args.to_yaml(), args.config_hash(), args.async_checkpoint,
+    def of_run(cls, args, engine, state: RunState, after_commit=None) -> "Checkpointer":
+        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval;
+        for a save_dir URL, the uploads from the staging folder, `after_commit` following each)."""
+        uploads = None
+        if args.remote_save_dir:
+            remote = RemoteCheckpoints(RemoteFolder(args.remote_save_dir, args.storage_retries))
+            uploads = CheckpointUploads(remote, engine, background=args.async_checkpoint,
+                                        failure=args.checkpoint_failure, checksums=args.checkpoint_checksums,
+                                        keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
+                                        after_commit=after_commit)
+        return cls(args.run_dir, engine, state, args.to_yaml(), args.config_hash(), args.async_checkpoint,
                    keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
-                   checksums=args.checkpoint_checksums, interval=args.save_interval)
+                   checksums=args.checkpoint_checksums, interval=args.save_interval, uploads=uploads)
 
     def is_due(self, step: int) -> bool:
         """Whether `save_interval` asks for a checkpoint after this step."""
@@ -88,10 +110,9 @@ class Checkpointer:
         self.last_saved_step = step
         engine = self.engine
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
-        if engine.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+        if engine.world.local_rank == 0:  # on every node: its ranks write there (a staging disk is the node's)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
         engine.barrier()  # the folder exists before any rank writes into it
         self._check_free_space()
         state = {**self.state.saved(per_rank=False), "config_hash": self.config_hash, "step": step,
@@ -113,28 +134,34 @@ class Checkpointer:
 
     def _check_free_space(self) -> None:
         """Refuse to start a save that will not fit: the previous checkpoint's size is the estimate."""
-        previous = find_latest(self.root.parent, verify=False)
-        if previous is None:
+        previous = find_latest(self.root.parent, verify=False) if self.uploads is None else None
+        if previous is not None:
+            needed, name = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()), previous.name
+        elif self.last_bytes is not None:  # the staged copy was deleted once uploaded
+            needed, name = self.last_bytes, "the last checkpoint"
+        else:
             return
-        needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file())
         free = shutil.disk_usage(self.root).free
         if free < needed * 1.05:
             raise CheckpointError(f"not enough disk space for a checkpoint in {self.root}: about {needed / 2**30:.2f} "
-                                  f"GiB needed (the size of {previous.name}), {free / 2**30:.2f} GiB free. Free "
+                                  f"GiB needed (the size of {name}), {free / 2**30:.2f} GiB free. Free "
                                   "space or set keep_last_checkpoints; the previous checkpoint is intact")
 
     def wait(self) -> None:
-        """Finish an asynchronous save, if one is under way."""
-        if self._pending is None:
-            return
-        future, *rest = self._pending
-        self._pending = None
-        future.result()
-        self._complete(*rest)
+        """Finish an asynchronous save or upload, if one is under way."""
+        if self._pending is not None:
+            future, *rest = self._pending
+            self._pending = None
+            future.result()
+            self._complete(*rest)
+        if self.uploads is not None:
+            self.uploads.finish()
 
     def abandon(self) -> None:
         """Leave an asynchronous save under way incomplete (a run that failed or ends at once): its folder is
         never completed, so it is never resumed from; the background write ends on its own."""
+        if self.uploads is not None:
+            self.uploads.abandon()
         if self._pending is None:
             return
         _, tmp, final, _ = self._pending
@@ -156,25 +183,25 @@ class Checkpointer:
             os.replace(tmp, final)
             _write_text_atomic(self.root / "latest", final.name)
             logger.info("saved checkpoint %s", final)
-            self._apply_retention(final)
+            if self.uploads is None:
+                self._apply_retention(final)
         engine.barrier()
+        if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
+            os.replace(tmp, final)
+        self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        if self.uploads is not None:
+            self.uploads.start(state["step"], final, state)
 
     def _apply_retention(self, newest: Path) -> None:
         """Keep the newest `keep_last` complete checkpoints and every `keep_every`-th step; delete the rest."""
         if not self.keep_last:
             return
-        steps = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)))
-        complete = [(step, p) for step, p in steps if is_complete(p)]
-        keep = {p for _, p in complete[-self.keep_last:]} | {newest}
-        keep |= {p for step, p in complete if self.keep_every and step % self.keep_every == 0}
-        for step, path in steps:
-            if path not in keep and step < int(STEP_DIR.match(newest.name).group(1)):
-                shutil.rmtree(path, ignore_errors=True)
-                logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", path, self.keep_last)
-
-
-def read_trainer_state(path: str | Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+        steps = {int(m.group(1)): p for p in self.root.iterdir() if (m := STEP_DIR.match(p.name))}
+        complete = {step for step, path in steps.items() if is_complete(path)}
+        newest_step = int(STEP_DIR.match(newest.name).group(1))
+        for step in retention_victims(list(steps), complete, newest_step, self.keep_last, self.keep_every):
+            shutil.rmtree(steps[step], ignore_errors=True)
+            logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", steps[step], self.keep_last)
 
 
 def checkpoint_format(trainer_state: dict) -> str:
@@ -236,86 +263,31 @@ def load_model_weights(path: str | Path, model) -> None:
         checkpoint_io.load_model_weights(path, model)
 
 
-def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file()  # written last, after every rank's shards
-
-
-def manifest(folder: Path, state: dict, checksums: bool) -> dict:
-    """Step, config hash, world layout, and every file's size (and CRC-32) in the checkpoint folder."""
-    files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, STATE_FILE)):
-        entry = {"bytes": path.stat().st_size}
-        if checksums:
-            entry["crc32"] = _crc32(path)
-        files[path.relative_to(folder).as_posix()] = entry
-    return {"step": state["step"], "config_hash": state.get("config_hash"), "engine": state["engine"],
-            "world_size": state["world_size"], "files": files}
-
-
-def verify_checkpoint(path: Path, checksums: bool = True) -> str | None:
-    """What is wrong with a complete-looking checkpoint, or None. Older checkpoints without a manifest pass."""
-    listing = path / MANIFEST
-    if not listing.is_file():
-        return None
-    try:
-        files = json.loads(listing.read_text())["files"]
-    except (ValueError, KeyError) as exc:
-        return f"its {MANIFEST} is unreadable ({exc})"
-    for name, entry in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            return f"{name} is {size:,} bytes, its manifest says {entry['bytes']:,} (truncated or overwritten)"
-        if checksums and "crc32" in entry and _crc32(file) != entry["crc32"]:
-            return f"{name} does not match its checksum (corrupted)"
-    return None
-
-
-def find_latest(save_dir: str | Path, verify: bool = True) -> Path | None:
-    """The newest complete checkpoint that matches its manifest (`latest` first, then by step)."""
-    root = checkpoints_root(save_dir)
-    if not root.is_dir():
-        return None
-    candidates = []
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidates.append(root / pointer.read_text().strip())
-    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
-    candidates += [p for _, p in steps if p not in candidates]
-    for candidate in candidates:
-        if not is_complete(candidate):
-            logger.warning("skipping incomplete checkpoint %s", candidate)
-            continue
-        problem = verify_checkpoint(candidate) if verify else None
-        if problem is None:
-            return candidate
-        logger.warning("skipping checkpoint %s: %s", candidate, problem)
-    return None
-
-
-def _crc32(path: Path) -> str:
-    value = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            value = zlib.crc32(chunk, value)
-    return f"{value:08x}"
-
-
-def elect_resume(world, resume: str, save_dir: str | None) -> Path | None:
-    """The checkpoint to resume from, chosen (and verified against its manifest) by the main rank only and the
-    same on every rank."""
+def elect_resume(world, args) -> Path | None:
+    """The checkpoint to resume from (`resume`, `save_dir`), chosen (and verified against its manifest) by the main
+    rank only and the same on every rank. One in object storage (a URL in `resume`, or `resume: auto` with a
+    save_dir URL) is downloaded into the run's local folder first (`.resume/`)."""
+    url = args.resume if is_url(args.resume) else args.remote_save_dir if args.resume == "auto" else None
+    if url is not None:
+        local_root = (args.run_dir or staging_folder(url, args.staging_dir)) / RESUME_DOWNLOADS
+        return fetch_checkpoint(world, url, local_root, args.storage_retries)
     outcome = None
     if world.is_main:
         try:
-            outcome = ("path", resolve_resume(resume, save_dir))
+            outcome = ("path", resolve_resume(args.resume, args.save_dir))
         except ConfigError as exc:
             outcome = ("error", str(exc))
     kind, value = world.broadcast_object(outcome)
     if kind == "error":
         raise ConfigError(value)
     return value
+
+
+def branch_checkpoint(world, args, checkpoint: str) -> Path:
+    """The checkpoint a cooldown branch starts from, downloaded first when it is a URL (collective)."""
+    if not is_url(checkpoint):
+        return Path(checkpoint)
+    return fetch_checkpoint(world, checkpoint, args.run_dir / RESUME_DOWNLOADS, args.storage_retries)
 
 
 def resolve_resume(resume: str, save_dir: str | None, given_as: str = "key 'resume'") -> Path | None:

@@ -28,7 +28,10 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_minutes
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """torch.distributed errors, and the plain RuntimeErrors gloo raises for a lost or silent peer."""
+    """torch.distributed errors, and the plain RuntimeErrors gloo raises for a lost or silent peer (not a
+    checkpoint's storage error, whose text may speak of a reset connection too)."""
+    if isinstance(exc, CheckpointError):
+        return False
     name = type(exc).__name__
     text = str(exc)
     return name.startswith("Dist") or any(marker in text for marker in (

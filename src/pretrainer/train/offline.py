@@ -1,9 +1,10 @@
 """A trained model outside the training loop: an HF folder's, or a checkpoint's weights in the model its run
 configured, placed by an engine. `pretrainer export` writes it out, `pretrainer evaluate` scores tasks on it.
 
-`pretrainer evaluate` takes a run's save_dir or an HF folder. A save_dir's model is rebuilt from the
-`config.yaml` its newest checkpoint holds; in a single process (not under torchrun) the run's layout is
-replaced by the single engine, so a checkpoint written by many ranks is read by one (DCP reshards it).
+`pretrainer evaluate` takes a run's save_dir (a local folder or a URL) or an HF folder. A save_dir's model is
+rebuilt from the `config.yaml` its newest checkpoint holds; in a single process (not under torchrun) the run's
+layout is replaced by the single engine, so a checkpoint written by many ranks is read by one (DCP reshards it).
+A checkpoint in object storage is downloaded first; an export to a URL is written locally, then uploaded.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, PreTrainingArguments, check_writable_folder, read_downstream_tasks
+from ..config import ConfigError, PreTrainingArguments, check_writable_folder, read_downstream_tasks, staging_folder
 from ..parallel.registry import single_process_layout
 from ..run import launch_world
 from ..run.assembly import assemble_run
+from ..storage import RemoteFolder, StorageError, is_url, join_url
 from . import checkpoint as ckpt
 from .downstream import ScoredTask, format_scores, score_tasks
 from .export import export_hf
+from .remote_checkpoints import fetch_checkpoint, locate_remote, step_folder
 
 logger = logging.getLogger("pretrainer")
 
@@ -40,14 +43,18 @@ class LoadedModel:
         self.engine.close()
 
 
-def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedModel:
+def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> LoadedModel:
     """The model `args` configures on this launch's engine, with a checkpoint's weights when one is given
-    (else those of `model_path`)."""
+    (else those of `model_path`). A checkpoint URL is downloaded first (the staging folder's `.resume/`)."""
+    world = launch_world(args)
+    if checkpoint is not None and is_url(checkpoint):
+        checkpoint = fetch_checkpoint(world, str(checkpoint), staging_folder(str(checkpoint), args.staging_dir)
+                                      / ckpt.RESUME_DOWNLOADS, args.storage_retries)
     if checkpoint is not None and ckpt.checkpoint_format(ckpt.read_trainer_state(checkpoint)) != ckpt.DCP:
         raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
                           "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
                           "zero_to_fp32.py on it")
-    assembled = assemble_run(args, launch_world(args), data=None)
+    assembled = assemble_run(args, world, data=None)
     loaded = LoadedModel(assembled.engine, assembled.resolved, assembled.model)
     if checkpoint is not None:
         try:
@@ -58,30 +65,51 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | None) -> LoadedMod
     return loaded
 
 
-def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path:
-    """Load a checkpoint's weights into the configured model and write it as an HF folder."""
-    given_as = "--checkpoint" if checkpoint else "key 'save_dir'"
-    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir, given_as) if (checkpoint or args.save_dir) else None
-    if path is None:
-        raise ConfigError("no checkpoint to export: pass --checkpoint or set save_dir to a run with checkpoints")
-    out = Path(output) if output else (Path(args.save_dir) / "hf" if args.save_dir else None)
-    if out is None:
+def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output: str | None) -> Path | str:
+    """Load a checkpoint's weights into the configured model and write it as an HF folder. Checkpoint, save_dir
+    and output may be URLs: the folder is written locally (the staging folder's `hf/`), then uploaded."""
+    path = export_source(args, checkpoint)
+    target = output or (join_url(args.save_dir, "hf") if args.remote_save_dir else
+                        str(Path(args.save_dir) / "hf") if args.save_dir else None)
+    if target is None:
         raise ConfigError("no output folder: pass --output or set save_dir")
+    out = staging_folder(target, args.staging_dir) if is_url(target) else Path(target)
     check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
     loaded = load_model(args, path)
     try:
         export_hf(loaded.engine, loaded.model, loaded.run.tokenizer, out, args.export_dtype or loaded.run.dtype,
                   args.export_max_shard_size)
+        if is_url(target) and loaded.engine.is_main:
+            folder = RemoteFolder(target, args.storage_retries)
+            folder.remove("")  # a previous export's extra shards must not stay beside these
+            folder.put_tree(out, "")
+            logger.info("uploaded the HF folder to %s", target)
     finally:  # the engine (and its process group) ends on every path
         loaded.close()
-    return out
+    return target if is_url(target) else out
 
 
-def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTrainingArguments, Path | None]:
-    """The run to evaluate and the checkpoint holding its weights (None: an HF folder's own weights)."""
-    target = Path(target)
+def export_source(args: PreTrainingArguments, checkpoint: str | None) -> Path | str:
+    """The checkpoint `pretrainer export` reads: --checkpoint, else save_dir's newest (a URL stays a URL)."""
+    if checkpoint is not None and is_url(checkpoint):
+        return checkpoint
+    if checkpoint is None and args.remote_save_dir:
+        return args.remote_save_dir
+    given_as = "--checkpoint" if checkpoint else "key 'save_dir'"
+    path = ckpt.resolve_resume(checkpoint or "auto", args.save_dir, given_as) if (checkpoint or args.save_dir) else None
+    if path is None:
+        raise ConfigError("no checkpoint to export: pass --checkpoint or set save_dir to a run with checkpoints")
+    return path
+
+
+def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTrainingArguments, Path | str | None]:
+    """The run to evaluate and the checkpoint holding its weights (None: an HF folder's own weights). A run in
+    object storage: its newest complete checkpoint's URL (downloaded when the model is loaded)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = [] if world_size > 1 else list(SINGLE_PROCESS_LAYOUT)
+    if is_url(target):
+        return remote_evaluation_args(str(target), [*layout, *overrides])
+    target = Path(target)
     if ckpt.checkpoints_root(target).is_dir():
         checkpoint = ckpt.find_latest(target)
         if checkpoint is None:
@@ -96,6 +124,23 @@ def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTraini
         return PreTrainingArguments.from_dict(base, [*layout, *overrides], source="evaluate"), None
     raise ConfigError(f"{target}: neither a run's save_dir (with checkpoints/) nor an HF model folder (with "
                       "config.json)")
+
+
+def remote_evaluation_args(url: str, overrides: list[str]) -> tuple[PreTrainingArguments, str]:
+    """A run's save_dir (or one checkpoint) by URL: its config.yaml read from the bucket, the checkpoint's URL."""
+    try:
+        remote, step = locate_remote(url, retries=4)
+        if step is None:
+            raise ConfigError(f"{url}: no complete checkpoint under {remote.url}/checkpoints")
+        text = remote.folder.read_text(f"{step_folder(step)}/config.yaml")
+    except StorageError as exc:
+        raise ConfigError(str(exc)) from None
+    if text is None:
+        raise ConfigError(f"{remote.url}/{step_folder(step)} has no config.yaml to rebuild its model from")
+    local = staging_folder(remote.url, None) / ckpt.RESUME_DOWNLOADS / f"config-step-{step}.yaml"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_text(text, encoding="utf-8")
+    return PreTrainingArguments.from_yaml(local, overrides), remote.folder.url_of(step_folder(step))
 
 
 def evaluate(target: str | Path, task_paths: list[str], overrides: list[str], limit: int | None = None,

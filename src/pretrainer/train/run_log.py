@@ -16,9 +16,9 @@ logger = logging.getLogger("pretrainer")
 class RunLog:
     def __init__(self, args, engine, flops, recompute: str, history: list[dict]):
         self.is_main = engine.is_main
-        trackers = open_trackers(args.report_to, args.save_dir, args.project_name, args.to_dict()) \
+        trackers = open_trackers(args.report_to, args.run_dir, args.project_name, args.to_dict()) \
             if engine.is_main else []
-        self.metrics = MetricsLog(args.save_dir, enabled=engine.is_main, trackers=trackers)
+        self.metrics = MetricsLog(args.run_dir, enabled=engine.is_main, trackers=trackers)
         self.meter = IntervalMeter(engine, flops, device_peak(engine.device, engine.precision.compute_dtype,
                                                               args.peak_tflops), recompute)
         self.history = history

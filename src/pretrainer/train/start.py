@@ -103,6 +103,7 @@ def check_inputs(args, accelerator, model, optimizer, lr_scheduler) -> None:
     if lr_scheduler is not None and optimizer is None:
         raise ConfigError("an lr_scheduler was passed without its optimizer; pass optimizer= as well")
     requested_trackers(args.report_to)  # an unknown name fails here
-    for key in ("save_dir", "data_cache_path"):
-        if getattr(args, key):
-            check_writable_folder(getattr(args, key), f"key {key!r}")
+    if args.save_dir:  # for a URL, the local staging folder its files are written in first
+        check_writable_folder(args.run_dir, "key 'staging_dir'" if args.remote_save_dir else "key 'save_dir'")
+    if args.data_cache_path:
+        check_writable_folder(args.data_cache_path, "key 'data_cache_path'")

@@ -36,6 +36,7 @@ from .hooks import Hooks
 from .loop_state import loop_state, resume_run
 from .metrics import setup_logging
 from .report import write_report_logged
+from .run_files import RunFiles
 from .run_log import RunLog
 from .run_state import seed_everything
 from .signals import StopRequests, TrainingInterrupted
@@ -75,10 +76,10 @@ class PreTrainer:
         """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
         world = self.world
         prepare_process(args, world)
-        self.resume_from = ckpt.elect_resume(world, args.resume, args.save_dir)
+        self.resume_from = ckpt.elect_resume(world, args)
         self.starting_branch = self.branch is not None and self.resume_from is None
         if self.starting_branch:
-            self.resume_from = Path(self.branch.checkpoint)
+            self.resume_from = ckpt.branch_checkpoint(world, args, self.branch.checkpoint)
         seed_everything(args.seed)
         self.hooks = Hooks(args.plugin_args)
         if model is None and self.hooks.model_provider is not None:
@@ -112,7 +113,10 @@ class PreTrainer:
                                    self.eval_sources)
         self.downstream = DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
                                               args.eval_interval)
-        self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state) if args.save_dir else None
+        self.files = RunFiles(args, engine.is_main)  # a save_dir URL's metrics, report and export, uploaded
+        self.files.pull_metrics()
+        self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics) \
+            if args.save_dir else None
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -172,6 +176,7 @@ class PreTrainer:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
                         self.completed_steps, self.total_steps)
             self._export_to_save_dir()
+            self.files.push_outputs(self.engine)
             log.close()
             return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
         print_banner(self, log.meter)
@@ -321,11 +326,12 @@ class PreTrainer:
             self._save_checkpoint()
         self._export_to_save_dir()
         if args.save_dir and args.write_report and self.engine.is_main:
-            write_report_logged(args.save_dir)
+            write_report_logged(args.run_dir)
+        self.files.push_outputs(self.engine)
 
     def _export_to_save_dir(self) -> None:
         if self.pretrain_args.save_dir and self.pretrain_args.export_hf:
-            self.export(Path(self.pretrain_args.save_dir) / "hf")
+            self.export(self.pretrain_args.run_dir / "hf")
 
     def export(self, out_dir: str | Path) -> Path | None:
         """Write an HF folder (weights streamed from the engine's shards, tokenizer included); the main rank's

@@ -1,0 +1,55 @@
+"""Objects copied to local disk on first use, once per machine, and again only when the object changes.
+
+For what is read at random offsets (a prepared `.bin`, whose samples are spread over the whole file) or read
+whole many times (a task file): one GET per sample would cost a round trip each, so the object is copied into
+a local cache and memory-mapped from there. The copy's folder is named by the object's identity (URL, size,
+ETag or modification time), so a replaced object is fetched again into a new folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from .retry import retried
+from .urls import filesystem
+
+logger = logging.getLogger("pretrainer")
+
+
+def object_identity(url: str, attempts: int = 4) -> list:
+    """[URL, size, version] of one object (a missing one raises StorageError naming the URL)."""
+    fs, path = filesystem(url)
+    info = retried(lambda: fs.info(path), f"reading {url}", attempts)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return [url, int(info["size"]), str(version).strip('"')]
+
+
+def identity_key(identities: list[list]) -> str:
+    return hashlib.sha256(json.dumps(identities, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def download_once(url: str, target: Path, size: int, attempts: int = 4) -> Path:
+    """`url` at `target`, unless a copy of `size` bytes is there already. Processes of one machine that ask at
+    once take turns on a lock beside it: the first downloads (into a temporary name, renamed when whole), the
+    others find the copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _whole(target, size):
+        return target
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _whole(target, size):
+            fs, path = filesystem(url)
+            partial = target.with_name(f"{target.name}.part-{os.getpid()}")
+            logger.info("copying %s (%.1f MB) into the local cache %s", url, size / 2**20, target.parent)
+            retried(lambda: fs.get_file(path, str(partial)), f"downloading {url}", attempts)
+            os.replace(partial, target)
+    return target
+
+
+def _whole(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size

@@ -1,0 +1,112 @@
+"""A folder in object storage, addressed by paths relative to its URL, every operation retried (retry.py).
+
+Object stores have no folders, only keys with a common prefix: a "folder" here is such a prefix, and a
+listing is read fresh each time (another node may have written since), never from the client's cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .retry import retried
+from .urls import filesystem, join_url
+
+UPLOAD_WORKERS = 8  # objects in flight at once: enough to fill a node's link with checkpoint shards
+
+
+class RemoteFolder:
+    def __init__(self, url: str, attempts: int = 4, delay: float = 1.0):
+        self.url = url.rstrip("/")
+        self.fs, root = filesystem(self.url)
+        self.root = root.rstrip("/")
+        self.attempts, self.delay = attempts, delay
+
+    def url_of(self, rel: str = "") -> str:
+        return join_url(self.url, rel)
+
+    def _path(self, rel: str) -> str:
+        return "/".join([self.root, rel.strip("/")]) if rel.strip("/") else self.root
+
+    def _retried(self, action, what: str, cancel: threading.Event | None = None):
+        return retried(action, what, self.attempts, self.delay, cancel)
+
+    # ------------------------------------------------------------ objects
+    def put_file(self, local: Path, rel: str, cancel: threading.Event | None = None) -> None:
+        self._retried(lambda: self.fs.put_file(str(local), self._path(rel)), f"uploading {self.url_of(rel)}",
+                      cancel)
+
+    def put_text(self, rel: str, text: str) -> None:
+        self._retried(lambda: self.fs.pipe_file(self._path(rel), text.encode("utf-8")),
+                      f"writing {self.url_of(rel)}")
+
+    def get_file(self, rel: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._retried(lambda: self.fs.get_file(self._path(rel), str(local)), f"downloading {self.url_of(rel)}")
+
+    def read_text(self, rel: str) -> str | None:
+        """The object's text, or None where there is none."""
+        def read():
+            try:
+                return self.fs.cat_file(self._path(rel)).decode("utf-8")
+            except FileNotFoundError:
+                return None
+        return self._retried(read, f"reading {self.url_of(rel)}")
+
+    # ------------------------------------------------------------ listings
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """Every object under `rel`: its path relative to `rel`, and its size in bytes."""
+        base = self._path(rel)
+
+        def listing():
+            self.fs.invalidate_cache()
+            return self.fs.find(base, detail=True) if self.fs.exists(base) else {}
+        found = self._retried(listing, f"listing {self.url_of(rel)}")
+        return {name[len(base):].lstrip("/"): int(info["size"]) for name, info in found.items()
+                if info.get("type") != "directory"}
+
+    def folders(self, rel: str = "") -> list[str]:
+        """The names of the folders directly under `rel`."""
+        base = self._path(rel)
+
+        def listing():
+            self.fs.invalidate_cache()
+            return self.fs.ls(base, detail=True) if self.fs.exists(base) else []
+        entries = self._retried(listing, f"listing {self.url_of(rel)}")
+        return sorted(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries
+                      if entry.get("type") == "directory")
+
+    def remove(self, rel: str) -> None:
+        """Delete everything under `rel` (nothing there is not an error)."""
+        def remove():
+            self.fs.invalidate_cache()
+            if self.fs.exists(self._path(rel)):
+                self.fs.rm(self._path(rel), recursive=True)
+        self._retried(remove, f"deleting {self.url_of(rel)}")
+
+    # ------------------------------------------------------------ trees
+    def put_tree(self, local: Path, rel: str, names: list[str] | None = None) -> None:
+        """Upload the files under `local` (or only `names`, relative to it) to `rel`, several at once; the first
+        upload that gives up stops the others' retries, and its error is raised."""
+        names = names if names is not None else sorted(
+            p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        cancel = threading.Event()
+
+        def upload(name: str) -> None:
+            try:
+                self.put_file(local / name, f"{rel}/{name}", cancel)
+            except BaseException:
+                cancel.set()
+                raise
+        with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
+            for future in [pool.submit(upload, name) for name in names]:
+                future.result()
+
+    def get_tree(self, rel: str, local: Path) -> list[str]:
+        """Download every object under `rel` into `local`; returns their relative names."""
+        names = sorted(self.sizes(rel))
+        with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
+            for future in [pool.submit(self.get_file, f"{rel}/{name}", local / name) for name in names]:
+                future.result()
+        return names
