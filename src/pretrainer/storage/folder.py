@@ -87,21 +87,25 @@ class RemoteFolder:
 
     # ------------------------------------------------------------ trees
     def put_tree(self, local: Path, rel: str, names: list[str] | None = None) -> None:
-        """Upload the files under `local` (or only `names`, relative to it) to `rel`, several at once; the first
-        upload that gives up stops the others' retries, and its error is raised."""
+        """Upload the files under `local` (or only `names`, relative to it) to `rel`, several at once. The first
+        upload that gives up stops the others' retries, and its error is the one raised (the others then fail
+        for the cancellation, not for the cause)."""
         names = names if names is not None else sorted(
             p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        cancel = threading.Event()
+        cancel, lock, failures = threading.Event(), threading.Lock(), []
 
         def upload(name: str) -> None:
             try:
                 self.put_file(local / name, f"{rel}/{name}", cancel)
-            except BaseException:
+            except Exception as exc:
+                with lock:
+                    failures.append(exc)
                 cancel.set()
-                raise
         with ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
             for future in [pool.submit(upload, name) for name in names]:
                 future.result()
+        if failures:
+            raise failures[0]
 
     def get_tree(self, rel: str, local: Path) -> list[str]:
         """Download every object under `rel` into `local`; returns their relative names."""

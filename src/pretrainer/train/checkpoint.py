@@ -69,6 +69,9 @@ class Checkpointer:
                  checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None):
         self.root = checkpoints_root(save_dir)
         self.uploads = uploads  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
+        if uploads is not None and engine.world.local_rank == 0:
+            # the bucket holds the run's checkpoints: what an earlier process left staged was never committed
+            shutil.rmtree(self.root, ignore_errors=True)
         self.engine, self.state = engine, state
         self.config_yaml, self.config_hash = config_yaml, config_hash
         self.interval = interval
@@ -187,6 +190,7 @@ class Checkpointer:
                 self._apply_retention(final)
         engine.barrier()
         if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
+            shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         if self.uploads is not None:

@@ -220,7 +220,8 @@ def locate_remote(url: str, retries: int) -> tuple[RemoteCheckpoints, int | None
 
 def fetch_checkpoint(world, url: str, local_root: Path, retries: int) -> Path | None:
     """The checkpoint `url` names, chosen by the main rank and downloaded by the first process of every node into
-    `local_root/step-<N>` (collective); None when a save_dir URL holds none yet."""
+    `local_root/step-<N>` (replacing what an earlier download left there; collective); None when a save_dir URL
+    holds none yet."""
     choice = None
     if world.is_main:
         try:
@@ -236,6 +237,7 @@ def fetch_checkpoint(world, url: str, local_root: Path, retries: int) -> Path | 
     local = local_root / f"step-{step}"
     problem = None
     if world.local_rank == 0:
+        shutil.rmtree(local_root, ignore_errors=True)  # one downloaded checkpoint at a time
         try:
             RemoteCheckpoints(RemoteFolder(found, retries)).download(step, local)
             logger.info("resuming from %s (downloaded to %s)", f"{found}/{step_folder(step)}", local)
