@@ -121,10 +121,10 @@ def test_an_outage_during_an_upload_with_fatal_stops_in_one_line_and_resume_skip
     assert read_metrics(tmp_path / "elsewhere")[-1]["step"] == 6
 
 
-def test_export_and_evaluate_read_a_run_from_its_url(s3_server, base_config, tmp_path):
+def test_export_evaluate_and_report_read_a_run_from_its_url(s3_server, base_config, tmp_path, capsys):
     """`pretrainer evaluate s3://...` scores the bucket's newest checkpoint as the loop did; `pretrainer export`
-    writes an HF folder from it to another URL, the same tensors as the run's own export. keep_last_checkpoints
-    deletes older checkpoints in the bucket."""
+    writes an HF folder from it to another URL, the same tensors as the run's own export; `pretrainer report URL`
+    uploads the report. keep_last_checkpoints deletes older checkpoints in the bucket."""
     from safetensors.torch import load_file
 
     from helpers import TASK_RECORDS, write_task
@@ -148,6 +148,10 @@ def test_export_and_evaluate_read_a_run_from_its_url(s3_server, base_config, tmp
     run, exported = (load_file(tmp_path / f"{name}.safetensors") for name in ("run", "exported"))
     assert run.keys() == exported.keys() and all(run[k].equal(exported[k]) for k in run)
     assert "exported/tokenizer.json" in {n.split("bucket/", 1)[1] for n in s3_server.fs.find("bucket/exported")}
+    from launch import cli_in_process
+
+    code, _ = cli_in_process(capsys, "report", URL.format("offline"))  # drawn from the bucket's metrics
+    assert code == 0 and "report/report.html" in objects(s3_server, "offline")
 
 
 def test_a_cooldown_branch_from_a_checkpoint_in_the_bucket_writes_under_its_parent_url(

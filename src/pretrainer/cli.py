@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
 from .config.loading import int_at_least
 from .data.readers import DataError
+from .storage import StorageError
 from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
 from .train.launcher import add_launcher_flags, record_worker_status
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
@@ -104,7 +105,7 @@ def launch_command(ns, argv: list[str]) -> int:
 def exit_code(exc: BaseException) -> int | None:
     """The documented exit code of an error that ends a run (None: a bug, shown with its traceback)."""
     codes = {ConfigError: EXIT_USAGE, DataError: EXIT_USAGE, TrainingDiverged: EXIT_DIVERGED,
-             CheckpointError: EXIT_CHECKPOINT, CollectiveFailure: EXIT_COLLECTIVE}
+             CheckpointError: EXIT_CHECKPOINT, StorageError: EXIT_CHECKPOINT, CollectiveFailure: EXIT_COLLECTIVE}
     return next((code for kind, code in codes.items() if isinstance(exc, kind)), None)
 
 
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launcher_flags(evaluate, int_at_least)
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
-    report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl)")
+    report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl), a folder or a URL (the report is "
+                        "then uploaded to URL/report)")
     report.add_argument("--branch", action="append", metavar="DIR",
                         help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
                              "under SAVE_DIR/branches)")
@@ -273,14 +275,18 @@ def plan_command(ns) -> int:
 
 
 def report_command(ns) -> int:
+    from .storage import is_url
     from .train.report import ReportError, write_report
+    from .train.run_files import write_remote_report
 
-    if (Path(ns.save_dir) / "metrics.jsonl").is_file():
+    if not is_url(ns.save_dir) and (Path(ns.save_dir) / "metrics.jsonl").is_file():
         check_writable_folder(Path(ns.save_dir) / "report", "SAVE_DIR")
     try:
-        print(f"report: {write_report(ns.save_dir, ns.branch)}")
-    except ReportError as exc:
+        page = write_remote_report(ns.save_dir, ns.branch) if is_url(ns.save_dir) else \
+            write_report(ns.save_dir, ns.branch)
+    except (ReportError, StorageError) as exc:
         raise DataError(str(exc)) from None
+    print(f"report: {page}")
     return 0
 
 

@@ -61,3 +61,20 @@ class RunFiles:
         if self.failure == "fatal":
             raise CheckpointError(f"the run's files were not all uploaded to {self.url}: {problem}")
         logger.warning("the run's files were not all uploaded: %s (checkpoint_failure is warn)", problem)
+
+
+def write_remote_report(url: str, branches: list[str] | None, attempts: int = 4) -> str:
+    """`pretrainer report URL`: the run's metrics.jsonl taken from the bucket into its staging folder, the report
+    written there and uploaded to URL/report (replacing the one there); returns the report's URL."""
+    from ..config import staging_folder
+    from .report import ReportError, write_report
+
+    local = staging_folder(url, None)
+    remote = RemoteFolder(url, attempts)
+    if METRICS not in remote.sizes():
+        raise ReportError(f"{remote.url_of(METRICS)} does not exist: give the save_dir of a run")
+    remote.get_file(METRICS, local / METRICS)
+    page = write_report(local, branches)
+    remote.remove("report")
+    remote.put_tree(page.parent, "report")
+    return remote.url_of(f"report/{page.name}")
