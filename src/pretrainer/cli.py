@@ -166,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launcher_flags(evaluate, int_at_least)
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
-    report.add_argument("save_dir", help="the run's save_dir (with metrics.jsonl), a folder or a URL (the report is "
-                        "then uploaded to URL/report)")
+    report.add_argument("save_dir", help="the run's save_dir with metrics.jsonl: a folder, or a URL (then uploaded)")
     report.add_argument("--branch", action="append", metavar="DIR",
                         help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
                              "under SAVE_DIR/branches)")

@@ -146,9 +146,10 @@ class Checkpointer:
             return
         free = shutil.disk_usage(self.root).free
         if free < needed * 1.05:
+            remedy = "or point staging_dir at a larger disk" if self.uploads else "or set keep_last_checkpoints"
             raise CheckpointError(f"not enough disk space for a checkpoint in {self.root}: about {needed / 2**30:.2f} "
-                                  f"GiB needed (the size of {name}), {free / 2**30:.2f} GiB free. Free "
-                                  "space or set keep_last_checkpoints; the previous checkpoint is intact")
+                                  f"GiB needed (the size of {name}), {free / 2**30:.2f} GiB free. Free space "
+                                  f"{remedy}; the previous checkpoint is intact")
 
     def wait(self) -> None:
         """Finish an asynchronous save or upload, if one is under way."""

@@ -7,8 +7,8 @@ node's files with their sizes and CRC-32) and `trainer_state.json` last, as the 
 stores cannot rename a folder, so the commit is the last object: a folder without it is never resumed from, and
 one whose objects do not match its manifest is skipped. With `async_checkpoint` the upload runs in the
 background while training goes on and is committed at the next save or at the end of the run (a collective
-point); without it, at once. After the commit the staged copy is deleted, so the staging folder holds at most
-the checkpoint being uploaded and the one being written.
+point); without it, at once. After the commit the staged copy is deleted, and a save first waits for the
+previous upload, so the staging folder holds one checkpoint at a time.
 
 A failed upload (after `storage_retries` tries of each object) ends the run with one line naming the URL
 (`checkpoint_failure: fatal`), or is logged and the run goes on (`warn`): the next save tries again, and the
