@@ -41,7 +41,9 @@ def one(variant: str, steps: int, every: int, work: Path) -> float:
 
     args = PreTrainingArguments.from_yaml(REPO / "examples" / "quickstart.yaml")
     settings = {**QUIET, "num_training_steps": steps, "save_interval": every, "save_dir": str(work / "run"),
-                "staging_dir": str(work / "staging"), "resume": "none", **VARIANTS[variant]}
+                "resume": "none", **VARIANTS[variant]}
+    if settings["save_dir"].startswith("s3://"):
+        settings["staging_dir"] = str(work / "staging")
     args = PreTrainingArguments.from_dict({**args.to_dict(), **settings})
     with PreTrainer(args) as trainer:
         start = time.perf_counter()

@@ -334,3 +334,14 @@ def test_an_object_storage_url_is_refused_naming_the_key(keys, named):
                                           r"for a run's data, tasks and folders \(save_dir, resume, cooldown_from\), "
                                           r"not here: give a local path, or mount"):
         PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})
+
+
+@pytest.mark.parametrize("keys, named", [
+    ({"save_dir": "runs/x", "staging_dir": "/tmp/staging"}, "staging_dir"),
+    ({"save_dir": "runs/x", "checkpoint_failure": "warn"}, "checkpoint_failure"),
+])
+def test_the_upload_keys_are_refused_beside_a_local_save_dir(keys, named):
+    with pytest.raises(ConfigError, match=rf"key '{named}': .*save_dir runs/x is local"):
+        PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})
+    PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys,
+                            "save_dir": "s3://bucket/x"})  # a URL takes them

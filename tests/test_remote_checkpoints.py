@@ -162,7 +162,8 @@ def test_a_cooldown_branch_from_a_checkpoint_in_the_bucket_writes_under_its_pare
     def wsd(save_dir: str, steps: int) -> dict:
         return {**base_config, "num_training_steps": steps, "lr_decay_style": "wsd", "wsd_decay_shape": "1-sqrt",
                 "wsd_decay_tokens": 512, "min_lr": 1e-4, "save_interval": 2, "eval_interval": 0,
-                "export_hf": False, "save_dir": save_dir, "staging_dir": str(tmp_path / "staging" / str(steps))}
+                "export_hf": False, "save_dir": save_dir,
+                **({"staging_dir": str(tmp_path / "staging")} if save_dir.startswith("s3://") else {})}
     PreTrainer(PreTrainingArguments(**wsd(URL.format("parent"), 12))).train()
     PreTrainer(PreTrainingArguments(**wsd(str(tmp_path / "reference"), 8))).train()
     branch = {**wsd(URL.format("parent"), 12), "cooldown_from": URL.format("parent/checkpoints/step-4"),

@@ -402,6 +402,7 @@ class PreTrainingArguments:
         self._check_ranges()
         self._check_path_lists()
         self._check_local_paths()
+        self._check_storage_keys()
         mixture = self.mixture  # read once here, so a mistake fails at load
         own_eval = [source.name for source in (mixture.sources if mixture else ()) if source.eval_paths]
         if own_eval and (self.eval_data is not None or self.megatron_dataset_flag):
@@ -426,6 +427,18 @@ class PreTrainingArguments:
                                     "a run's data, tasks and folders (save_dir, resume, cooldown_from), not here: "
                                     "give a local path, or mount the bucket (s3fs-fuse, gcsfuse, blobfuse2) and "
                                     "give the mount's path")
+
+    def _check_storage_keys(self) -> None:
+        """The keys of a save_dir URL's uploads are refused beside a local save_dir, where they would do nothing."""
+        if self.remote_save_dir:
+            return
+        where = f"save_dir {self.save_dir} is local" if self.save_dir else "there is no save_dir"
+        if self.staging_dir is not None:
+            raise key_error("staging_dir", f"staging_dir is where a save_dir URL's files are written before they are "
+                            f"uploaded, but {where}: remove staging_dir")
+        if self.checkpoint_failure != "fatal":
+            raise key_error("checkpoint_failure", f"checkpoint_failure applies to uploads to a save_dir URL, but "
+                            f"{where} (a failed local save always stops the run): remove checkpoint_failure")
 
     def _check_path_lists(self) -> None:
         """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;
