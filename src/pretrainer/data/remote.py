@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 
-from ..storage import URL, StorageError, download_once, identity_key, is_url, object_identity
+from ..storage import URL, StorageError, download_once, identity_key, is_url, object_identity, object_version
 from ..storage import filesystem as storage_filesystem
 from .cache_roots import remote_cache_root
 from .errors import DataError
@@ -40,8 +40,7 @@ class RemoteFile:
 
     @staticmethod
     def of(protocol: str, info: dict) -> "RemoteFile":
-        version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
-        return RemoteFile(f"{protocol}://{info['name']}", info["size"], str(version).strip('"'))
+        return RemoteFile(f"{protocol}://{info['name']}", info["size"], object_version(info))
 
     @property
     def name(self) -> str:

@@ -25,8 +25,13 @@ def object_identity(url: str, attempts: int = 4) -> list:
     """[URL, size, version] of one object (a missing one raises StorageError naming the URL)."""
     fs, path = filesystem(url)
     info = retried(lambda: fs.info(path), f"reading {url}", attempts)
+    return [url, int(info["size"]), object_version(info)]
+
+
+def object_version(info: dict) -> str:
+    """What changes when an object is replaced: its ETag, else its modification time (from fsspec's `info`)."""
     version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
-    return [url, int(info["size"]), str(version).strip('"')]
+    return str(version).strip('"')
 
 
 def identity_key(identities: list[list]) -> str:

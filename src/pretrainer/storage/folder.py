@@ -54,6 +54,13 @@ class RemoteFolder:
                 return None
         return self._retried(read, f"reading {self.url_of(rel)}")
 
+    def exists(self, rel: str) -> bool:
+        """Whether the object `rel` is there (one request; no listing of the folder)."""
+        def exists():
+            self.fs.invalidate_cache()
+            return self.fs.isfile(self._path(rel))
+        return self._retried(exists, f"reading {self.url_of(rel)}")
+
     # ------------------------------------------------------------ listings
     def sizes(self, rel: str = "") -> dict[str, int]:
         """Every object under `rel`: its path relative to `rel`, and its size in bytes."""

@@ -193,8 +193,8 @@ class Checkpointer:
         if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-        if self.uploads is not None:
+        if self.uploads is not None:  # the staged copy goes once uploaded: its size is the next free-space estimate
+            self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             self.uploads.start(state["step"], final, state)
 
     def _apply_retention(self, newest: Path) -> None:

@@ -106,9 +106,11 @@ class RemoteCheckpoints:
         return local
 
     def apply_retention(self, newest: int, keep_last: int | None, keep_every: int | None) -> None:
+        if not keep_last:
+            return
         steps = self.steps()
-        complete = {step for step in steps if STATE_FILE in self.folder.sizes(step_folder(step))} if keep_last \
-            else set()
+        committed = [name.split("/")[0] for name in self.folder.sizes(CHECKPOINTS) if name.endswith(f"/{STATE_FILE}")]
+        complete = {int(m.group(1)) for name in committed if (m := STEP_DIR.match(name))}  # one listing for all
         for step in retention_victims(steps, complete, newest, keep_last, keep_every):
             self.folder.remove(step_folder(step))
             logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", self.folder.url_of(step_folder(step)),

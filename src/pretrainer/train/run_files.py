@@ -34,7 +34,7 @@ class RunFiles:
             return
         local = self.local / METRICS
         local.unlink(missing_ok=True)
-        if METRICS in self.remote.sizes():
+        if self.remote.exists(METRICS):
             self.remote.get_file(METRICS, local)
 
     def push_metrics(self) -> None:
@@ -71,7 +71,7 @@ def write_remote_report(url: str, branches: list[str] | None, attempts: int = 4)
 
     local = staging_folder(url, None)
     remote = RemoteFolder(url, attempts)
-    if METRICS not in remote.sizes():
+    if not remote.exists(METRICS):
         raise ReportError(f"{remote.url_of(METRICS)} does not exist: give the save_dir of a run")
     remote.get_file(METRICS, local / METRICS)
     page = write_report(local, branches)
