@@ -145,6 +145,47 @@ def take_row_losses() -> torch.Tensor | None:
     return rows
 
 
+def forwarded_batch() -> dict | None:
+    """The batch being forwarded (None outside `forward_logits`)."""
+    return _forwarded_batch.get()
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which document of its row each token is in, from positions that restart at 0 with every document (packed
+    windows with reset_position_ids); positions that never restart make each row one document."""
+    starts = position_ids == 0
+    starts[..., 0] = True
+    return starts.long().cumsum(dim=-1)
+
+
+def depth_targets(batch: dict, depth: int) -> torch.Tensor:
+    """The targets of multi-token prediction depth `depth` (k): position i predicts the token k + 1 ahead, which
+    is the main target of position i + k, kept only where position i + k is in the window and in the document of
+    position i (no depth predicts across a document boundary: a depth's view of the next document starts with its
+    own first token, as the main head's). Depth 0 is the main targets."""
+    targets = batch_targets(batch)
+    if depth == 0:
+        return targets
+    shifted = F.pad(targets[:, depth:], (0, depth), value=IGNORE)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        documents = document_ids(positions.expand_as(targets).clone())
+        same = F.pad(documents[:, depth:], (0, depth), value=-1) == documents
+        shifted = shifted.masked_fill(~same, IGNORE)
+    return shifted
+
+
+def depth_inputs(input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """The tokens `depth` ahead of each position (0 past the window's end, where no target is kept)."""
+    return F.pad(input_ids[:, depth:], (0, depth), value=0)
+
+
+def targets_of_depth(targets: torch.Tensor):
+    """Hand a multi-token prediction depth's `targets` to an output head that computes the loss itself (the rows'
+    sources stay out: the per-source losses are the main head's)."""
+    return _holding(_forwarded_batch, {"shift_labels": targets})
+
+
 def per_token_losses():
     """Ask an output head that computes the loss itself for each token's loss rather than the sums."""
     return _holding(_token_losses_wanted, True)

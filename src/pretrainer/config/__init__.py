@@ -10,6 +10,7 @@ from .downstream import TASK_FORMATS, DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
+from .mtp import MtpSettings, mtp_settings
 from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shape
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
 from .optimization import MUON_ADJUST_LR, OPTIMIZERS, BranchPoint, MuonSettings, OptimizerSettings, ScheduleSettings
@@ -19,7 +20,7 @@ from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_l
 __all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "CHECKPOINT_STATE_FILE", "DEFAULT_DATA_SPLIT", "DTYPES",
            "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD", "MOE_KEYS", "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR",
            "OPTIMIZERS", "TASK_FORMATS", "BatchSizes", "BranchPoint", "ConfigError", "DownstreamTask", "ExpertShape",
-           "MoeSettings", "MuonSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments",
+           "MoeSettings", "MtpSettings", "MuonSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments",
            "ScheduleSettings", "check_writable_folder", "dtype_name", "expert_shape", "extra_state_file",
-           "global_batch_size", "key_error", "megatron_args", "model_positions", "parse_size",
+           "global_batch_size", "key_error", "megatron_args", "model_positions", "mtp_settings", "parse_size",
            "read_downstream_tasks", "resolve_seq_length", "staging_folder", "torch_dtype"]

@@ -37,6 +37,7 @@ from .loading import (
 )
 from .mixture import Mixture, is_mixture, read_mixture
 from .moe import check_moe_keys
+from .mtp import check_mtp_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .paths import staging_folder
@@ -121,6 +122,8 @@ class PreTrainingArguments:
     rope_theta: float | None = None
     loss_chunk_size: int | str = "auto"
     z_loss_coeff: float = 0.0            # output z-loss: coeff x mean(logsumexp(logits)^2) over trained tokens
+    mtp_num_layers: int = 0              # multi-token prediction depths (DeepSeek-V3's MTP; config/mtp.py)
+    mtp_loss_coeff: float = 0.1          # the MTP loss's weight: coeff / depths x the sum of the depths' losses
     context_parallel_degree: int = 1
 
     # --- Mixture-of-Experts (config/moe.py; only for a model with experts) ---
@@ -587,6 +590,7 @@ class PreTrainingArguments:
                                  f"['model.layers.*.mlp.*']), got {value!r}")
 
     def _check_loop(self) -> None:
+        check_mtp_keys(self.mtp_num_layers, self.mtp_loss_coeff)
         if self.z_loss_coeff < 0:
             raise key_error("z_loss_coeff", f"z_loss_coeff must be >= 0 (1e-4 is PaLM's and OLMo 2's), got "
                             f"{self.z_loss_coeff}")

@@ -17,7 +17,9 @@ import torch
 
 from ..config import ConfigError
 from .hf_conversions import conversions_of
-from .hf_weights import CheckpointTensors, attach_checkpoint
+from .hf_weights import CheckpointTensors, attach_checkpoint, pending_checkpoint
+from .init import materialize_modules
+from .mtp import CONFIG_KEY, add_mtp_layers, depth_prefixes
 from .rope import apply_rope_settings
 from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth, row_grower
 
@@ -147,6 +149,40 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     return model
+
+
+def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelSpec | None, seed: int) -> None:
+    """`mtp_num_layers` depths appended to the model (models/mtp.py), before an engine lays it out: read from the
+    model folder's files where they hold them (DeepSeek-V3's layout), the rest initialised, saying which. A
+    model still on the meta device has them materialised with it by the engine."""
+    config = model.config
+    held = int(getattr(config, CONFIG_KEY, 0) or 0)
+    folder = Path(spec.source) if spec is not None and spec.has_weights and Path(spec.source).is_dir() else None
+    if depths < held and folder is not None:
+        logger.warning("%s holds multi-token prediction weights for %d depth(s) (%s); mtp_num_layers is %d, so %s "
+                       "neither trained nor exported; set mtp_num_layers: %d to keep them", folder, held, CONFIG_KEY,
+                       depths, "they are" if depths == 0 else "the deeper ones are", held)
+    if not depths:
+        if held:
+            setattr(config, CONFIG_KEY, 0)
+        return
+    layers = add_mtp_layers(model, depths)
+    added = {id(p) for layer in layers for p in layer.parameters()}
+    main_is_real = not any(p.is_meta for p in model.parameters() if id(p) not in added)
+    reader = pending_checkpoint(model)
+    if reader is None and folder is not None and any(folder.glob("*.safetensors")):
+        reader = CheckpointTensors.open(folder, model)
+    prefixes = depth_prefixes(model)
+    read = [k for k, prefix in enumerate(prefixes, 1) if reader is not None and reader.locate(prefix + "eh_proj.weight")]
+    source = f"read from {folder}" if read else ""
+    logger.info("multi-token prediction: %d depth(s)%s%s", depths,
+                f"; depth(s) {', '.join(map(str, read))} {source}" if read else "",
+                f"; depth(s) {', '.join(str(k) for k in range(1, depths + 1) if k not in read)} initialised"
+                if len(read) < depths else "")
+    if main_is_real:
+        if reader is not None:
+            reader.check(model, within=tuple(prefixes))
+        materialize_modules(model, layers, torch.device("cpu"), seed, reader)
 
 
 def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..config import ConfigError
 from ..config.names import parameter_name
 from .hf_conversions import Conversions, Stacking, conversions_of
+from .mtp import depth_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +133,17 @@ class CheckpointTensors:
                     return name
         return None
 
-    def check(self, model: torch.nn.Module) -> None:
-        """Every parameter is in the files with the shape the config gives, before anything is read."""
+    def check(self, model: torch.nn.Module, within: tuple[str, ...] = ("",)) -> None:
+        """Every parameter (whose name starts with one of `within`) is in the files with the shape the config
+        gives, before anything is read; multi-token prediction depths may be missing (they are initialised)."""
         problems = []
+        optional = tuple(depth_prefixes(model))  # MTP depths the files may lack: initialised (models/mtp.py)
         for name, parameter in model.named_parameters():
+            if not parameter_name(name).startswith(within):
+                continue
             found = self.locate(name)
+            if found is None and parameter_name(name).startswith(optional):
+                continue
             if found is None:
                 problems.append(f"tensor '{parameter_name(name)}' is missing from the checkpoint")
             elif found in self._stacked:
@@ -292,6 +299,20 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
         return {}
     source, tied = _embedding_names(model)
     return {tied: source} if source and tied else {}
+
+
+def mtp_shared_copies(model: torch.nn.Module) -> dict[str, str]:
+    """{name in the files: the model's tensor it copies} for the embedding and output head each multi-token
+    prediction depth shares with the main model: DeepSeek-V3's files repeat them in every depth
+    (`model.layers.<L + k - 1>.embed_tokens.weight`, `.shared_head.head.weight`), where inference engines read
+    them. Loading ignores these copies (the depths use the main model's own)."""
+    embedding, head = _embedding_names(model)
+    head = head if head and head not in _tied_aliases(model) else embedding
+    copies = {}
+    for prefix in depth_prefixes(model):
+        copies[prefix + "embed_tokens.weight"] = embedding
+        copies[prefix + "shared_head.head.weight"] = head
+    return copies
 
 
 def tied_output_names(model: torch.nn.Module) -> list[str]:

@@ -51,23 +51,45 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int,
             tensors = _allocate_module(module, device, allocated)
             if not tensors:
                 continue
-        prefix = f"{name}." if name else ""
-        # parameters, and buffers a checkpoint keeps (DeepSeek-V3's e_score_correction_bias)
-        kept = [*module._parameters, *(k for k in module._buffers if k not in module._non_persistent_buffers_set)]
-        stored = {key: checkpoint.locate(prefix + key) for key in kept if key in tensors} if checkpoint else {}
-        stored = {key: found for key, found in stored.items() if found is not None}
-        if len(stored) < len(tensors):
-            _init_module(model, module, name, tensors, seed)
-        for key, found in stored.items():
-            if id(_get(module, key)) not in filled:
-                checkpoint.fill(_get(module, key), found)
-                filled.add(id(_get(module, key)))
+        _fill_or_init(model, module, name, tensors, checkpoint, seed, filled)
         if partition is not None:
             partition([t for key, t in tensors.items() if key in module._parameters])
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if checkpoint is not None:
         checkpoint.finish()
+
+
+@torch.no_grad()
+def materialize_modules(model: torch.nn.Module, modules: list[torch.nn.Module], device: torch.device, seed: int,
+                        checkpoint=None) -> None:
+    """Allocate and fill (from `checkpoint`, a CheckpointTensors, where it holds them) or initialise the meta
+    tensors of `modules` only, in a model whose other tensors are real (layers added to a loaded model): the same
+    values as `materialize` gives them in a model built on the meta device."""
+    wanted = {id(m) for top in modules for m in top.modules()}
+    filled: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) not in wanted:
+            continue
+        tensors = _allocate_module(module, device, {})
+        if tensors:
+            _fill_or_init(model, module, name, tensors, checkpoint, seed, filled)
+
+
+def _fill_or_init(model, module: torch.nn.Module, name: str, tensors: dict, checkpoint, seed: int,
+                  filled: set[int]) -> None:
+    """One module's tensors: read from the checkpoint where it holds them, the rest by the init rule."""
+    prefix = f"{name}." if name else ""
+    # parameters, and buffers a checkpoint keeps (DeepSeek-V3's e_score_correction_bias)
+    kept = [*module._parameters, *(k for k in module._buffers if k not in module._non_persistent_buffers_set)]
+    stored = {key: checkpoint.locate(prefix + key) for key in kept if key in tensors} if checkpoint else {}
+    stored = {key: found for key, found in stored.items() if found is not None}
+    if len(stored) < len(tensors):
+        _init_module(model, module, name, tensors, seed)
+    for key, found in stored.items():
+        if id(_get(module, key)) not in filled:
+            checkpoint.fill(_get(module, key), found)
+            filled.add(id(_get(module, key)))
 
 
 def _allocate_module(module: torch.nn.Module, device: torch.device, allocated: dict) -> dict:

@@ -176,7 +176,7 @@ class MoeRouting:
         if not self._recording:
             return output if kept is not None else None
         if self.trains_balancing_losses and self._attach:
-            output = (output[0], _AddToBackward.apply(output[1], weighted), *output[2:])
+            output = (output[0], AddToBackward.apply(output[1], weighted), *output[2:])
         elif self.trains_balancing_losses:
             self._pending.append(weighted)
         # scatter_add_, not bincount (which reads the largest index on the host): nothing here waits for the device
@@ -235,7 +235,7 @@ class MoeRouting:
         return row
 
 
-class _AddToBackward(torch.autograd.Function):
+class AddToBackward(torch.autograd.Function):
     """The identity on `carrier`; its backward also starts `loss`'s backward, with gradient 1."""
 
     @staticmethod

@@ -194,6 +194,7 @@ class LayoutAnswers:
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
     supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
+    supports_mtp = True                # runs multi-token prediction depths (models/mtp.py)
     baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)

@@ -85,6 +85,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
     """The planner's answers for this engine are in megatron_plan.py."""
 
     name = "megatron"
+    supports_mtp = False  # its stages are built from the HF model's parts; MTP depths are not placed in them yet
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)

@@ -61,19 +61,23 @@ class FlopsCount:
                 "counted)")
 
 
-def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_parameters: int = 0) -> FlopsCount:
+def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_parameters: int = 0,
+                    mtp_depths: int = 0) -> FlopsCount:
     """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its
-    active parameters: `idle_expert_parameters` (the routed experts' a token does not use) are left out."""
+    active parameters: `idle_expert_parameters` (the routed experts' a token does not use) are left out. Each
+    multi-token prediction depth (models/mtp.py; its parameters are the model's) adds one layer's attention and
+    one more pass through the output head."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    matmul = total - embedding.numel() + (embedding.numel() if tied else 0)
+    head = output.weight.numel() if output is not None else embedding.numel()
+    matmul = total - embedding.numel() + (embedding.numel() if tied else 0) + mtp_depths * head
     arch = Architecture.of(config)
     unique = {id(p): p for p in model.parameters()}
     frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
     if tied and not embedding.requires_grad:
         frozen += embedding.numel()  # the head's matmul, through the tied table
-    return FlopsCount(matmul - idle_expert_parameters, arch.layers, arch.heads, arch.head_dim, seq_length, frozen,
-                      idle_expert_parameters)
+    return FlopsCount(matmul - idle_expert_parameters, arch.layers + mtp_depths, arch.heads, arch.head_dim, seq_length,
+                      frozen, idle_expert_parameters)

@@ -218,7 +218,7 @@ def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, not
         gathered_kv = 2 * (layout.seq_length - seq) * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * c
     per_layer = {"none": profile.per_layer + gathered_kv, "selective": profile.selective_layer + gathered_kv,
                  "full": profile.layer_input}[layout.recompute]
-    layers = -(-shape.layers // layout.pp)
+    layers = -(-shape.layers // layout.pp) + (shape.head_layers if part.head else 0)
     in_flight = part.in_flight
     # the layer in backward: its activations (recomputed when checkpointed) and gradients of that size
     working = layout.micro_batch * (profile.per_layer + gathered_kv) * (2 if layout.recompute != "none" else 1)
@@ -230,10 +230,15 @@ def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, not
 
 
 def _logits(layout: Layout, shape: ModelShape) -> int:
+    """The main head's, and each multi-token prediction depth's: whole logits alive until backward, or (chunked)
+    one chunk at a time, beside the gradients each depth's chunked head keeps for backward (its hidden states',
+    and an fp32 one of this rank's head rows)."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
+    rows = -(-shape.vocab // layout.tp)
     if layout.loss_chunk:  # one chunk at a time, of this rank's vocabulary rows under tensor parallelism
-        return LOSS_BYTES_PER_LOGIT * min(tokens, layout.loss_chunk) * -(-shape.vocab // layout.tp)
+        kept = shape.mtp_depths * 4 * (tokens * shape.hidden + rows * shape.hidden)
+        return LOSS_BYTES_PER_LOGIT * min(tokens, layout.loss_chunk) * rows + kept
     per_logit = LOSS_BYTES_PER_LOGIT
     if layout.tp > 1:  # the head's vocabulary shard and the all-gather's buffer
         per_logit += 4 + 4 / layout.tp
-    return int(per_logit * tokens * shape.vocab)
+    return int(per_logit * tokens * shape.vocab * (1 + shape.mtp_depths))

@@ -17,6 +17,7 @@ import torch
 from ..config import expert_shape
 from ..config.architecture import Architecture
 from ..models import find_experts, idle_expert_parameters
+from ..models.mtp import add_mtp_layers
 from ..parallel.activation_checkpoint import decoder_layers
 from ..perf import FlopsCount
 
@@ -43,6 +44,8 @@ class ModelShape:
     moe_block_parameters: int = 0  # MoE blocks whole (router, routed and shared experts), all layers
     experts: int = 0            # routed experts per MoE layer
     top_k: int = 0              # experts each token goes to
+    mtp_depths: int = 0         # multi-token prediction depths (models/mtp.py): after the layers, beside the head
+    mtp_layer_parameters: int = 0  # of one depth: a decoder layer, its 2H -> H projection and three norms
 
     @property
     def tied(self) -> bool:
@@ -51,7 +54,7 @@ class ModelShape:
     @property
     def parameters(self) -> int:
         return (self.layers * self.layer_parameters + self.embedding_parameters + self.head_parameters
-                + self.other_parameters)
+                + self.other_parameters + self.mtp_depths * self.mtp_layer_parameters)
 
     @property
     def layer_expert_parameters(self) -> int:
@@ -65,18 +68,26 @@ class ModelShape:
 
     @property
     def matmul_parameters(self) -> int:
-        """Parameters a token multiplies with: all but the input lookup, the head counted even when tied."""
-        return self.parameters - self.embedding_parameters + (self.vocab * self.hidden if self.tied else 0)
+        """Parameters a token multiplies with: all but the input lookup, the head counted even when tied, and once
+        more for each multi-token prediction depth."""
+        return (self.parameters - self.embedding_parameters + (self.vocab * self.hidden if self.tied else 0)
+                + self.mtp_depths * self.vocab * self.hidden)
+
+    @property
+    def head_layers(self) -> int:
+        """Layers that run beside the output head, on its pipeline stage: the MTP depths."""
+        return self.mtp_depths
 
     def flops(self, seq_length: int, frozen: int = 0) -> FlopsCount:
         """Counted on the active parameters, as the run counts them (perf/flops.py)."""
-        return FlopsCount(self.matmul_parameters - self.idle_expert_parameters, self.layers, self.heads,
-                          self.head_dim, seq_length, frozen, self.idle_expert_parameters)
+        return FlopsCount(self.matmul_parameters - self.idle_expert_parameters, self.layers + self.mtp_depths,
+                          self.heads, self.head_dim, seq_length, frozen, self.idle_expert_parameters)
 
     def describe(self) -> str:
         return (f"{self.model_type}, {self.parameters / 1e9:.3g}B parameters ({self.layers} layers, hidden "
                 f"{self.hidden}, {self.heads} heads / {self.kv_heads} kv, ffn {self.intermediate}, vocab {self.vocab}"
                 f"{', tied embeddings' if self.tied else ''}"
+                + (f", {self.mtp_depths} multi-token prediction depth(s)" if self.mtp_depths else "")
                 + (f"; {(self.parameters - self.idle_expert_parameters) / 1e9:.3g}B active per token"
                    if self.idle_expert_parameters else "") + ")")
 
@@ -93,8 +104,9 @@ def one_layer_config(config, layers: int = 1):
     return small
 
 
-def model_shape(config, vocab_size: int | None = None) -> ModelShape:
-    """`vocab_size`: the rows the run trains (a grown vocabulary), when it differs from the config's."""
+def model_shape(config, vocab_size: int | None = None, mtp_depths: int = 0) -> ModelShape:
+    """`vocab_size`: the rows the run trains (a grown vocabulary), when it differs from the config's;
+    `mtp_depths`: the run's multi-token prediction depths."""
     from transformers import AutoModelForCausalLM
 
     experts = expert_shape(config, "the model config")
@@ -117,6 +129,7 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
     routed = find_experts(model) if experts is not None else []
     blocks = [m for m in model.modules() if any(child in routed for child in m.children())]
     arch = Architecture.of(config)
+    mtp_layer = sum(p.numel() for p in add_mtp_layers(model, 1)[0].parameters()) if mtp_depths else 0
     return ModelShape(
         model_type=arch.model_type, layers=arch.layers, hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads,
         head_dim=arch.head_dim, intermediate=arch.intermediate, vocab=small.vocab_size, layer_parameters=layer,
@@ -125,4 +138,5 @@ def model_shape(config, vocab_size: int | None = None) -> ModelShape:
         layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
         idle_expert_parameters=idle, expert_parameters=sum(p.numel() for m in routed for p in m.parameters()),
         expert_layers=len(routed), moe_block_parameters=sum(p.numel() for b in blocks for p in b.parameters()),
-        experts=experts.experts if experts else 0, top_k=experts.top_k if experts else 0)
+        experts=experts.experts if experts else 0, top_k=experts.top_k if experts else 0, mtp_depths=mtp_depths,
+        mtp_layer_parameters=mtp_layer)

@@ -38,7 +38,7 @@ class Plan:
 
 def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Plan:
     config = run.model_config
-    shape = model_shape(config, run.vocab_size)
+    shape = model_shape(config, run.vocab_size, run.mtp_depths)
     layout = run.layout(devices_per_node)
     own = estimate(layout, shape, config, device, run.trainable, run.weights)
     decided = None

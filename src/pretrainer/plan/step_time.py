@@ -76,7 +76,7 @@ def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankS
 def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, matmul_parameters: int) -> float:
     """One micro-batch's forward and backward on one rank holding `matmul_parameters` of the matmuls."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    layers = -(-shape.layers // layout.pp)
+    layers = -(-shape.layers // layout.pp) + shape.head_layers  # the head's stage is the slowest
     peak = device.peak_tflops * 1e12
     full = layout.recompute == "full"
     gemm = (8 if full else 6) * matmul_parameters * tokens
@@ -142,7 +142,7 @@ def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: Ra
         hideable, exposed = (hideable + seconds, exposed) if x.overlaps else (hideable, exposed + seconds)
     # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
     exposed += ring(4 * part.muon * layout.tp, layout.engine_class.muon_gather_ranks(layout), 1)
-    layers = -(-shape.layers // layout.pp)
+    layers = -(-shape.layers // layout.pp) + shape.head_layers
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     activation = tokens * shape.hidden * c
     if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer forward, two backward

@@ -22,6 +22,7 @@ from ..config import ConfigError
 from ..data import DataPlacement, RunData, assemble_data
 from ..models import (
     LoadStats,
+    add_multi_token_prediction,
     build_model,
     count_parameters,
     idle_expert_parameters,
@@ -108,6 +109,7 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         model = build_model(args, resolved.model, read_slices=engine.reads_slices)
     else:
         model.config.use_cache = False
+    add_multi_token_prediction(model, resolved.mtp_depths, resolved.model, args.seed)
     facts, extensions = _prepare_model(args, resolved, model, engine, training)
     if not training:
         return AssembledRun(resolved, engine, engine.place(model), facts, predicted_memory=predicted)
@@ -143,7 +145,7 @@ def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: 
     idle = idle_expert_parameters(model, resolved.moe.shape) if resolved.moe is not None else 0
     facts = ModelFacts(parameters, trainable, model.get_input_embeddings().weight.shape[0],
                        getattr(model.get_output_embeddings(), "loss_chunk_size", 0),
-                       flops_per_token(model, resolved.sizes.seq_length, idle),
+                       flops_per_token(model, resolved.sizes.seq_length, idle, resolved.mtp_depths),
                        checkpoint.stats if checkpoint is not None else None)
     return facts, step_extensions(model, resolved) if training else []
 

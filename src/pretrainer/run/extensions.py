@@ -2,16 +2,25 @@
 feature: losses added to each micro-batch's backward (already weighted), work before and after the optimizer
 step, metrics for the log, its line in the banner and its fields in the start row. A Mixture-of-Experts model's
 routing is one (balancing losses, routing statistics, aux-loss-free bias updates); the output z-loss is another
-(a term on each micro-batch's loss, from its logits); later extra losses (multi-token prediction) join the
-same way.
+(a term on each micro-batch's loss, from its logits); multi-token prediction a third (its depths' losses).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..batch import IGNORE, SOURCE, batch_targets, is_head_loss, take_row_losses, token_losses, z_loss_sum
+from ..batch import (
+    IGNORE,
+    SOURCE,
+    batch_targets,
+    depth_targets,
+    is_head_loss,
+    take_row_losses,
+    token_losses,
+    z_loss_sum,
+)
 from ..models import MoeRouting
+from ..models.mtp import MtpForward
 from ..parallel.engine import to_device_async
 
 
@@ -205,11 +214,75 @@ class SourceAccounting(StepExtension):
         return {"sources": list(self.mixture.names)}
 
 
+class MultiTokenPrediction(StepExtension):
+    """Multi-token prediction's loss weights and metrics (models/mtp.py runs the depths and adds their loss to the
+    backward). The loss is `mtp_loss_coeff` / D x the sum over depths of each depth's mean cross-entropy over the
+    step's global batch: each depth's summed loss is weighted by its own global target count (a depth has fewer
+    targets than the main head: none past the window or across documents), counted on the host from the same
+    rule (batch.depth_targets) and summed over ranks with the step's counts. Logged: `mtp_loss/<k>` and
+    `mtp_acc/<k>` (the depth's mean cross-entropy and top-1 accuracy, a proxy for speculative decoding's
+    acceptance) and `mtp_loss`, their mean over depths; `loss` stays the main head's."""
+
+    def __init__(self, model: torch.nn.Module, settings):
+        self.settings = settings
+        self.forward = MtpForward(model)  # hooks the head, before an engine wraps the model
+        self.engine, self._sums, self._window, self._micro_batches = None, None, [], 1
+        self._targets = torch.zeros(settings.depths, dtype=torch.float64)  # of the interval, summed over ranks
+
+    def attach(self, engine, model: torch.nn.Module) -> None:
+        self.engine = engine
+        self._sums = torch.zeros(2, self.settings.depths, dtype=torch.float64, device=engine.device)
+        self._targets = self._targets.to(engine.device)
+
+    def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
+        """Each depth's loss weight for the step: lambda / D x (the engine's average over its gradient ranks undone)
+        / the depth's global targets."""
+        local = torch.tensor([sum(int((depth_targets(b, k) != IGNORE).sum()) for b in batches)
+                              for k in range(1, self.settings.depths + 1)], dtype=torch.int64)
+        depth_counts = self.engine.reduce_counts(local)
+        self._targets += depth_counts
+        per_depth = self.settings.loss_coeff / self.settings.depths * self.engine.dims.gradient_ranks
+        self.forward.loss_weights = per_depth / depth_counts.clamp(min=1).double()
+        self._window, self._micro_batches = [], len(batches)
+
+    def extra_losses(self) -> None:
+        """After each forward: its depths' sums, for the metrics (their loss is already in the backward)."""
+        results = self.forward.take_results()
+        if results:
+            self._window.append(torch.stack([torch.stack([r.loss_sum.detach() for r in results]),
+                                             torch.stack([r.correct for r in results])]).double())
+        return None
+
+    def end_step(self, applied: bool) -> None:
+        for sums in self._window[-self._micro_batches:]:
+            self._sums += sums
+        self._window = []
+
+    def interval_row(self) -> dict:
+        sums = self.engine.reduce_sum(self._sums.clone())
+        counted = self._targets.clamp(min=1)
+        losses, accuracy = (sums[0] / counted).tolist(), (sums[1] / counted).tolist()
+        self._sums.zero_()
+        self._targets.zero_()
+        row = {"mtp_loss": sum(losses) / len(losses)}
+        for k, (loss, acc) in enumerate(zip(losses, accuracy), start=1):
+            row[f"mtp_loss/{k}"], row[f"mtp_acc/{k}"] = loss, acc
+        return row
+
+    def start_row(self) -> dict:
+        return {"mtp_num_layers": self.settings.depths, "mtp_loss_coeff": self.settings.loss_coeff}
+
+    def describe(self) -> str:
+        return self.settings.describe()
+
+
 def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
     """The extensions the resolved run's model needs, made on the unwrapped model."""
     extensions: list[StepExtension] = [MoeStep(model, run)] if run.moe is not None else []
     if run.z_loss_coeff:
         extensions.append(OutputZLoss(run.z_loss_coeff))
+    if run.mtp is not None:
+        extensions.append(MultiTokenPrediction(model, run.mtp))
     return extensions
 
 

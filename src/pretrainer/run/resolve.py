@@ -19,11 +19,13 @@ from ..config import (
     BranchPoint,
     ConfigError,
     MoeSettings,
+    MtpSettings,
     OptimizerSettings,
     ParallelDims,
     ScheduleSettings,
     expert_shape,
     key_error,
+    mtp_settings,
     resolve_seq_length,
 )
 from ..models import (
@@ -66,6 +68,7 @@ class ResolvedRun:
     custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
     moe: MoeSettings | None = None    # a model with experts: its shape and how its routing is balanced
     z_loss_coeff: float = 0.0         # the output z-loss's weight (run/extensions.py's OutputZLoss)
+    mtp: MtpSettings | None = None    # multi-token prediction depths and their loss weight
 
     @property
     def dims(self) -> ParallelDims:
@@ -78,6 +81,10 @@ class ResolvedRun:
     @property
     def recompute(self) -> RecomputeSettings:
         return self.options.recompute
+
+    @property
+    def mtp_depths(self) -> int:
+        return self.mtp.depths if self.mtp is not None else 0
 
     @property
     def engine_class(self):
@@ -223,6 +230,10 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
                                vocab)
     moe = moe_settings(args, entry, config, where, dims)
+    mtp = mtp_settings(args, config, sizes.seq_length, dims.cp)
+    if mtp is not None and not cls.supports_mtp:
+        raise key_error("mtp_num_layers", f"multi-token prediction is not available with engine {entry.name} yet; "
+                        f"use engine {engines_that(lambda c: c.supports_mtp)}")
     sequence_parallel, schedule = cls.parallel_style(settings)
     accumulate, why = accumulation_mode(args, entry, settings, sizes)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
@@ -232,7 +243,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
                        optimizer_settings(args, entry, dtype), lr_schedule, reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
-                       custom_loss, moe, args.z_loss_coeff)
+                       custom_loss, moe, args.z_loss_coeff, mtp)
 
 
 def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None) -> ScheduleSettings:

@@ -14,7 +14,7 @@ import torch
 
 from ..config import torch_dtype as dtype_to_torch
 from ..config.names import parameter_name
-from ..models import tied_output_names
+from ..models import mtp_shared_copies, tied_output_names
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     layout = _saved_layout(hf_model, torch_dtype, max_shard_size) if engine.exports_tensor_by_tensor else None
     if engine.is_main and tmp.exists():
         shutil.rmtree(tmp)
+    copies = mtp_shared_copies(hf_model)
     if layout is not None:
-        tensors = engine.export_tensors(model)
+        tensors = _with_copies(engine.export_tensors(model), copies)
         if engine.is_main:
             with _no_progress_bar():  # it "writes" one empty weights file
                 _save_pretrained(hf_model, tmp, torch_dtype, {}, max_shard_size)  # the config files
@@ -69,6 +70,7 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     else:
         state = _whole_state(engine, model)
         if engine.is_main:
+            state.update({name: state[source].clone() for name, source in copies.items()})
             state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
             _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
     if not engine.is_main:
@@ -81,6 +83,18 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+def _with_copies(tensors, copies: dict[str, str]):
+    """The engine's (name, tensor) stream, then the multi-token prediction depths' copies of the embedding and
+    head (`mtp_shared_copies`), each of a tensor the stream carried (None on ranks other than the main one)."""
+    kept = {}
+    for name, tensor in tensors:
+        if name in copies.values():
+            kept[name] = tensor
+        yield name, tensor
+    for name, source in copies.items():  # a copy of its own: safetensors refuses tensors that share memory
+        yield name, kept[source].clone() if kept[source] is not None else None
 
 
 def _whole_state(engine, model: torch.nn.Module) -> dict:
@@ -149,6 +163,8 @@ def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard
         ordered = revert_weight_conversion(hf_model, dict(sizes))
     if set(ordered) != set(sizes):
         return None
+    for name, source in mtp_shared_copies(hf_model).items():  # after the tensors they copy, as DeepSeek-V3's files
+        ordered[name] = sizes[source]
     return split_torch_state_dict_into_shards(ordered, filename_pattern="model{suffix}.safetensors",
                                               max_shard_size=max_shard_size)
 

@@ -1,0 +1,236 @@
+"""Multi-token prediction (MTP, DeepSeek-V3's report section 2.2): `mtp_num_layers` (D) modules after the
+model, depth k predicting the token k + 1 ahead of each position.
+
+Depth k takes the previous depth's hidden state (the main model's final one, the output head's input, for
+k = 1) and the embedding of the token k ahead, normalises each with its own norm (`hnorm`, `enorm`: the
+model's final-norm class), projects their concatenation 2H -> H (`eh_proj`, embedding first, as DeepSeek-V3's
+files and the inference engines that read them order it), runs one block of the model's own decoder-layer
+class, normalises (`shared_head.norm`) and predicts with the main model's output head; the embedding and the
+head are the main model's own, so both paths train them.
+
+Each depth is a decoder layer of the model's class with those modules added, appended to the model's layer
+list after its `num_hidden_layers` layers (which HF decoders iterate, so the main forward never runs them).
+So its parameters are named as in DeepSeek-V3's files (`model.layers.<num_hidden_layers + k - 1>.enorm`, ...),
+HF folders load into them and export writes them without a renaming, and every engine treats a depth as a
+layer: FSDP shards it as a unit, activation checkpointing and compile wrap it, MoE routing hooks its router.
+
+The depths run inside the main forward, when the output head has run on the final hidden states (a forward
+hook), only in training forwards that carry targets (not in evaluation, scoring or generation). They attend
+as the main layers do: the masks and rotary embeddings the last main layer received are reused. Each
+depth's summed cross-entropy and correct predictions are kept for the loop's metrics (`take_results`),
+computed by the output head itself where it computes the loss in chunks (models/chunked_loss.py), so no
+depth's full logits exist either.
+
+The depths' weighted loss rides on the head's output (`AddToBackward`, as Megatron-Core's MTP loss rides on
+its hidden states): its backward starts when the main loss's reaches the model's output. So every engine runs
+it inside the backward it already runs, behind the hooks it places on the model's outputs: FSDP gathers the
+root's parameters (embedding, head) for backward there, and a pipeline schedule runs each micro-batch's
+backward itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import (
+    IGNORE,
+    depth_inputs,
+    depth_targets,
+    forwarded_batch,
+    is_head_loss,
+    targets_of_depth,
+    wants_token_losses,
+)
+from ..config import ConfigError
+from ..config.names import parameter_name
+from .moe_routing import AddToBackward
+
+logger = logging.getLogger(__name__)
+
+DEPTH_MODULES = ("enorm", "hnorm", "eh_proj", "shared_head")  # what a depth adds to its decoder layer
+SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek-V3's files repeat these per depth
+CONFIG_KEY = "num_nextn_predict_layers"  # DeepSeek-V3's config.json key for the depths its files hold
+_DEPTH_CLASSES: dict[type, type] = {}
+
+
+class MtpDepth:
+    """The forward of a multi-token prediction depth, mixed into the model's decoder-layer class."""
+
+    def forward(self, hidden_states: torch.Tensor, *, mtp_embeds: torch.Tensor, **layer_kwargs):
+        """(the depth's hidden state for the next depth, its normalised state for the output head)."""
+        joined = torch.cat([self.enorm(mtp_embeds), self.hnorm(hidden_states)], dim=-1)
+        out = super().forward(self.eh_proj(joined), **layer_kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, self.shared_head.norm(out)
+
+
+def depth_class(layer_class: type) -> type:
+    """`layer_class` with the MTP forward, under the same name (engines find decoder layers by class name)."""
+    if layer_class not in _DEPTH_CLASSES:
+        _DEPTH_CLASSES[layer_class] = type(layer_class.__name__, (MtpDepth, layer_class),
+                                           {"__module__": layer_class.__module__})
+    return _DEPTH_CLASSES[layer_class]
+
+
+def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The ModuleList of the model's decoder layers (its first `num_hidden_layers` entries are the main ones)."""
+    count = model.config.num_hidden_layers
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= count and \
+                type(getattr(module[0], "_checkpoint_wrapped_module", module[0])).__name__ in names:
+            return module
+    raise ConfigError(f"mtp_num_layers: cannot find the decoder layers of {type(model).__name__} (no ModuleList of "
+                      "its _no_split_modules blocks); multi-token prediction needs an HF decoder with one")
+
+
+def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MTP depths, in order (empty without them)."""
+    try:
+        layers = decoder_layer_list(model)
+    except ConfigError:
+        return []
+    return list(layers)[model.config.num_hidden_layers:]
+
+
+def depth_prefixes(model: torch.nn.Module) -> list[str]:
+    """The parameter-name prefix of each of the model's depths, as the files name them (`model.layers.<L + k - 1>.`)."""
+    depths = len(mtp_layers(model))
+    if not depths:
+        return []
+    layers = decoder_layer_list(model)
+    prefix = parameter_name(next(name for name, module in model.named_modules() if module is layers))
+    count = model.config.num_hidden_layers
+    return [f"{prefix}.{count + k}." for k in range(depths)]
+
+
+def add_mtp_layers(model: torch.nn.Module, depths: int) -> list[torch.nn.Module]:
+    """Append `depths` MTP depths (on the meta device: an engine materialises them, from the files or by the
+    init rule) to the model's decoder layers, and record the count in its config (`num_nextn_predict_layers`,
+    which export writes)."""
+    config = model.config
+    layers = decoder_layer_list(model)
+    if len(layers) != config.num_hidden_layers:
+        raise ConfigError(f"mtp_num_layers: the model already has {len(layers) - config.num_hidden_layers} layers "
+                          "past num_hidden_layers")
+    final_norm = _final_norm(model)
+    hidden = config.hidden_size
+    cls = depth_class(type(layers[0]))
+    for k in range(depths):
+        with torch.device("meta"):
+            layer = cls(_config_for_layer(config, config.num_hidden_layers + k), config.num_hidden_layers + k)
+            layer.enorm, layer.hnorm = _norm_like(final_norm), _norm_like(final_norm)
+            layer.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+            layer.shared_head = torch.nn.Module()
+            layer.shared_head.norm = _norm_like(final_norm)
+        layers.append(layer.float())
+    setattr(config, CONFIG_KEY, depths)
+    return list(layers)[config.num_hidden_layers:]
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    norm = getattr(base, "norm", None) or getattr(base, "final_layernorm", None) or getattr(base, "ln_f", None)
+    if norm is None:
+        raise ConfigError(f"mtp_num_layers: cannot find the final norm of {type(model).__name__} (model.norm); "
+                          "multi-token prediction normalises with the model's own norm class")
+    return norm
+
+
+def _norm_like(norm: torch.nn.Module) -> torch.nn.Module:
+    """A new norm of the same class and size (its values set when the depth is materialised)."""
+    return copy.deepcopy(norm).to("meta")
+
+
+def _config_for_layer(config, index: int):
+    """The config a layer of index `index` past the main ones is built from: per-layer lists (attention types)
+    get the last main layer's entry for it."""
+    per_layer = getattr(config, "layer_types", None)
+    if not isinstance(per_layer, list) or index < len(per_layer):
+        return config
+    extended = copy.copy(config)
+    extended.layer_types = per_layer + [per_layer[-1]] * (index + 1 - len(per_layer))
+    return extended
+
+
+@dataclass
+class DepthResult:
+    """One depth's part of a forward: its summed cross-entropy (with gradient) and correct predictions."""
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+
+
+class MtpForward:
+    """Runs the depths after the output head in training forwards (see the module docstring); `take_results()`
+    hands the loop the last forward's per-depth sums."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.depths = len(mtp_layers(model))
+        if not self.depths:
+            raise ConfigError("mtp_num_layers: the model has no MTP depths")
+        # the layer list, not its entries: an engine may replace them by wrappers (activation checkpointing)
+        self._layers, self._first = decoder_layer_list(model), model.config.num_hidden_layers
+        self.embeddings = model.get_input_embeddings()
+        self.head = model.get_output_embeddings()
+        self._layer_kwargs: dict | None = None
+        self._results: list[DepthResult] = []
+        # each depth's summed loss times this is its part of the backward (set by the loop for each step; None:
+        # the losses are measured, not trained)
+        self.loss_weights: torch.Tensor | None = None
+        self._running = False
+        self._layers[self._first - 1].register_forward_pre_hook(self._keep_layer_kwargs, with_kwargs=True)
+        self.head.register_forward_hook(self._after_head)
+
+    def _keep_layer_kwargs(self, module, args, kwargs):
+        self._layer_kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    def _wanted(self) -> bool:
+        return (self.head.training and torch.is_grad_enabled() and not self._running and not wants_token_losses()
+                and forwarded_batch() is not None)
+
+    def _after_head(self, head, inputs, output):
+        if not self._wanted():
+            return
+        batch = forwarded_batch()
+        self._running = True
+        try:
+            self._results = self._run_depths(inputs[0], batch)
+        finally:
+            self._running = False
+        if self.loss_weights is None:
+            return None
+        weighted = (self.loss_weights * torch.stack([r.loss_sum for r in self._results]).double()).sum()
+        return AddToBackward.apply(output, weighted.to(output.dtype if output.is_floating_point() else torch.float32))
+
+    def _run_depths(self, hidden: torch.Tensor, batch: dict) -> list[DepthResult]:
+        results = []
+        input_ids = batch["input_ids"]
+        for k in range(1, self.depths + 1):
+            layer = self._layers[self._first + k - 1]
+            embeds = self.embeddings(depth_inputs(input_ids, k))
+            hidden, normed = layer(hidden, mtp_embeds=embeds, **(self._layer_kwargs or {}))
+            targets = depth_targets(batch, k).to(normed.device)
+            with targets_of_depth(targets):
+                output = self.head(normed)
+            results.append(_depth_result(output, targets))
+        return results
+
+    def take_results(self) -> list[DepthResult]:
+        """The depths' results of the last training forward (once; empty when none ran)."""
+        results, self._results = self._results, []
+        return results
+
+
+def _depth_result(output: torch.Tensor, targets: torch.Tensor) -> DepthResult:
+    if is_head_loss(output):  # the head computed [loss sum, correct(, z)] in chunks
+        return DepthResult(output[0], output[1].detach())
+    flat = output.float().reshape(-1, output.shape[-1])
+    labels = targets.reshape(-1)
+    loss = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="sum")
+    correct = ((flat.detach().argmax(dim=-1) == labels) & (labels != IGNORE)).sum()
+    return DepthResult(loss, correct)

@@ -1,0 +1,225 @@
+"""Multi-token prediction (`mtp_num_layers`, models/mtp.py): each depth's targets and loss against the formula,
+every engine against one process (Llama- and DeepSeek-V3-shaped models), resume, DeepSeek-V3's MTP weights in
+and out of HF folders, and the keys' checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from helpers import read_metrics, write_tiny_moe
+from launch import cli_in_process
+from multi_run import launch_cases
+from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
+from pretrainer.batch import IGNORE, depth_targets, forwarding
+from pretrainer.models.init import materialize_modules
+from pretrainer.models.mtp import MtpForward, add_mtp_layers
+
+DEPTHS = 2
+# what DeepSeek-V3's own files hold for its MTP layer (model.layers.61.*) besides the decoder block: its
+# model.safetensors.index.json lists these names
+DEEPSEEK_V3_MTP_NAMES = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight",
+                         "shared_head.norm.weight", "shared_head.head.weight"}
+
+
+def step_rows(save_dir) -> list[dict]:
+    return [row for row in read_metrics(save_dir) if "loss" in row and "step" in row]
+
+
+def mtp_columns(rows: list[dict], depths: int = DEPTHS) -> list[float]:
+    """Step by step: the main loss, the MTP loss and each depth's loss and accuracy."""
+    keys = ["loss", "mtp_loss", *(f"mtp_{what}/{k}" for k in range(1, depths + 1) for what in ("loss", "acc"))]
+    return [row[key] for row in rows for key in keys]
+
+
+def test_a_depth_targets_the_main_target_k_ahead_within_the_window_and_the_document():
+    targets = torch.arange(10, 20).view(1, 10)
+    batch = {"input_ids": targets - 1, "shift_labels": targets}
+    assert depth_targets(batch, 0).tolist() == targets.tolist()
+    assert depth_targets(batch, 2).tolist() == [[12, 13, 14, 15, 16, 17, 18, 19, IGNORE, IGNORE]]
+    # packed documents (positions restart at 0): positions 0-3 and 4-9
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    assert depth_targets(batch, 1).tolist() == [[11, 12, 13, IGNORE, 15, 16, 17, 18, 19, IGNORE]]
+    assert depth_targets(batch, 2).tolist() == [[12, 13, IGNORE, IGNORE, 16, 17, 18, 19, IGNORE, IGNORE]]
+    batch["shift_labels"] = targets.masked_fill(targets == 15, IGNORE)  # an ignored main target stays ignored
+    assert depth_targets(batch, 1)[0, 4].item() == IGNORE
+
+
+def tiny_llama_with_depths(seed: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)
+    model = LlamaForCausalLM(config).float()
+    layers = add_mtp_layers(model, DEPTHS)
+    materialize_modules(model, layers, torch.device("cpu"), seed)
+    return model
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_each_depth_loss_equals_the_formula_from_the_models_hidden_states_and_weights():
+    """Depth k: h_k = block_k(W_k [norm(emb(t_{i+k})); norm(h_{k-1})]), loss = sum over i of -log softmax(head(
+    norm(h_k)))[t_{i+k+1}], computed here by hand from the model's final hidden state and the depth's weights
+    (the block through its decoder-layer class's own forward)."""
+    model = tiny_llama_with_depths()
+    model.train()
+    forward = MtpForward(model)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (2, 12), generator=generator)
+    batch = {"input_ids": ids, "shift_labels": F.pad(ids[:, 1:], (0, 1), value=IGNORE)}
+    with forwarding(batch):
+        model(input_ids=ids, use_cache=False)
+    results = forward.take_results()
+    assert len(results) == DEPTHS
+    eps = model.config.rms_norm_eps
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        positions = torch.arange(12).unsqueeze(0)
+        for k in range(1, DEPTHS + 1):
+            layer = model.model.layers[1 + k]
+            ahead = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], dim=1)
+            joined = torch.cat([rms_norm(model.model.embed_tokens.weight[ahead], layer.enorm.weight, eps),
+                                rms_norm(hidden, layer.hnorm.weight, eps)], dim=-1)
+            block = type(layer).__mro__[2]  # the model's own LlamaDecoderLayer
+            assert block.__name__ == "LlamaDecoderLayer" and block is not type(layer)
+            hidden = block.forward(layer, joined @ layer.eh_proj.weight.T,
+                                   position_embeddings=model.model.rotary_emb(joined, positions))
+            logits = rms_norm(hidden, layer.shared_head.norm.weight, eps) @ model.lm_head.weight.T
+            want = sum(-torch.log_softmax(logits[row, i], dim=-1)[ids[row, i + k + 1]]
+                       for row in range(2) for i in range(12 - k - 1))
+            assert results[k - 1].loss_sum.item() == pytest.approx(want.item(), rel=1e-6)
+    model.eval()  # evaluation forwards run the main head only
+    with forwarding(batch):
+        model(input_ids=ids, use_cache=False)
+    assert forward.take_results() == []
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"mtp_num_layers": -1}, "mtp_num_layers must be a whole number >= 0"),
+    ({"mtp_num_layers": 1, "mtp_loss_coeff": 0}, "mtp_loss_coeff must be > 0"),
+])
+def test_bad_keys_are_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(num_training_steps=2, micro_batch_size=1, dp=1, **overrides)
+
+
+def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
+    for extra, message in (({"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
+                           ({"mtp_num_layers": 1, "engine": "megatron"},
+                            "multi-token prediction is not available with engine megatron")):
+        config = tmp_path / "bad.yaml"
+        config.write_text(json.dumps({**base_config, **extra}))
+        code, err = cli_in_process(capsys, "train", config)
+        assert code == 2, err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def deepseek_model(tmp_path_factory):
+    return write_tiny_moe(tmp_path_factory.mktemp("deepseek-v3"), "deepseek_v3")
+
+
+def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_model, tmp_path):
+    """Llama- and DeepSeek-V3-shaped models with two depths: ddp (chunked head), fsdp (activation checkpointing),
+    DeepSpeed ZeRO-3, and fsdp stopped at step 3 and resumed, give one process's per-step main loss, MTP loss and
+    each depth's loss and accuracy (fp32, 1e-5)."""
+    config = {**base_config, "mtp_num_layers": DEPTHS, "export_hf": False, "log_interval": 1}
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    deepseek = {"model_path": str(deepseek_model)}
+    references = {}
+    for family, extra in (("llama", {}), ("deepseek", deepseek)):
+        references[family] = tmp_path / f"single-{family}"
+        with PreTrainer(PreTrainingArguments(**{**config, **extra, "loss_chunk_size": 0,
+                                                "save_dir": str(references[family])})) as trainer:
+            trainer.train()
+    cases = []
+    for family, extra in (("llama", {}), ("deepseek", deepseek)):
+        cases += [
+            {"name": f"{family}-ddp", "config": {**extra, "engine": "ddp", "dp": 2, "micro_batch_size": 1,
+                                                 "loss_chunk_size": 24, "save_dir": str(tmp_path / f"{family}-ddp")}},
+            {"name": f"{family}-fsdp", "config": {**extra, "engine": "fsdp", "dp": 2, "micro_batch_size": 1,
+                                                  "activation_checkpointing": "full",
+                                                  "save_dir": str(tmp_path / f"{family}-fsdp")}},
+            {"name": f"{family}-zero3", "overrides": [f"deepspeed={zero3}"],
+             "config": {**extra, "dp": 2, "micro_batch_size": 1, "save_dir": str(tmp_path / f"{family}-zero3")}}]
+    resumed = {"engine": "fsdp", "dp": 2, "micro_batch_size": 1, "save_dir": str(tmp_path / "llama-resumed")}
+    cases += [{"name": "llama-fsdp-exit", "config": {**resumed, "exit_interval": 3}},
+              {"name": "llama-fsdp-rerun", "config": resumed}]
+    done = launch_cases(config, cases, 2, tmp_path)
+    assert "multi-token prediction: 2 depth(s), loss weight 0.1" in done.stdout + done.stderr
+    for family in ("llama", "deepseek"):
+        want = mtp_columns(step_rows(references[family]))
+        assert len(want) == 6 * 6 and all(value > 0 for value in want[1::6])
+        for engine in ("ddp", "fsdp", "zero3"):
+            have = mtp_columns(step_rows(tmp_path / f"{family}-{engine}"))
+            assert have == pytest.approx(want, rel=1e-5), f"{family}-{engine}"
+    rows = step_rows(tmp_path / "llama-resumed")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert mtp_columns(rows) == pytest.approx(mtp_columns(step_rows(references["llama"])), rel=1e-5)
+
+
+def test_deepseek_v3_mtp_weights_load_and_export_unchanged(base_config, deepseek_model, tmp_path, pretrainer_log):
+    """A DeepSeek-V3-shaped folder with one MTP depth (its files in DeepSeek-V3's layout): continued for one step
+    at a learning rate of 1e-12, the export holds the same MTP tensors (1e-8) under the same names, the shared
+    embedding and head copies beside them, and num_nextn_predict_layers; asked for two depths, the second is
+    initialised, and the log says which."""
+    source = tmp_path / "source"
+    config = {**base_config, "model_path": str(deepseek_model), "mtp_num_layers": 1, "num_training_steps": 2,
+              "save_interval": 0, "eval_interval": 0}
+    with PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(source)})) as trainer:
+        trainer.train()
+    folder = source / "hf"
+    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with safe_open(str(folder / "model.safetensors"), "pt") as files:
+        given = {name: files.get_tensor(name) for name in files.keys() if name.startswith("model.layers.2.")}
+    assert {name[len("model.layers.2."):] for name in given} >= DEEPSEEK_V3_MTP_NAMES
+    assert any(".mlp.experts.0." in name for name in given)  # the MTP block is an MoE block, per expert on disk
+    pretrainer_log.take()
+    for depths in (1, 2):
+        out = tmp_path / f"continued-{depths}"
+        with PreTrainer(PreTrainingArguments(**{**config, "model_path": str(folder), "mtp_num_layers": depths,
+                                                "num_training_steps": 1, "warmup_steps": 0, "lr": 1e-12,
+                                                "save_dir": str(out)})) as trainer:
+            trainer.train()
+        log = pretrainer_log.take()
+        with safe_open(str(out / "hf" / "model.safetensors"), "pt") as files:
+            for name, tensor in given.items():
+                assert torch.allclose(files.get_tensor(name), tensor, rtol=0, atol=1e-8), name
+            exported = set(files.keys())
+        assert json.loads((out / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == depths
+        if depths == 2:
+            assert "depth(s) 1 read from" in log and "depth(s) 2 initialised" in log
+            assert {f"model.layers.3.{name}" for name in DEEPSEEK_V3_MTP_NAMES} <= exported
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_plan_counts_the_depths_parameters_and_flops_as_the_run(tied):
+    """Each depth: its layer's parameters (a decoder layer, eh_proj, three norms), one more layer of attention and
+    one more pass through the head, in the planner's model shape as in the run's count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import QUICKSTART_MODEL
+    from pretrainer.models import count_parameters
+    from pretrainer.perf.flops import flops_per_token
+    from pretrainer.plan import model_shape
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    without = flops_per_token(model, 64).per_token
+    layers = add_mtp_layers(model, DEPTHS)
+    materialize_modules(model, layers, torch.device("cpu"), 0)
+    shape = model_shape(config, mtp_depths=DEPTHS)
+    assert shape.parameters == count_parameters(model)
+    assert shape.flops(64).per_token == flops_per_token(model, 64, mtp_depths=DEPTHS).per_token
+    head = config.vocab_size * config.hidden_size
+    added = DEPTHS * (6 * (shape.mtp_layer_parameters + head) + 12 * shape.heads * shape.head_dim * 64)
+    assert shape.flops(64).per_token == without + added
