@@ -112,12 +112,14 @@ def test_bad_keys_are_refused_at_load(overrides, message):
 
 
 def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
-    for extra, message in (({"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
-                           ({"mtp_num_layers": 1, "engine": "megatron"},
-                            "multi-token prediction is not available with engine megatron")):
+    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 2}}
+    for command, extra, message in (
+            (["train"], {"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
+            (["train"], {"mtp_num_layers": 1, "dtype": "fp16"}, "multi-token prediction with dtype fp16"),
+            (["plan", "--world-size", "2"], pipelined, "not available with engine megatron with pp_degree > 1")):
         config = tmp_path / "bad.yaml"
         config.write_text(json.dumps({**base_config, **extra}))
-        code, err = cli_in_process(capsys, "train", config)
+        code, err = cli_in_process(capsys, *command, config)
         assert code == 2, err
         assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -127,18 +129,29 @@ def deepseek_model(tmp_path_factory):
     return write_tiny_moe(tmp_path_factory.mktemp("deepseek-v3"), "deepseek_v3")
 
 
+def exported_mtp_tensors(folder, depth_layer: int) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as files:
+        return {name: files.get_tensor(name) for name in files.keys()
+                if name.startswith(f"model.layers.{depth_layer}.")}
+
+
 def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_model, tmp_path):
-    """Llama- and DeepSeek-V3-shaped models with two depths: ddp (chunked head), fsdp (activation checkpointing),
-    DeepSpeed ZeRO-3, and fsdp stopped at step 3 and resumed, give one process's per-step main loss, MTP loss and
-    each depth's loss and accuracy (fp32, 1e-5)."""
+    """Llama- and DeepSeek-V3-shaped models with two depths: ddp (chunked head; Llama also compiled), fsdp
+    (activation checkpointing),
+    DeepSpeed ZeRO-3, the megatron engine (Llama: tp=2 with sequence parallelism and the vocabulary-parallel
+    chunked head, and tp=2 on whole sequences; DeepSeek-V3: dp=2), and fsdp stopped at step 3 and resumed, give
+    one process's per-step main loss, MTP loss and each depth's loss and accuracy (fp32, 1e-5); without depths the losses differ (the depths train the shared
+    model). The DeepSeek-V3 run's export, read by fsdp in slices with a third depth and continued one step at a
+    learning rate of 1e-12, exports the same tensors for the two depths it held, and the third."""
     config = {**base_config, "mtp_num_layers": DEPTHS, "export_hf": False, "log_interval": 1}
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     deepseek = {"model_path": str(deepseek_model)}
     references = {}
-    for family, extra in (("llama", {}), ("deepseek", deepseek)):
+    for family, extra in (("llama", {}), ("deepseek", {**deepseek, "export_hf": True}), ("without", {})):
         references[family] = tmp_path / f"single-{family}"
-        with PreTrainer(PreTrainingArguments(**{**config, **extra, "loss_chunk_size": 0,
+        depths = {"mtp_num_layers": 0} if family == "without" else {}
+        with PreTrainer(PreTrainingArguments(**{**config, **extra, **depths, "loss_chunk_size": 0,
                                                 "save_dir": str(references[family])})) as trainer:
             trainer.train()
     cases = []
@@ -151,27 +164,58 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
                                                   "save_dir": str(tmp_path / f"{family}-fsdp")}},
             {"name": f"{family}-zero3", "overrides": [f"deepspeed={zero3}"],
              "config": {**extra, "dp": 2, "micro_batch_size": 1, "save_dir": str(tmp_path / f"{family}-zero3")}}]
+    cases.append({"name": "llama-ddp-compile", "config": {"engine": "ddp", "dp": 2, "micro_batch_size": 1,
+                                                          "compile": True,
+                                                          "save_dir": str(tmp_path / "llama-ddp-compile")}})
+    tp2 = {"engine": "megatron", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}, "loss_chunk_size": 24}
+    cases += [{"name": "llama-tp2", "config": {**tp2, "save_dir": str(tmp_path / "llama-tp2")}},
+              {"name": "llama-tp2-whole-sequence",
+               "config": {**tp2, "plugin_args": {"tp_degree": 2}, "loss_chunk_size": 0,
+                          "save_dir": str(tmp_path / "llama-tp2-whole-sequence")}},
+              {"name": "deepseek-megatron-dp2", "config": {**deepseek, "engine": "megatron", "dp": 2,
+                                                            "micro_batch_size": 1,
+                                                            "save_dir": str(tmp_path / "deepseek-megatron-dp2")}}]
     resumed = {"engine": "fsdp", "dp": 2, "micro_batch_size": 1, "save_dir": str(tmp_path / "llama-resumed")}
+    from_hf = {"engine": "fsdp", "dp": 2, "micro_batch_size": 1, "model_path": str(references["deepseek"] / "hf"),
+               "mtp_num_layers": 3, "num_training_steps": 1, "warmup_steps": 0, "lr": 1e-12, "export_hf": True,
+               "save_interval": 0,
+               "eval_interval": 0, "save_dir": str(tmp_path / "deepseek-fsdp-from-hf")}
     cases += [{"name": "llama-fsdp-exit", "config": {**resumed, "exit_interval": 3}},
-              {"name": "llama-fsdp-rerun", "config": resumed}]
+              {"name": "llama-fsdp-rerun", "config": resumed},
+              {"name": "deepseek-fsdp-from-hf", "config": from_hf}]
     done = launch_cases(config, cases, 2, tmp_path)
     assert "multi-token prediction: 2 depth(s), loss weight 0.1" in done.stdout + done.stderr
+    assert "each rank reading only what it holds" in done.stdout + done.stderr  # the export read in slices
     for family in ("llama", "deepseek"):
         want = mtp_columns(step_rows(references[family]))
         assert len(want) == 6 * 6 and all(value > 0 for value in want[1::6])
-        for engine in ("ddp", "fsdp", "zero3"):
+        engines = ("ddp", "fsdp", "zero3", *(("tp2", "tp2-whole-sequence", "ddp-compile") if family == "llama" else
+                                             ("megatron-dp2",)))
+        for engine in engines:
             have = mtp_columns(step_rows(tmp_path / f"{family}-{engine}"))
             assert have == pytest.approx(want, rel=1e-5), f"{family}-{engine}"
+    main_losses = [row["loss"] for row in step_rows(references["llama"])]
+    assert main_losses[0] == pytest.approx(step_rows(references["without"])[0]["loss"], rel=1e-6)  # same start
+    assert main_losses[1:] != pytest.approx([row["loss"] for row in step_rows(references["without"])][1:],
+                                            rel=1e-4)  # the depths' gradient moves the shared model
     rows = step_rows(tmp_path / "llama-resumed")
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert mtp_columns(rows) == pytest.approx(mtp_columns(step_rows(references["llama"])), rel=1e-5)
+    for layer in (2, 3):
+        given = exported_mtp_tensors(references["deepseek"] / "hf", layer)
+        exported = exported_mtp_tensors(tmp_path / "deepseek-fsdp-from-hf" / "hf", layer)
+        assert set(exported) == set(given) and len(given) > 10
+        for name, tensor in given.items():
+            assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-8), name
+    assert exported_mtp_tensors(tmp_path / "deepseek-fsdp-from-hf" / "hf", 4)  # the third depth, initialised
 
 
 def test_deepseek_v3_mtp_weights_load_and_export_unchanged(base_config, deepseek_model, tmp_path, pretrainer_log):
     """A DeepSeek-V3-shaped folder with one MTP depth (its files in DeepSeek-V3's layout): continued for one step
     at a learning rate of 1e-12, the export holds the same MTP tensors (1e-8) under the same names, the shared
     embedding and head copies beside them, and num_nextn_predict_layers; asked for two depths, the second is
-    initialised, and the log says which."""
+    initialised, and the log says which; asked for none, a warning says the depth is dropped, and the export
+    holds no depth."""
     source = tmp_path / "source"
     config = {**base_config, "model_path": str(deepseek_model), "mtp_num_layers": 1, "num_training_steps": 2,
               "save_interval": 0, "eval_interval": 0}
@@ -179,26 +223,28 @@ def test_deepseek_v3_mtp_weights_load_and_export_unchanged(base_config, deepseek
         trainer.train()
     folder = source / "hf"
     assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    with safe_open(str(folder / "model.safetensors"), "pt") as files:
-        given = {name: files.get_tensor(name) for name in files.keys() if name.startswith("model.layers.2.")}
+    given = exported_mtp_tensors(folder, 2)
     assert {name[len("model.layers.2."):] for name in given} >= DEEPSEEK_V3_MTP_NAMES
     assert any(".mlp.experts.0." in name for name in given)  # the MTP block is an MoE block, per expert on disk
     pretrainer_log.take()
-    for depths in (1, 2):
+    for depths in (1, 2, 0):
         out = tmp_path / f"continued-{depths}"
         with PreTrainer(PreTrainingArguments(**{**config, "model_path": str(folder), "mtp_num_layers": depths,
                                                 "num_training_steps": 1, "warmup_steps": 0, "lr": 1e-12,
                                                 "save_dir": str(out)})) as trainer:
             trainer.train()
         log = pretrainer_log.take()
-        with safe_open(str(out / "hf" / "model.safetensors"), "pt") as files:
-            for name, tensor in given.items():
-                assert torch.allclose(files.get_tensor(name), tensor, rtol=0, atol=1e-8), name
-            exported = set(files.keys())
+        exported = exported_mtp_tensors(out / "hf", 2)
         assert json.loads((out / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == depths
+        if depths == 0:
+            assert not exported and "holds multi-token prediction weights for 1 depth(s)" in log
+            continue
+        for name, tensor in given.items():
+            assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-8), name
         if depths == 2:
             assert "depth(s) 1 read from" in log and "depth(s) 2 initialised" in log
-            assert {f"model.layers.3.{name}" for name in DEEPSEEK_V3_MTP_NAMES} <= exported
+            assert {f"model.layers.3.{name}" for name in DEEPSEEK_V3_MTP_NAMES} <= set(exported_mtp_tensors(
+                out / "hf", 3))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -223,3 +269,16 @@ def test_the_plan_counts_the_depths_parameters_and_flops_as_the_run(tied):
     head = config.vocab_size * config.hidden_size
     added = DEPTHS * (6 * (shape.mtp_layer_parameters + head) + 12 * shape.heads * shape.head_dim * 64)
     assert shape.flops(64).per_token == without + added
+
+
+def test_a_decoder_that_runs_every_layer_of_its_list_is_refused():
+    """The depths are layers past num_hidden_layers, which HF decoders that slice their list never run; one that
+    runs the whole list (GPT-NeoX) would run them as main layers."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(GPTNeoXConfig(num_hidden_layers=2, hidden_size=32,
+                                                               num_attention_heads=4, intermediate_size=64,
+                                                               vocab_size=100))
+    with pytest.raises(ConfigError, match="GPTNeoXModel's forward runs every layer of its list"):
+        add_mtp_layers(model, 1)

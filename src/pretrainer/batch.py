@@ -120,9 +120,11 @@ def head_targets() -> torch.Tensor | None:
 
 def targets_for_head(targets: torch.Tensor):
     """Hand `targets` to an output head that computes the loss itself, for an engine that runs the model's
-    modules without `forward_logits` (pipeline stages); the rows' sources of the batch being forwarded stay."""
+    modules without `forward_logits` (pipeline stages); the rows' sources, tokens and positions of the batch being
+    forwarded stay (per-source losses, multi-token prediction)."""
     outer = _forwarded_batch.get() or {}
-    return _holding(_forwarded_batch, {"shift_labels": targets, **{k: outer[k] for k in (SOURCE,) if k in outer}})
+    kept = {k: outer[k] for k in (SOURCE, "input_ids", "position_ids") if k in outer}
+    return _holding(_forwarded_batch, {"shift_labels": targets, **kept})
 
 
 _row_losses: list = [None]  # the last head forward's loss sum per row, where its batch carries SOURCE

@@ -77,36 +77,57 @@ def depth_class(layer_class: type) -> type:
     return _DEPTH_CLASSES[layer_class]
 
 
-def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The ModuleList of the model's decoder layers (its first `num_hidden_layers` entries are the main ones)."""
+def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | torch.nn.ModuleDict:
+    """The container of the model's decoder layers: the HF model's ModuleList (its first `num_hidden_layers`
+    entries are the main ones), or a ModuleDict keyed by layer index (the megatron engine's view of its stages)."""
     count = model.config.num_hidden_layers
     names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) >= count and \
-                type(getattr(module[0], "_checkpoint_wrapped_module", module[0])).__name__ in names:
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= count and _is_block(module[0], names):
             return module
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, torch.nn.ModuleDict):
+        return layers
     raise ConfigError(f"mtp_num_layers: cannot find the decoder layers of {type(model).__name__} (no ModuleList of "
                       "its _no_split_modules blocks); multi-token prediction needs an HF decoder with one")
 
 
-def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's MTP depths, in order (empty without them)."""
+def _is_block(module: torch.nn.Module, names: set[str]) -> bool:
+    """Whether `module` is one of the model's decoder blocks, also once an engine has wrapped it (activation
+    checkpointing's wrapper holds it; FSDP2 makes its class a subclass of the block's)."""
+    inner = getattr(module, "_checkpoint_wrapped_module", module)
+    return any(cls.__name__ in names for cls in type(inner).__mro__)
+
+
+def _depth_indices(model: torch.nn.Module) -> list[int]:
+    """The layer indices of the model's MTP depths (`num_hidden_layers` onwards)."""
     try:
         layers = decoder_layer_list(model)
     except ConfigError:
         return []
-    return list(layers)[model.config.num_hidden_layers:]
+    count = model.config.num_hidden_layers
+    if isinstance(layers, torch.nn.ModuleDict):
+        return sorted(int(key) for key in layers if int(key) >= count)
+    return list(range(count, len(layers)))
+
+
+def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MTP depths, in order (empty without them)."""
+    indices = _depth_indices(model)
+    if not indices:
+        return []
+    layers = decoder_layer_list(model)
+    return [layers[str(i)] if isinstance(layers, torch.nn.ModuleDict) else layers[i] for i in indices]
 
 
 def depth_prefixes(model: torch.nn.Module) -> list[str]:
     """The parameter-name prefix of each of the model's depths, as the files name them (`model.layers.<L + k - 1>.`)."""
-    depths = len(mtp_layers(model))
-    if not depths:
+    indices = _depth_indices(model)
+    if not indices:
         return []
     layers = decoder_layer_list(model)
     prefix = parameter_name(next(name for name, module in model.named_modules() if module is layers))
-    count = model.config.num_hidden_layers
-    return [f"{prefix}.{count + k}." for k in range(depths)]
+    return [f"{prefix}.{i}." for i in indices]
 
 
 def add_mtp_layers(model: torch.nn.Module, depths: int) -> list[torch.nn.Module]:
@@ -115,6 +136,7 @@ def add_mtp_layers(model: torch.nn.Module, depths: int) -> list[torch.nn.Module]
     which export writes)."""
     config = model.config
     layers = decoder_layer_list(model)
+    _check_forward_runs_main_layers_only(model)
     if len(layers) != config.num_hidden_layers:
         raise ConfigError(f"mtp_num_layers: the model already has {len(layers) - config.num_hidden_layers} layers "
                           "past num_hidden_layers")
@@ -131,6 +153,22 @@ def add_mtp_layers(model: torch.nn.Module, depths: int) -> list[torch.nn.Module]
         layers.append(layer.float())
     setattr(config, CONFIG_KEY, depths)
     return list(layers)[config.num_hidden_layers:]
+
+
+def _check_forward_runs_main_layers_only(model: torch.nn.Module) -> None:
+    """The depths are appended to the layer list: the decoder's forward must run its first `num_hidden_layers`
+    layers only, as the HF decoders do that slice `self.layers[: self.config.num_hidden_layers]`."""
+    import inspect
+
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (TypeError, OSError):
+        source = ""
+    if "[: self.config.num_hidden_layers]" not in source:
+        raise ConfigError(f"mtp_num_layers: {type(base).__name__}'s forward runs every layer of its list (it does "
+                          "not stop at num_hidden_layers), so multi-token prediction depths cannot be added to it; "
+                          "Llama, Qwen, Mistral, Mixtral, OLMo and DeepSeek-V3 decoders can")
 
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
@@ -170,51 +208,63 @@ class MtpForward:
     hands the loop the last forward's per-depth sums."""
 
     def __init__(self, model: torch.nn.Module):
-        self.depths = len(mtp_layers(model))
-        if not self.depths:
+        self._indices = _depth_indices(model)
+        if not self._indices:
             raise ConfigError("mtp_num_layers: the model has no MTP depths")
-        # the layer list, not its entries: an engine may replace them by wrappers (activation checkpointing)
-        self._layers, self._first = decoder_layer_list(model), model.config.num_hidden_layers
+        self.depths = len(self._indices)
+        # the container, read at each forward: an engine may replace its entries by wrappers (activation
+        # checkpointing), which the depths must run through
+        self._container = decoder_layer_list(model)
         self.embeddings = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
         self._layer_kwargs: dict | None = None
+        self._head_input: torch.Tensor | None = None
         self._results: list[DepthResult] = []
+        self._running = False
         # each depth's summed loss times this is its part of the backward (set by the loop for each step; None:
         # the losses are measured, not trained)
         self.loss_weights: torch.Tensor | None = None
-        self._running = False
-        self._layers[self._first - 1].register_forward_pre_hook(self._keep_layer_kwargs, with_kwargs=True)
+        self._container[model.config.num_hidden_layers - 1].register_forward_pre_hook(
+            self._keep_layer_kwargs, with_kwargs=True)
+        # the head's input as the model hands it over, before an engine's hooks lay it out for the head (the
+        # megatron engine's tensor parallelism gathers it): the depths take the layers' layout
+        self.head.register_forward_pre_hook(self._keep_head_input)
         self.head.register_forward_hook(self._after_head)
 
     def _keep_layer_kwargs(self, module, args, kwargs):
         self._layer_kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
 
+    def _keep_head_input(self, module, args):
+        if not self._running:
+            self._head_input = args[0]
+
     def _wanted(self) -> bool:
         return (self.head.training and torch.is_grad_enabled() and not self._running and not wants_token_losses()
-                and forwarded_batch() is not None)
+                and forwarded_batch() is not None and "input_ids" in forwarded_batch())
 
     def _after_head(self, head, inputs, output):
         if not self._wanted():
-            return
+            return None
         batch = forwarded_batch()
         self._running = True
         try:
-            self._results = self._run_depths(inputs[0], batch)
+            self._results = self._run_depths(self._head_input, batch)
         finally:
             self._running = False
+            self._head_input = None
         if self.loss_weights is None:
             return None
         weighted = (self.loss_weights * torch.stack([r.loss_sum for r in self._results]).double()).sum()
-        return AddToBackward.apply(output, weighted.to(output.dtype if output.is_floating_point() else torch.float32))
+        return AddToBackward.apply(output, weighted.to(torch.float32))
 
     def _run_depths(self, hidden: torch.Tensor, batch: dict) -> list[DepthResult]:
         results = []
         input_ids = batch["input_ids"]
-        for k in range(1, self.depths + 1):
-            layer = self._layers[self._first + k - 1]
+        for k, index in enumerate(self._indices, start=1):
+            layer = self._container[index]
             embeds = self.embeddings(depth_inputs(input_ids, k))
             hidden, normed = layer(hidden, mtp_embeds=embeds, **(self._layer_kwargs or {}))
-            targets = depth_targets(batch, k).to(normed.device)
+            targets = depth_targets(batch, k).to(input_ids.device)
             with targets_of_depth(targets):
                 output = self.head(normed)
             results.append(_depth_result(output, targets))
@@ -227,6 +277,10 @@ class MtpForward:
 
 
 def _depth_result(output: torch.Tensor, targets: torch.Tensor) -> DepthResult:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):  # a tensor-parallel head's replicated result
+        output = output.to_local()
     if is_head_loss(output):  # the head computed [loss sum, correct(, z)] in chunks
         return DepthResult(output[0], output[1].detach())
     flat = output.float().reshape(-1, output.shape[-1])

@@ -194,7 +194,6 @@ class LayoutAnswers:
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
     supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
-    supports_mtp = True                # runs multi-token prediction depths (models/mtp.py)
     baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
@@ -210,6 +209,11 @@ class LayoutAnswers:
         """Each rank keeps only its shard of each gradient after the step's reduction (reduce-scatter), so
         micro-batches can accumulate sharded (`accumulate_gradients: sharded`) or whole until the last one."""
         return False
+
+    @classmethod
+    def mtp_refusal(cls, settings) -> str | None:
+        """Why these settings cannot run multi-token prediction depths (models/mtp.py), or None."""
+        return None
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:

@@ -85,7 +85,6 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
     """The planner's answers for this engine are in megatron_plan.py."""
 
     name = "megatron"
-    supports_mtp = False  # its stages are built from the HF model's parts; MTP depths are not placed in them yet
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)
@@ -235,9 +234,10 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         def to_local(module, output, device_mesh):
             return output.to_local()
 
-        # the decoder layer's norms; a per-head norm inside attention sees this rank's heads only
+        # the decoder layer's norms (a per-head norm inside attention sees this rank's heads only), and a
+        # multi-token prediction depth's projection (models/mtp.py), which also sees the whole sequence
         norms = [m for layer in stage.layers.values() for name, m in layer.named_modules()
-                 if type(m).__name__.endswith("RMSNorm") and "self_attn" not in name]
+                 if (type(m).__name__.endswith("RMSNorm") and "self_attn" not in name) or name.endswith("eh_proj")]
         if stage.norm is not None:
             norms.append(stage.norm)
         for norm in norms:
@@ -328,7 +328,10 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                 padding = {"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)} \
                     if self._routes_tokens else {}
                 sources = {SOURCE: batch[SOURCE]} if SOURCE in batch else {}  # a mixture's, for per-source losses
-                with forwarding({**padding, **sources}):
+                # the tokens, targets and positions, for multi-token prediction's depths (models/mtp.py)
+                tokens = {"input_ids": input_ids, "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
+                          **({"position_ids": position_ids} if position_ids is not None else {})}
+                with forwarding({**padding, **sources, **tokens}):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
                 output = forward_in_order(self.stage_ids, self.stages, self.settings.num_stages,

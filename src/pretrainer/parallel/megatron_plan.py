@@ -52,6 +52,13 @@ class MegatronLayoutAnswers(LayoutAnswers):
         return True
 
     @classmethod
+    def mtp_refusal(cls, settings) -> str | None:
+        if settings is not None and settings.pp > 1:
+            return ("with pp_degree > 1 (the last stage would need the tokens and the embedding, which the first "
+                    "holds); use pp_degree 1")
+        return None
+
+    @classmethod
     def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
         """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
         s = layout.settings

@@ -53,7 +53,12 @@ class DecoderStage(torch.nn.Module):
                  no_split_modules):
         super().__init__()
         self.embed_tokens = parts.embed_tokens if first else None
-        self.layers = torch.nn.ModuleDict({str(i): parts.layers[i] for i in layer_ids})
+        main = [str(i) for i in layer_ids]
+        # the last stage also holds the multi-token prediction depths (models/mtp.py: layers past
+        # num_hidden_layers, run by the head's hook, not here)
+        depths = range(config.num_hidden_layers, len(parts.layers)) if last else range(0)
+        self.layers = torch.nn.ModuleDict({str(i): parts.layers[i] for i in [*layer_ids, *depths]})
+        self.main_layers = main
         self.norm = parts.norm if last else None
         self.lm_head = parts.lm_head if last else None
         self.rotary_emb = parts.rotary_emb
@@ -61,12 +66,12 @@ class DecoderStage(torch.nn.Module):
         self.tied = tied
         self._no_split_modules = no_split_modules  # how activation checkpointing finds the layers
         self.sequence_shards = 1  # tp size under sequence parallelism: hidden states hold seq/tp positions
-        self.recompute_groups: list[tuple[list[str], bool]] = [(list(self.layers), False)]
+        self.recompute_groups: list[tuple[list[str], bool]] = [(main, False)]
 
     def set_recompute(self, method: str, num_layers: int | None) -> None:
         """Megatron's full recompute: `uniform` checkpoints every run of `num_layers` layers as one unit,
         `block` checkpoints the first `num_layers` layers of the stage one by one."""
-        names = list(self.layers)
+        names = self.main_layers
         if method == "block":
             count = len(names) if num_layers is None else min(num_layers, len(names))
             self.recompute_groups = [([n], True) for n in names[:count]] + \

@@ -86,16 +86,17 @@ class Progress:
 
 
 def format_train_line(row: dict, eta: str) -> str:
-    moe = ""
+    features = ""
     if "moe_load_imbalance" in row:  # a Mixture-of-Experts model's routing over the interval
-        moe = (f"moe imbalance: {row['moe_load_imbalance']:.2f} | aux loss: {row['moe_aux_loss']:.4f} | "
-               + (f"dropped: {100 * row['moe_dropped_fraction']:.1f}% | " if "moe_dropped_fraction" in row else "")
-               + (f"dead experts: {row['moe_dead_experts']} | " if row.get("moe_dead_experts") else ""))
+        features = (f"moe imbalance: {row['moe_load_imbalance']:.2f} | aux loss: {row['moe_aux_loss']:.4f} | "
+                    + (f"dropped: {100 * row['moe_dropped_fraction']:.1f}% | " if "moe_dropped_fraction" in row
+                       else "")
+                    + (f"dead experts: {row['moe_dead_experts']} | " if row.get("moe_dead_experts") else ""))
     if "mtp_loss" in row:  # multi-token prediction: its mean loss and the first depth's accuracy
-        moe += f"mtp loss: {row['mtp_loss']:.6E} | mtp acc/1: {row['mtp_acc/1']:.4f} | "
+        features += f"mtp loss: {row['mtp_loss']:.6E} | mtp acc/1: {row['mtp_acc/1']:.4f} | "
     return (f"step: {row['step']} | elapsed time per iteration (ms): {row['elapsed_ms']:.1f} | "
             f"learning rate: {row['lr']:.3E} | lm loss: {row['loss']:.6E} | grad norm: {row['grad_norm']:.3f} | "
-            f"{moe}tokens/s: {row['tokens_per_s']:.0f} | MFU: {100 * row['mfu']:.1f}% | "
+            f"{features}tokens/s: {row['tokens_per_s']:.0f} | MFU: {100 * row['mfu']:.1f}% | "
             f"peak mem (MB): {row['peak_mem_mb']:.0f} | eta: {eta}")
 
 
