@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from helpers import read_metrics, write_tiny_moe
+from helpers import read_metrics, write_tiny_model, write_tiny_moe
 from launch import cli_in_process
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
@@ -77,7 +77,7 @@ def test_each_depth_loss_equals_the_formula_from_the_models_hidden_states_and_we
     batch = {"input_ids": ids, "shift_labels": F.pad(ids[:, 1:], (0, 1), value=IGNORE)}
     with forwarding(batch):
         model(input_ids=ids, use_cache=False)
-    results = forward.take_results()
+    (results,) = forward.take_results()
     assert len(results) == DEPTHS
     eps = model.config.rms_norm_eps
     with torch.no_grad():
@@ -112,11 +112,12 @@ def test_bad_keys_are_refused_at_load(overrides, message):
 
 
 def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
-    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 2}}
+    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 4}, "gradient_accumulation_steps": 4,
+                 "model_path": str(write_tiny_model(tmp_path / "four-layers", num_hidden_layers=4))}
     for command, extra, message in (
             (["train"], {"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
             (["train"], {"mtp_num_layers": 1, "dtype": "fp16"}, "multi-token prediction with dtype fp16"),
-            (["plan", "--world-size", "2"], pipelined, "not available with engine megatron with pp_degree > 1")):
+            (["plan", "--world-size", "4"], pipelined, "not available with engine megatron with pp_degree > 2")):
         config = tmp_path / "bad.yaml"
         config.write_text(json.dumps({**base_config, **extra}))
         code, err = cli_in_process(capsys, *command, config)
@@ -139,7 +140,7 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
     """Llama- and DeepSeek-V3-shaped models with two depths: ddp (chunked head; Llama also compiled), fsdp
     (activation checkpointing),
     DeepSpeed ZeRO-3, the megatron engine (Llama: tp=2 with sequence parallelism and the vocabulary-parallel
-    chunked head, and tp=2 on whole sequences; DeepSeek-V3: dp=2), and fsdp stopped at step 3 and resumed, give
+    chunked head, tp=2 on whole sequences, pp=2 with whole logits and with the chunked head; DeepSeek-V3: dp=2), and fsdp stopped at step 3 and resumed, give
     one process's per-step main loss, MTP loss and each depth's loss and accuracy (fp32, 1e-5); without depths the losses differ (the depths train the shared
     model). The DeepSeek-V3 run's export, read by fsdp in slices with a third depth and continued one step at a
     learning rate of 1e-12, exports the same tensors for the two depths it held, and the third."""
@@ -172,6 +173,11 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
               {"name": "llama-tp2-whole-sequence",
                "config": {**tp2, "plugin_args": {"tp_degree": 2}, "loss_chunk_size": 0,
                           "save_dir": str(tmp_path / "llama-tp2-whole-sequence")}},
+              {"name": "llama-pp2", "config": {"engine": "megatron", "plugin_args": {"pp_degree": 2},
+                                               "save_dir": str(tmp_path / "llama-pp2")}},
+              {"name": "llama-pp2-chunked", "config": {"engine": "megatron", "plugin_args": {"pp_degree": 2},
+                                                       "loss_chunk_size": 24,
+                                                       "save_dir": str(tmp_path / "llama-pp2-chunked")}},
               {"name": "deepseek-megatron-dp2", "config": {**deepseek, "engine": "megatron", "dp": 2,
                                                             "micro_batch_size": 1,
                                                             "save_dir": str(tmp_path / "deepseek-megatron-dp2")}}]
@@ -180,8 +186,11 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
                "mtp_num_layers": 3, "num_training_steps": 1, "warmup_steps": 0, "lr": 1e-12, "export_hf": True,
                "save_interval": 0,
                "eval_interval": 0, "save_dir": str(tmp_path / "deepseek-fsdp-from-hf")}
+    pp2_resumed = {"engine": "megatron", "plugin_args": {"pp_degree": 2}, "save_dir": str(tmp_path / "pp2-resumed")}
     cases += [{"name": "llama-fsdp-exit", "config": {**resumed, "exit_interval": 3}},
               {"name": "llama-fsdp-rerun", "config": resumed},
+              {"name": "llama-pp2-exit", "config": {**pp2_resumed, "exit_interval": 3}},
+              {"name": "llama-pp2-rerun", "config": {**pp2_resumed, "export_hf": True}},
               {"name": "deepseek-fsdp-from-hf", "config": from_hf}]
     done = launch_cases(config, cases, 2, tmp_path)
     assert "multi-token prediction: 2 depth(s), loss weight 0.1" in done.stdout + done.stderr
@@ -189,7 +198,8 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
     for family in ("llama", "deepseek"):
         want = mtp_columns(step_rows(references[family]))
         assert len(want) == 6 * 6 and all(value > 0 for value in want[1::6])
-        engines = ("ddp", "fsdp", "zero3", *(("tp2", "tp2-whole-sequence", "ddp-compile") if family == "llama" else
+        engines = ("ddp", "fsdp", "zero3", *(("tp2", "tp2-whole-sequence", "pp2", "pp2-chunked", "ddp-compile")
+                                             if family == "llama" else
                                              ("megatron-dp2",)))
         for engine in engines:
             have = mtp_columns(step_rows(tmp_path / f"{family}-{engine}"))
@@ -198,9 +208,14 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
     assert main_losses[0] == pytest.approx(step_rows(references["without"])[0]["loss"], rel=1e-6)  # same start
     assert main_losses[1:] != pytest.approx([row["loss"] for row in step_rows(references["without"])][1:],
                                             rel=1e-4)  # the depths' gradient moves the shared model
-    rows = step_rows(tmp_path / "llama-resumed")
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
-    assert mtp_columns(rows) == pytest.approx(mtp_columns(step_rows(references["llama"])), rel=1e-5)
+    for resumed_dir in ("llama-resumed", "pp2-resumed"):
+        rows = step_rows(tmp_path / resumed_dir)
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+        assert mtp_columns(rows) == pytest.approx(mtp_columns(step_rows(references["llama"])), rel=1e-5), resumed_dir
+    # pp=2: the first stage's embedding and the last stage's copy stayed one tensor, exported once
+    with safe_open(str(tmp_path / "pp2-resumed" / "hf" / "model.safetensors"), "pt") as files:
+        embedding = files.get_tensor("model.embed_tokens.weight")
+        assert torch.equal(files.get_tensor("model.layers.2.embed_tokens.weight"), embedding)
     for layer in (2, 3):
         given = exported_mtp_tensors(references["deepseek"] / "hf", layer)
         exported = exported_mtp_tensors(tmp_path / "deepseek-fsdp-from-hf" / "hf", layer)
@@ -282,3 +297,28 @@ def test_a_decoder_that_runs_every_layer_of_its_list_is_refused():
                                                                vocab_size=100))
     with pytest.raises(ConfigError, match="GPTNeoXModel's forward runs every layer of its list"):
         add_mtp_layers(model, 1)
+
+
+def test_the_planner_offers_only_layouts_that_run_the_depths():
+    """With depths, no layout the search offers is refused: no context parallelism, no megatron pp > 2 and no
+    pp = 2 with tp > 1 (the quickstart model's 4 layers on 8 ranks, where such layouts exist without depths)."""
+    from transformers import AutoConfig
+
+    from helpers import QUICKSTART_MODEL
+    from pretrainer.parallel import Layout, engine_entry
+    from pretrainer.plan import model_shape
+    from pretrainer.plan.search import candidate_layouts
+
+    from pretrainer.parallel.fsdp_plan import FSDPSettings
+
+    settings = FSDPSettings()
+    layout = Layout(engine_entry("fsdp"), engine_entry("fsdp").cls.parallel_dims(8, 1, settings), 1, 8, 128, "fp32",
+                    8, settings=settings)
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
+
+    def refused(candidate) -> bool:
+        return candidate.cp > 1 or candidate.pp > 2 or (candidate.pp == 2 and candidate.tp > 1)
+
+    for depths, want in ((0, True), (DEPTHS, False)):
+        candidates = candidate_layouts(layout, model_shape(config, mtp_depths=depths), lambda micro: 0)
+        assert candidates and any(refused(c) for c in candidates) is want, depths

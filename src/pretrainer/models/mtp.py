@@ -219,7 +219,7 @@ class MtpForward:
         self.head = model.get_output_embeddings()
         self._layer_kwargs: dict | None = None
         self._head_input: torch.Tensor | None = None
-        self._results: list[DepthResult] = []
+        self._results: list[list[DepthResult]] = []  # per training forward not yet taken
         self._running = False
         # each depth's summed loss times this is its part of the backward (set by the loop for each step; None:
         # the losses are measured, not trained)
@@ -248,13 +248,14 @@ class MtpForward:
         batch = forwarded_batch()
         self._running = True
         try:
-            self._results = self._run_depths(self._head_input, batch)
+            results = self._run_depths(self._head_input, batch)
         finally:
             self._running = False
             self._head_input = None
+        self._results.append(results)
         if self.loss_weights is None:
             return None
-        weighted = (self.loss_weights * torch.stack([r.loss_sum for r in self._results]).double()).sum()
+        weighted = (self.loss_weights * torch.stack([r.loss_sum for r in results]).double()).sum()
         return AddToBackward.apply(output, weighted.to(torch.float32))
 
     def _run_depths(self, hidden: torch.Tensor, batch: dict) -> list[DepthResult]:
@@ -270,8 +271,9 @@ class MtpForward:
             results.append(_depth_result(output, targets))
         return results
 
-    def take_results(self) -> list[DepthResult]:
-        """The depths' results of the last training forward (once; empty when none ran)."""
+    def take_results(self) -> list[list[DepthResult]]:
+        """The depths' results of each training forward since the last take (a pipeline schedule runs several
+        before the loop sees any), in order."""
         results, self._results = self._results, []
         return results
 

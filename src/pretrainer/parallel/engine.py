@@ -219,10 +219,16 @@ class Engine(LayoutAnswers, ABC):
     def clip_gradients(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         """The global norm of the parameters' gradients (before clipping); scales them down to `max_norm`."""
         grads = [p.grad for p in params]
-        grad_norm = global_norm(grads, self.gradient_holders, self.sum_over_ranks, self.device)
+        counted = [p.grad for p in params if not self.is_replica(p)]
+        grad_norm = global_norm(counted, self.gradient_holders, self.sum_over_ranks, self.device)
         if max_norm and grads:
             clip_(grads, max_norm, grad_norm)
         return grad_norm
+
+    def is_replica(self, param: torch.Tensor) -> bool:
+        """Whether this rank holds `param` as a copy of a parameter another pipeline stage holds (its gradient then
+        counts once in the global norm, where the other stage counts it)."""
+        return False
 
     @property
     def gradient_holders(self) -> int:

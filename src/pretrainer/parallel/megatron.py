@@ -64,6 +64,8 @@ class MegatronModel(torch.nn.Module):
             if stage.embed_tokens is not None:
                 decoder.embed_tokens = stage.embed_tokens
             decoder.layers.update(stage.layers)
+            if stage.mtp_embed_tokens is not None and not hasattr(decoder, "embed_tokens"):
+                decoder.embed_tokens = stage.mtp_embed_tokens  # a copy of the first stage's (see DecoderStage)
             if stage.norm is not None:
                 decoder.norm = stage.norm
             if stage.lm_head is not None:
@@ -106,6 +108,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         self._padding_checked = False
         self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
+        self._mtp_depths = False  # multi-token prediction depths follow the head (on the last stage)
 
     def autocast(self):
         """Whole stages compute under autocast; FSDP2 stages (the distributed optimizer over several ranks) are cast
@@ -176,6 +179,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         self.stage_ids = stages_of_rank(self.pp_rank, s.pp, s.num_stages)
         is_meta = any(p.is_meta for p in model.parameters())
         self._head_loss = computes_loss(parts.lm_head)
+        self._mtp_depths = len(parts.layers) > model.config.num_hidden_layers  # models/mtp.py's, after the head
         self.install_context_parallel(model)
         for index in self.stage_ids:
             stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
@@ -356,8 +360,11 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
                              for b in micro_batches])
         last = self.settings.num_stages - 1
-        # a head that computes the loss is handed each micro-batch's targets with its hidden states
-        head_targets = {"targets": targets} if self._head_loss and last in self.stage_ids else {}
+        # a head that computes the loss is handed each micro-batch's targets with its hidden states, and
+        # multi-token prediction depths after the head the tokens as well
+        head_targets = {"targets": targets} if (self._head_loss or self._mtp_depths) and last in self.stage_ids else {}
+        if self._mtp_depths and last in self.stage_ids:
+            head_targets["mtp_tokens"] = inputs
         # an MoE model's routing reads each micro-batch's padding, after the shapes' stand-in forward
         masks = PipelinedMasks([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0) for b in micro_batches],
                                stand_in_first=not self._schedule_ran) if self._routes_tokens else None
@@ -386,7 +393,25 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
 
     def step(self, model, optimizer, max_norm, skip_nonfinite: bool = True, skip_rule=None):
         self._sum_partial_gradients_over_tp(model)
+        self._sum_embedding_gradients()
         return super().step(model, optimizer, max_norm, skip_nonfinite, skip_rule)
+
+    def is_replica(self, param: torch.Tensor) -> bool:
+        return any(stage.mtp_embed_tokens is not None and param is stage.mtp_embed_tokens.weight
+                   for stage in self.stages)
+
+    def _sum_embedding_gradients(self) -> None:
+        """Multi-token prediction under pipelining (pp = 2): the first stage's embedding and the last stage's copy
+        sum their gradients over the two pipeline ranks, so both apply the same update (Megatron's embedding
+        group)."""
+        if self.settings.pp == 1 or not self._mtp_depths:
+            return
+        held = next(stage.embed_tokens if stage.embed_tokens is not None else stage.mtp_embed_tokens
+                    for stage in self.stages if stage.embed_tokens is not None or stage.mtp_embed_tokens is not None)
+        if held.weight.grad is None:  # no gradient reached it here: the other rank's is the sum
+            held.weight.grad = torch.zeros_like(held.weight)
+        grad = held.weight.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.mesh.get_group("pp"))
 
     def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
         """Gradients that hold only this tp rank's part, summed over tp once per step (Megatron's

@@ -53,9 +53,14 @@ class MegatronLayoutAnswers(LayoutAnswers):
 
     @classmethod
     def mtp_refusal(cls, settings) -> str | None:
-        if settings is not None and settings.pp > 1:
-            return ("with pp_degree > 1 (the last stage would need the tokens and the embedding, which the first "
-                    "holds); use pp_degree 1")
+        if settings is None or settings.pp == 1:
+            return None
+        if settings.pp > 2:
+            return ("with pp_degree > 2 (the embedding the last stage copies sums its gradient with the first "
+                    "stage's over the two of them); use pp_degree 1 or 2")
+        if settings.tp > 1:
+            return "with pp_degree 2 and tp_degree > 1 (the last stage's copy of the embedding is not split); " \
+                   "use tp_degree 1 with pp_degree 2, or pp_degree 1"
         return None
 
     @classmethod

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask
 
-from ..batch import targets_for_head
+from ..batch import forwarding, targets_for_head
 from ..config import ConfigError
 from ..models.registry import pipeline_misfit
 from . import context_parallel
@@ -61,6 +61,9 @@ class DecoderStage(torch.nn.Module):
         self.main_layers = main
         self.norm = parts.norm if last else None
         self.lm_head = parts.lm_head if last else None
+        # the depths embed the tokens ahead: a last stage that is not also the first holds a copy of the embedding,
+        # its gradient summed with the first stage's at each step (as Megatron-Core's MTP on the last stage)
+        self.mtp_embed_tokens = parts.embed_tokens if depths and not first else None
         self.rotary_emb = parts.rotary_emb
         self.config = config
         self.tied = tied
@@ -81,9 +84,11 @@ class DecoderStage(torch.nn.Module):
             self.recompute_groups = [(names[i:i + size], True) for i in range(0, len(names), size)]
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (token ids on the first stage) to the next stage's hidden states, or, on the last,
-        logits, or with `targets` and a head that computes the loss (`loss_chunk_size`) its loss sum."""
+        logits, or with `targets` and a head that computes the loss (`loss_chunk_size`) its loss sum. The last
+        stage of a pipeline is handed the tokens too (`mtp_tokens`) where multi-token prediction depths follow
+        its head (models/mtp.py)."""
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
@@ -106,7 +111,8 @@ class DecoderStage(torch.nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:
-            with targets_for_head(targets) if targets is not None else contextlib.nullcontext():
+            with forwarding({"input_ids": mtp_tokens}) if mtp_tokens is not None else contextlib.nullcontext(), \
+                    targets_for_head(targets) if targets is not None else contextlib.nullcontext():
                 hidden = self.lm_head(hidden)
         return hidden
 

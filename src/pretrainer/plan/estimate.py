@@ -136,9 +136,12 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
     most = min(layout.pp, layout.accumulation)
     in_flight = {"gpipe": (layout.accumulation, layout.accumulation), "1f1b": (most, 1)}.get(
         layout.pipeline_schedule, (most, most))
+    # multi-token prediction depths sit on the last stage with a copy of the embedding (models/mtp.py)
+    depths = shape.mtp_depths * shape.mtp_layer_parameters + (shape.embedding_parameters if shape.mtp_depths else 0)
+    depth_matmuls = shape.mtp_depths * (shape.mtp_layer_parameters + shape.vocab * shape.hidden)
     return [part("first", first + shape.embedding_parameters, first, in_flight[0], False, first_layers),
-            part("last", last + shape.head_parameters + shape.other_parameters, last + shape.vocab * shape.hidden,
-                 in_flight[1], True, last_layers)]
+            part("last", last + shape.head_parameters + shape.other_parameters + depths,
+                 last + shape.vocab * shape.hidden + depth_matmuls, in_flight[1], True, last_layers)]
 
 
 def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, weights: str,

@@ -247,13 +247,16 @@ class MultiTokenPrediction(StepExtension):
 
     def extra_losses(self) -> None:
         """After each forward: its depths' sums, for the metrics (their loss is already in the backward)."""
-        results = self.forward.take_results()
-        if results:
-            self._window.append(torch.stack([torch.stack([r.loss_sum.detach() for r in results]),
-                                             torch.stack([r.correct for r in results])]).double())
+        self._take()
         return None
 
+    def _take(self) -> None:
+        for results in self.forward.take_results():
+            self._window.append(torch.stack([torch.stack([r.loss_sum.detach() for r in results]),
+                                             torch.stack([r.correct for r in results])]).double())
+
     def end_step(self, applied: bool) -> None:
+        self._take()  # a pipeline schedule's forwards, which no extra_losses call follows
         for sums in self._window[-self._micro_batches:]:
             self._sums += sums
         self._window = []
