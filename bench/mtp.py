@@ -31,7 +31,8 @@ def run(depths: int, steps: int, seq: int, work: Path, threads: int) -> dict:
     save_dir = work / f"mtp-{depths}"
     config = pretrainer_config(work / f"mtp-{depths}.yaml", work / "model", seq, steps, save_dir, 8,
                                train_data=str(CORPUS), eval_split=0.05, eval_interval=steps, eval_iters=10,
-                               lr=2e-3, min_lr=2e-4, warmup_steps=min(10, steps // 2), export_hf=False, mtp_num_layers=depths)
+                               lr=2e-3, min_lr=2e-4, warmup_steps=min(10, steps // 2), export_hf=False,
+                               mtp_num_layers=depths)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run([str(BIN / "pretrainer"), "train", str(config)], cwd=REPO, env=env, capture_output=True,
                           text=True)

@@ -112,7 +112,8 @@ def test_bad_keys_are_refused_at_load(overrides, message):
 
 
 def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
-    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 4}, "gradient_accumulation_steps": 4,
+    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 4},
+                 "gradient_accumulation_steps": 4,
                  "model_path": str(write_tiny_model(tmp_path / "four-layers", num_hidden_layers=4))}
     for command, extra, message in (
             (["train"], {"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
@@ -137,13 +138,14 @@ def exported_mtp_tensors(folder, depth_layer: int) -> dict[str, torch.Tensor]:
 
 
 def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_model, tmp_path):
-    """Llama- and DeepSeek-V3-shaped models with two depths: ddp (chunked head; Llama also compiled), fsdp
-    (activation checkpointing),
-    DeepSpeed ZeRO-3, the megatron engine (Llama: tp=2 with sequence parallelism and the vocabulary-parallel
-    chunked head, tp=2 on whole sequences, pp=2 with whole logits and with the chunked head; DeepSeek-V3: dp=2), and fsdp stopped at step 3 and resumed, give
-    one process's per-step main loss, MTP loss and each depth's loss and accuracy (fp32, 1e-5); without depths the losses differ (the depths train the shared
-    model). The DeepSeek-V3 run's export, read by fsdp in slices with a third depth and continued one step at a
-    learning rate of 1e-12, exports the same tensors for the two depths it held, and the third."""
+    """Llama- and DeepSeek-V3-shaped models with two depths give one process's per-step main loss, MTP loss and
+    each depth's loss and accuracy (fp32, 1e-5) on: ddp (chunked head; Llama also compiled), fsdp (activation
+    checkpointing), DeepSpeed ZeRO-3, the megatron engine (Llama: tp=2 with sequence parallelism and the
+    vocabulary-parallel chunked head, tp=2 on whole sequences, pp=2 with whole logits and with the chunked head;
+    DeepSeek-V3: dp=2), and fsdp and pp=2 stopped at step 3 and resumed. Without depths the losses differ (the
+    depths train the shared model). The DeepSeek-V3 run's export, read by fsdp in slices with a third depth and
+    continued one step at a learning rate of 1e-12, exports the same tensors for the two depths it held, and
+    the third."""
     config = {**base_config, "mtp_num_layers": DEPTHS, "export_hf": False, "log_interval": 1}
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
@@ -306,10 +308,9 @@ def test_the_planner_offers_only_layouts_that_run_the_depths():
 
     from helpers import QUICKSTART_MODEL
     from pretrainer.parallel import Layout, engine_entry
+    from pretrainer.parallel.fsdp_plan import FSDPSettings
     from pretrainer.plan import model_shape
     from pretrainer.plan.search import candidate_layouts
-
-    from pretrainer.parallel.fsdp_plan import FSDPSettings
 
     settings = FSDPSettings()
     layout = Layout(engine_entry("fsdp"), engine_entry("fsdp").cls.parallel_dims(8, 1, settings), 1, 8, 128, "fp32",

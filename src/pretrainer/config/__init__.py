@@ -10,8 +10,8 @@ from .downstream import TASK_FORMATS, DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
-from .mtp import MtpSettings, mtp_settings
 from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shape
+from .mtp import MtpSettings, mtp_settings
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
 from .optimization import MUON_ADJUST_LR, OPTIMIZERS, BranchPoint, MuonSettings, OptimizerSettings, ScheduleSettings
 from .paths import CHECKPOINT_STATE_FILE, check_writable_folder, extra_state_file, staging_folder

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .errors import key_error
 
+
 @dataclass(frozen=True)
 class MtpSettings:
     depths: int          # D: each depth k predicts the token k + 1 ahead

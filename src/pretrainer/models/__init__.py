@@ -2,8 +2,8 @@
 
 from .build import (
     ModelSource,
-    add_multi_token_prediction,
     ModelSpec,
+    add_multi_token_prediction,
     build_model,
     count_parameters,
     load_tokenizer,

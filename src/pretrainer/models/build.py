@@ -173,7 +173,8 @@ def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelS
     if reader is None and folder is not None and any(folder.glob("*.safetensors")):
         reader = CheckpointTensors.open(folder, model)
     prefixes = depth_prefixes(model)
-    read = [k for k, prefix in enumerate(prefixes, 1) if reader is not None and reader.locate(prefix + "eh_proj.weight")]
+    read = [k for k, prefix in enumerate(prefixes, 1)
+            if reader is not None and reader.locate(prefix + "eh_proj.weight")]
     source = f"read from {folder}" if read else ""
     logger.info("multi-token prediction: %d depth(s)%s%s", depths,
                 f"; depth(s) {', '.join(map(str, read))} {source}" if read else "",

@@ -333,7 +333,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                     if self._routes_tokens else {}
                 sources = {SOURCE: batch[SOURCE]} if SOURCE in batch else {}  # a mixture's, for per-source losses
                 # the tokens, targets and positions, for multi-token prediction's depths (models/mtp.py)
-                tokens = {"input_ids": input_ids, "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
+                tokens = {"input_ids": input_ids,
+                          "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
                           **({"position_ids": position_ids} if position_ids is not None else {})}
                 with forwarding({**padding, **sources, **tokens}):
                     output = self.stages[0](input_ids, position_ids, targets)
