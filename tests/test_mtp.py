@@ -112,13 +112,11 @@ def test_bad_keys_are_refused_at_load(overrides, message):
 
 
 def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
-    pipelined = {"mtp_num_layers": 1, "engine": "megatron", "plugin_args": {"pp_degree": 4},
-                 "gradient_accumulation_steps": 4,
-                 "model_path": str(write_tiny_model(tmp_path / "four-layers", num_hidden_layers=4))}
+    split = {"mtp_num_layers": 1, "engine": "fsdp", "context_parallel_degree": 2}
     for command, extra, message in (
             (["train"], {"mtp_num_layers": 32}, "leaves no target in a window of seq_length 32"),
             (["train"], {"mtp_num_layers": 1, "dtype": "fp16"}, "multi-token prediction with dtype fp16"),
-            (["plan", "--world-size", "4"], pipelined, "not available with engine megatron with pp_degree > 2")):
+            (["plan", "--world-size", "2"], split, "with context_parallel_degree > 1 is not available")):
         config = tmp_path / "bad.yaml"
         config.write_text(json.dumps({**base_config, **extra}))
         code, err = cli_in_process(capsys, *command, config)
@@ -129,6 +127,29 @@ def test_bad_input_is_one_line_with_exit_2(base_config, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def deepseek_model(tmp_path_factory):
     return write_tiny_moe(tmp_path_factory.mktemp("deepseek-v3"), "deepseek_v3")
+
+
+def test_pipelines_of_four_ranks_train_the_depths_as_one_process(base_config, tmp_path):
+    """4 ranks: pp=2 x tp=2 (sequence parallel; the last stage's embedding copy split over tp as the first's),
+    and pp=4 on a 4-layer Llama (the embedding summed over the first and last of four stages only), give one
+    process's per-step main loss, MTP loss and each depth's loss and accuracy (fp32, 1e-5)."""
+    four = write_tiny_model(tmp_path / "four-layers", num_hidden_layers=4)
+    config = {**base_config, "mtp_num_layers": DEPTHS, "export_hf": False, "log_interval": 1, "eval_interval": 0,
+              "save_interval": 0, "gradient_accumulation_steps": 4, "micro_batch_size": 1}
+    references = {}
+    for name, extra in (("two", {}), ("four", {"model_path": str(four)})):
+        references[name] = tmp_path / f"single-{name}"
+        with PreTrainer(PreTrainingArguments(**{**config, **extra, "save_dir": str(references[name])})) as trainer:
+            trainer.train()
+    pp2_tp2 = {"pp_degree": 2, "tp_degree": 2, "sequence_parallelism": True}
+    cases = [{"name": "pp2-tp2", "config": {"engine": "megatron", "loss_chunk_size": 24, "plugin_args": pp2_tp2,
+                                            "save_dir": str(tmp_path / "pp2-tp2")}},
+             {"name": "pp4", "config": {"engine": "megatron", "model_path": str(four), "plugin_args": {"pp_degree": 4},
+                                        "save_dir": str(tmp_path / "pp4")}}]
+    launch_cases(config, cases, 4, tmp_path)
+    for name, reference in (("pp2-tp2", "two"), ("pp4", "four")):
+        assert mtp_columns(step_rows(tmp_path / name)) == pytest.approx(
+            mtp_columns(step_rows(references[reference])), rel=1e-5), name
 
 
 def exported_mtp_tensors(folder, depth_layer: int) -> dict[str, torch.Tensor]:
@@ -142,10 +163,10 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
     each depth's loss and accuracy (fp32, 1e-5) on: ddp (chunked head; Llama also compiled), fsdp (activation
     checkpointing), DeepSpeed ZeRO-3, the megatron engine (Llama: tp=2 with sequence parallelism and the
     vocabulary-parallel chunked head, tp=2 on whole sequences, pp=2 with whole logits and with the chunked head;
-    DeepSeek-V3: dp=2), and fsdp and pp=2 stopped at step 3 and resumed. Without depths the losses differ (the
-    depths train the shared model). The DeepSeek-V3 run's export, read by fsdp in slices with a third depth and
-    continued one step at a learning rate of 1e-12, exports the same tensors for the two depths it held, and
-    the third."""
+    DeepSeek-V3: pp=2 and dp=2), and fsdp and pp=2 stopped at step 3 and resumed. Without depths the losses
+    differ (the depths train the shared model). The DeepSeek-V3 run's export, read by fsdp in slices with a
+    third depth and continued one step at a learning rate of 1e-12, exports the same tensors for the two depths
+    it held, and the third."""
     config = {**base_config, "mtp_num_layers": DEPTHS, "export_hf": False, "log_interval": 1}
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
@@ -180,6 +201,8 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
               {"name": "llama-pp2-chunked", "config": {"engine": "megatron", "plugin_args": {"pp_degree": 2},
                                                        "loss_chunk_size": 24,
                                                        "save_dir": str(tmp_path / "llama-pp2-chunked")}},
+              {"name": "deepseek-pp2", "config": {**deepseek, "engine": "megatron", "plugin_args": {"pp_degree": 2},
+                                                  "save_dir": str(tmp_path / "deepseek-pp2")}},
               {"name": "deepseek-megatron-dp2", "config": {**deepseek, "engine": "megatron", "dp": 2,
                                                             "micro_batch_size": 1,
                                                             "save_dir": str(tmp_path / "deepseek-megatron-dp2")}}]
@@ -201,8 +224,7 @@ def test_every_engine_trains_the_depths_as_one_process(base_config, deepseek_mod
         want = mtp_columns(step_rows(references[family]))
         assert len(want) == 6 * 6 and all(value > 0 for value in want[1::6])
         engines = ("ddp", "fsdp", "zero3", *(("tp2", "tp2-whole-sequence", "pp2", "pp2-chunked", "ddp-compile")
-                                             if family == "llama" else
-                                             ("megatron-dp2",)))
+                                             if family == "llama" else ("pp2", "megatron-dp2")))
         for engine in engines:
             have = mtp_columns(step_rows(tmp_path / f"{family}-{engine}"))
             assert have == pytest.approx(want, rel=1e-5), f"{family}-{engine}"
@@ -302,8 +324,8 @@ def test_a_decoder_that_runs_every_layer_of_its_list_is_refused():
 
 
 def test_the_planner_offers_only_layouts_that_run_the_depths():
-    """With depths, no layout the search offers is refused: no context parallelism, no megatron pp > 2 and no
-    pp = 2 with tp > 1 (the quickstart model's 4 layers on 8 ranks, where such layouts exist without depths)."""
+    """With depths, the search offers no context parallelism (a depth reads tokens ahead that another rank
+    holds), and still megatron's tp and pp (the quickstart model's 4 layers on 8 ranks)."""
     from transformers import AutoConfig
 
     from helpers import QUICKSTART_MODEL
@@ -313,13 +335,10 @@ def test_the_planner_offers_only_layouts_that_run_the_depths():
     from pretrainer.plan.search import candidate_layouts
 
     settings = FSDPSettings()
-    layout = Layout(engine_entry("fsdp"), engine_entry("fsdp").cls.parallel_dims(8, 1, settings), 1, 8, 128, "fp32",
-                    8, settings=settings)
+    layout = Layout(engine_entry("fsdp"), engine_entry("fsdp").cls.parallel_dims(8, 1, settings), 1, 8, 8192,
+                    "fp32", 8, settings=settings)  # long enough for the search to split sequences
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)
-
-    def refused(candidate) -> bool:
-        return candidate.cp > 1 or candidate.pp > 2 or (candidate.pp == 2 and candidate.tp > 1)
-
-    for depths, want in ((0, True), (DEPTHS, False)):
+    for depths in (0, DEPTHS):
         candidates = candidate_layouts(layout, model_shape(config, mtp_depths=depths), lambda micro: 0)
-        assert candidates and any(refused(c) for c in candidates) is want, depths
+        assert any(c.cp > 1 for c in candidates) is (depths == 0), depths
+        assert any(c.pp == 4 and c.tp == 2 for c in candidates), depths

@@ -190,6 +190,12 @@ class MoeRouting:
         self._interval_units += units / self._split  # each rank of a split holds a part of the same units
         return output if kept is not None or self._attach else None
 
+    def keep_counts_on(self, device: torch.device) -> None:
+        """Hold the counts on `device` from the start: a rank whose pipeline stages route no token (DeepSeek-V3's
+        dense first layers) still takes part in every reduction of them, with zeros."""
+        self._counts(device)
+        self._sums(device)
+
     def _counts(self, device) -> torch.Tensor:
         if self._step_counts is None:
             self._step_counts = torch.zeros(self.layers, self.settings.shape.experts, dtype=torch.int64, device=device)

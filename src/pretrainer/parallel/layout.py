@@ -211,11 +211,6 @@ class LayoutAnswers:
         return False
 
     @classmethod
-    def mtp_refusal(cls, settings) -> str | None:
-        """Why these settings cannot run multi-token prediction depths (models/mtp.py), or None."""
-        return None
-
-    @classmethod
     def reads_weight_slices(cls, settings) -> bool:
         """Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
         (models/hf_weights.py) instead of loading it whole in every process."""

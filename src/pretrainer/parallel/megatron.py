@@ -180,6 +180,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         is_meta = any(p.is_meta for p in model.parameters())
         self._head_loss = computes_loss(parts.lm_head)
         self._mtp_depths = len(parts.layers) > model.config.num_hidden_layers  # models/mtp.py's, after the head
+        if self._mtp_depths and s.pp > 1:
+            self.meshes.pipeline_ends()  # made by every rank, now, in the same order
         self.install_context_parallel(model)
         for index in self.stage_ids:
             stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
@@ -402,17 +404,19 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                    for stage in self.stages)
 
     def _sum_embedding_gradients(self) -> None:
-        """Multi-token prediction under pipelining (pp = 2): the first stage's embedding and the last stage's copy
-        sum their gradients over the two pipeline ranks, so both apply the same update (Megatron's embedding
-        group)."""
+        """Multi-token prediction under pipelining: the first stage's embedding and the last stage's copy sum their
+        gradients over the pipeline's two end ranks, so both apply the same update (Megatron's embedding group)."""
         if self.settings.pp == 1 or not self._mtp_depths:
+            return
+        group = self.meshes.pipeline_ends()
+        if group is None:  # a stage in between holds neither
             return
         held = next(stage.embed_tokens if stage.embed_tokens is not None else stage.mtp_embed_tokens
                     for stage in self.stages if stage.embed_tokens is not None or stage.mtp_embed_tokens is not None)
-        if held.weight.grad is None:  # no gradient reached it here: the other rank's is the sum
+        if held.weight.grad is None:  # no gradient reached it here: the other end's is the sum
             held.weight.grad = torch.zeros_like(held.weight)
         grad = held.weight.grad
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.mesh.get_group("pp"))
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
     def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
         """Gradients that hold only this tp rank's part, summed over tp once per step (Megatron's

@@ -52,18 +52,6 @@ class MegatronLayoutAnswers(LayoutAnswers):
         return True
 
     @classmethod
-    def mtp_refusal(cls, settings) -> str | None:
-        if settings is None or settings.pp == 1:
-            return None
-        if settings.pp > 2:
-            return ("with pp_degree > 2 (the embedding the last stage copies sums its gradient with the first "
-                    "stage's over the two of them); use pp_degree 1 or 2")
-        if settings.tp > 1:
-            return "with pp_degree 2 and tp_degree > 1 (the last stage's copy of the embedding is not split); " \
-                   "use tp_degree 1 with pp_degree 2, or pp_degree 1"
-        return None
-
-    @classmethod
     def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
         """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
         s = layout.settings

@@ -12,6 +12,7 @@ of one model replica are consecutive and every engine sees the same groups for t
     sharding     (shard,) or (replicate, shard)        FSDP's mesh over every rank (hybrid: replicate groups)
     experts      (expert_replicas, ep, pp, cp, tp)     expert parallelism: ep consecutive dp ranks split experts
     context      the model mesh's cp group             context parallelism's all-gathers
+    pipeline_ends  the first and last pp rank of a pipeline  an embedding both ends hold (multi-token prediction)
     host         a gloo group over every rank          host-side flags beside an accelerator's backend
     checkpoint   a gloo group over every rank          the background checkpoint writer's own collectives
 """
@@ -79,6 +80,22 @@ class Meshes:
 
     def context_rank(self) -> int:
         return self.model().get_local_rank("cp")
+
+    def pipeline_ends(self):
+        """The group of this rank's pipeline's first and last stage ranks (the same dp, cp and tp place), or None
+        on a rank in between. Every rank makes every pair's group, in the same order."""
+        def build():
+            model = self.model()
+            pp = model.mesh_dim_names.index("pp")
+            pipelines = model.mesh.movedim(pp, -1).reshape(-1, self.dims.pp).tolist()
+            mine = None
+            for ranks in pipelines:
+                group = dist.new_group([ranks[0], ranks[-1]])
+                if dist.get_rank() in (ranks[0], ranks[-1]):
+                    mine = group
+            return mine
+
+        return self._once("pipeline_ends", build)
 
     def host(self):
         """A group for host (CPU) tensors: the world's own under gloo, a gloo group beside another backend."""

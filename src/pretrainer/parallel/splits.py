@@ -76,9 +76,10 @@ def llama_parts(model: torch.nn.Module) -> ModelParts:
 def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
     """Apply the Llama layouts to the parts this stage holds (`stage.embed_tokens` etc., each may be None)."""
     sequence = Shard(1) if sequence_parallel else Replicate()
-    if stage.embed_tokens is not None:
-        parallelize_module(stage.embed_tokens, mesh, RowwiseParallel(input_layouts=Replicate(),
-                                                                     output_layouts=sequence))
+    # the first stage's embedding, or the last stage's copy of it (multi-token prediction under pipelining)
+    for embedding in (stage.embed_tokens, getattr(stage, "mtp_embed_tokens", None)):
+        if embedding is not None:
+            parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence))
     for layer in stage.layers.values():
         # an MoE block is left whole: under sequence parallelism it routes this rank's tokens (moe_blocks)
         dense = not find_experts(_inner(layer).mlp)

@@ -30,9 +30,8 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
                 if not shape.experts or entry.cls.trains_moe
                 for variant in entry.cls.layout_variants(layout.world_size, layout.devices_per_node, shape,
                                                          layout.seq_length)
-                if not shape.experts or variant["dims"].cp == 1  # an MoE model trains whole sequences
-                if not shape.mtp_depths or (variant["dims"].cp == 1 and  # multi-token prediction: where it runs
-                                            entry.cls.mtp_refusal(variant.get("settings")) is None)]
+                # an MoE model and multi-token prediction depths train whole sequences
+                if not (shape.experts or shape.mtp_depths) or variant["dims"].cp == 1]
     variants.sort(key=lambda v: v["dims"].cp)  # the layouts of whole sequences first
     out = []
     for variant in variants:

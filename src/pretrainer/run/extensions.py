@@ -69,6 +69,7 @@ class MoeStep(StepExtension):
     def attach(self, engine, model: torch.nn.Module) -> None:
         """Each micro-batch starts where the engine runs it; tokens are split as it splits them."""
         self.engine = engine
+        self.routing.keep_counts_on(engine.device)
         self.routing.watch_forwards(engine.forward_modules(model))
         self.routing.split_sequences(engine.routing_group)
         if engine.balancing_losses_on_activations:

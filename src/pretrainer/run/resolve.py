@@ -231,10 +231,6 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
                                vocab)
     moe = moe_settings(args, entry, config, where, dims)
     mtp = mtp_settings(args, config, sizes.seq_length, dims.cp)
-    refusal = cls.mtp_refusal(settings) if mtp is not None else None
-    if refusal:
-        raise key_error("mtp_num_layers", f"multi-token prediction is not available with engine {entry.name} "
-                        f"{refusal}")
     sequence_parallel, schedule = cls.parallel_style(settings)
     accumulate, why = accumulation_mode(args, entry, settings, sizes)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
