@@ -105,6 +105,7 @@ def test_each_depth_loss_equals_the_formula_from_the_models_hidden_states_and_we
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"mtp_num_layers": -1}, "mtp_num_layers must be a whole number >= 0"),
     ({"mtp_num_layers": 1, "mtp_loss_coeff": 0}, "mtp_loss_coeff must be > 0"),
+    ({"mtp_loss_coeff": 0.3}, "mtp_loss_coeff is set but mtp_num_layers is 0"),
 ])
 def test_bad_keys_are_refused_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):

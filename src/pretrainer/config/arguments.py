@@ -37,7 +37,7 @@ from .loading import (
 )
 from .mixture import Mixture, is_mixture, read_mixture
 from .moe import check_moe_keys
-from .mtp import check_mtp_keys
+from .mtp import DEFAULT_LOSS_COEFF, check_mtp_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .paths import staging_folder
@@ -123,7 +123,7 @@ class PreTrainingArguments:
     loss_chunk_size: int | str = "auto"
     z_loss_coeff: float = 0.0            # output z-loss: coeff x mean(logsumexp(logits)^2) over trained tokens
     mtp_num_layers: int = 0              # multi-token prediction depths (DeepSeek-V3's MTP; config/mtp.py)
-    mtp_loss_coeff: float = 0.1          # the MTP loss's weight: coeff / depths x the sum of the depths' losses
+    mtp_loss_coeff: float = DEFAULT_LOSS_COEFF  # the MTP loss's weight: coeff / depths x the sum of the depths' losses
     context_parallel_degree: int = 1
 
     # --- Mixture-of-Experts (config/moe.py; only for a model with experts) ---

@@ -1,11 +1,14 @@
-"""Multi-token prediction settings (`mtp_num_layers`, `mtp_loss_coeff`; models/mtp.py builds the depths),
-checked once the window and the engine are known."""
+"""Multi-token prediction settings (`mtp_num_layers`, `mtp_loss_coeff`; models/mtp.py builds the depths): the
+keys checked on their own when the config loads, then against the run's window, model, dtype and context
+parallelism when it is resolved."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .errors import key_error
+
+DEFAULT_LOSS_COEFF = 0.1  # Megatron-Core's mtp_loss_scaling_factor; DeepSeek-V3 used 0.3, then 0.1
 
 
 @dataclass(frozen=True)
@@ -22,13 +25,17 @@ def check_mtp_keys(depths, coeff) -> None:
     if not isinstance(depths, int) or isinstance(depths, bool) or depths < 0:
         raise key_error("mtp_num_layers", f"mtp_num_layers must be a whole number >= 0 (0: off; DeepSeek-V3 trains "
                         f"1), got {depths!r}")
+    if not depths and coeff != DEFAULT_LOSS_COEFF:
+        raise key_error("mtp_loss_coeff", "mtp_loss_coeff is set but mtp_num_layers is 0 (no multi-token prediction "
+                        "depths to weigh); set mtp_num_layers or remove mtp_loss_coeff")
     if depths and not coeff > 0:
         raise key_error("mtp_loss_coeff", f"mtp_loss_coeff must be > 0 with mtp_num_layers {depths} (0.1 is "
                         f"Megatron-Core's default, 0.3 DeepSeek-V3's early value), got {coeff!r}")
 
 
 def mtp_settings(args, model_config, seq_length: int, context_parallel: int) -> MtpSettings | None:
-    """The run's settings (None when off), checked against its window, its model and its engine."""
+    """The run's settings (None when off), checked against its window, its model, its dtype and context
+    parallelism."""
     depths = args.mtp_num_layers
     if not depths:
         return None

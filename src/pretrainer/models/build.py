@@ -175,9 +175,8 @@ def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelS
     prefixes = depth_prefixes(model)
     read = [k for k, prefix in enumerate(prefixes, 1)
             if reader is not None and reader.locate(prefix + "eh_proj.weight")]
-    source = f"read from {folder}" if read else ""
     logger.info("multi-token prediction: %d depth(s)%s%s", depths,
-                f"; depth(s) {', '.join(map(str, read))} {source}" if read else "",
+                f"; depth(s) {', '.join(map(str, read))} read from {folder}" if read else "",
                 f"; depth(s) {', '.join(str(k) for k in range(1, depths + 1) if k not in read)} initialised"
                 if len(read) < depths else "")
     if main_is_real:

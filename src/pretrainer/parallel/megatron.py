@@ -337,7 +337,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                 # the tokens, targets and positions, for multi-token prediction's depths (models/mtp.py)
                 tokens = {"input_ids": input_ids,
                           "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
-                          **({"position_ids": position_ids} if position_ids is not None else {})}
+                          **({"position_ids": position_ids} if position_ids is not None else {})} \
+                    if self._mtp_depths else {}
                 with forwarding({**padding, **sources, **tokens}):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
