@@ -130,6 +130,25 @@ def deepseek_model(tmp_path_factory):
     return write_tiny_moe(tmp_path_factory.mktemp("deepseek-v3"), "deepseek_v3")
 
 
+def test_the_megatron_engine_recomputes_the_depths_under_activation_checkpointing(base_config, tmp_path):
+    """Its stages recompute their main layers themselves (full) or wrap them (selective); the depths, run from the
+    head's hook, are wrapped either way, and the losses stay those of no recomputation."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    config = {**base_config, "mtp_num_layers": DEPTHS, "engine": "megatron", "num_training_steps": 3,
+              "eval_interval": 0, "save_interval": 0, "export_hf": False, "log_interval": 1}
+    losses = {}
+    for mode in ("none", "full", "selective"):
+        with PreTrainer(PreTrainingArguments(**{**config, "activation_checkpointing": mode,
+                                                "save_dir": str(tmp_path / mode)})) as trainer:
+            depths = list(trainer.engine.unwrap(trainer.model).model.layers)[2:]
+            assert len(depths) == DEPTHS and all(isinstance(d, CheckpointWrapper) for d in depths) is (mode != "none")
+            trainer.train()
+        losses[mode] = mtp_columns(step_rows(tmp_path / mode))
+    assert losses["full"] == pytest.approx(losses["none"], rel=1e-6)
+    assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
+
+
 def test_pipelines_of_four_ranks_train_the_depths_as_one_process(base_config, tmp_path):
     """4 ranks: pp=2 x tp=2 (sequence parallel; the last stage's embedding copy split over tp as the first's),
     and pp=4 on a 4-layer Llama (the embedding summed over the first and last of four stages only), give one

@@ -38,6 +38,7 @@ from ..config import ConfigError, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
+from ..models.mtp import decoder_layer_list
 from ..models.registry import parse_model_config
 from .activation_checkpoint import RecomputeSettings
 from .distributed import DistributedEngine
@@ -198,6 +199,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
             self.stages.append(parallelize(stage, steps))
         if not is_meta:
             _release_other_stages(parts, self.stages)
+        _run_depths_as_laid_out(model, self.stages)
         view = MegatronModel(model, self.stages)
         if is_meta:
             self._materialize(view)
@@ -487,6 +489,15 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         cp = f" x cp={self.context.degree}" if self.context else ""
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
+
+
+def _run_depths_as_laid_out(model: torch.nn.Module, stages: list[DecoderStage]) -> None:
+    """Multi-token prediction depths run from the HF model's layer list (models/mtp.py): it takes the modules the
+    last stage laid them out into (wrapped for activation checkpointing)."""
+    layers = decoder_layer_list(model) if any(stage.depth_layers for stage in stages) else None
+    for stage in stages:
+        for name in stage.depth_layers:
+            layers[int(name)] = stage.layers[name]
 
 
 def _release_other_stages(parts, stages: list[DecoderStage]) -> None:

@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask
 
@@ -58,7 +59,7 @@ class DecoderStage(torch.nn.Module):
         # num_hidden_layers, run by the head's hook, not here)
         depths = range(config.num_hidden_layers, len(parts.layers)) if last else range(0)
         self.layers = torch.nn.ModuleDict({str(i): parts.layers[i] for i in [*layer_ids, *depths]})
-        self.main_layers = main
+        self.main_layers, self.depth_layers = main, [str(i) for i in depths]
         self.norm = parts.norm if last else None
         self.lm_head = parts.lm_head if last else None
         # the depths embed the tokens ahead: a last stage that is not also the first holds a copy of the embedding,
@@ -82,6 +83,8 @@ class DecoderStage(torch.nn.Module):
         else:
             size = num_layers or 1
             self.recompute_groups = [(names[i:i + size], True) for i in range(0, len(names), size)]
+        for name in self.depth_layers:  # the depths run from the head's hook, each checkpointed on its own
+            self.layers[name] = checkpoint_wrapper(self.layers[name])
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
