@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,34 @@ def test_optimizer_state_keyed_by_position_is_read_by_its_metadata(base_config, 
         moments = [(trained.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
                    for p, q in zip(trained.model.parameters(), fresh.model.parameters())]
         assert moments and all(torch.equal(a, b) for a, b in moments), name
+
+
+def test_the_log_follows_stdout_when_a_caller_replaces_it(monkeypatch, capsys):
+    """The `pretrainer` logger writes to sys.stdout as it is at each line: after a caller has replaced and closed
+    the stream it was set up with (a notebook cell, a test's capture), lines reach the new one, and no
+    'Logging error' from a closed file lands on stderr."""
+    import io
+    import logging
+
+    from pretrainer.train.metrics import setup_logging
+
+    logger = logging.getLogger("pretrainer")
+    saved = logger.handlers[:]
+    for handler in saved:
+        logger.removeHandler(handler)
+    first = io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stdout", first)
+        setup_logging()
+        logger.warning("one")
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", second)
+        logger.warning("two")
+        assert second.getvalue().endswith("]: two\n")
+        assert "Logging error" not in capsys.readouterr().err
+    finally:
+        for handler in logger.handlers[:]:
+            logger.removeHandler(handler)
+        for handler in saved:
+            logger.addHandler(handler)

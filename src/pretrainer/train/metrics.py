@@ -14,12 +14,29 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 logger = logging.getLogger("pretrainer")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to `sys.stdout` as it is when each record is emitted, not as it was when logging was set up: a
+    caller that replaces it (a notebook cell, a test's output capture) gets the lines, and a stream it has since
+    closed is never written to."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """`[INFO][YYYY-mm-dd HH:MM:SS,mmm]: msg`, as the seed prints."""
     root = logging.getLogger("pretrainer")
     if root.handlers:
         return
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     handler.setFormatter(logging.Formatter("[%(levelname)s][%(asctime)s]: %(message)s"))
     root.addHandler(handler)
     root.setLevel(level)
