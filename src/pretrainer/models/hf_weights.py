@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..config import ConfigError
 from ..config.names import parameter_name
 from .hf_conversions import Conversions, Stacking, conversions_of
-from .mtp import depth_prefixes
+from .mtp import SHARED_COPIES, depth_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -308,11 +308,8 @@ def mtp_shared_copies(model: torch.nn.Module) -> dict[str, str]:
     them. Loading ignores these copies (the depths use the main model's own)."""
     embedding, head = _embedding_names(model)
     head = head if head and head not in _tied_aliases(model) else embedding
-    copies = {}
-    for prefix in depth_prefixes(model):
-        copies[prefix + "embed_tokens.weight"] = embedding
-        copies[prefix + "shared_head.head.weight"] = head
-    return copies
+    return {prefix + copy: source for prefix in depth_prefixes(model)
+            for copy, source in zip(SHARED_COPIES, (embedding, head))}
 
 
 def tied_output_names(model: torch.nn.Module) -> list[str]:

@@ -31,7 +31,6 @@ backward itself.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +49,6 @@ from ..config import ConfigError
 from ..config.names import parameter_name
 from .moe_routing import AddToBackward
 
-logger = logging.getLogger(__name__)
-
-DEPTH_MODULES = ("enorm", "hnorm", "eh_proj", "shared_head")  # what a depth adds to its decoder layer
 SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek-V3's files repeat these per depth
 CONFIG_KEY = "num_nextn_predict_layers"  # DeepSeek-V3's config.json key for the depths its files hold
 _DEPTH_CLASSES: dict[type, type] = {}
@@ -109,15 +105,6 @@ def _depth_indices(model: torch.nn.Module) -> list[int]:
     if isinstance(layers, torch.nn.ModuleDict):
         return sorted(int(key) for key in layers if int(key) >= count)
     return list(range(count, len(layers)))
-
-
-def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's MTP depths, in order (empty without them)."""
-    indices = _depth_indices(model)
-    if not indices:
-        return []
-    layers = decoder_layer_list(model)
-    return [layers[str(i)] if isinstance(layers, torch.nn.ModuleDict) else layers[i] for i in indices]
 
 
 def depth_prefixes(model: torch.nn.Module) -> list[str]:

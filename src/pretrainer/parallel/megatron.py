@@ -109,7 +109,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         self._padding_checked = False
         self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
-        self._mtp_depths = False  # multi-token prediction depths follow the head (on the last stage)
+        self._has_depths = False  # multi-token prediction depths follow the head (on the last stage)
 
     def autocast(self):
         """Whole stages compute under autocast; FSDP2 stages (the distributed optimizer over several ranks) are cast
@@ -180,8 +180,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         self.stage_ids = stages_of_rank(self.pp_rank, s.pp, s.num_stages)
         is_meta = any(p.is_meta for p in model.parameters())
         self._head_loss = computes_loss(parts.lm_head)
-        self._mtp_depths = len(parts.layers) > model.config.num_hidden_layers  # models/mtp.py's, after the head
-        if self._mtp_depths and s.pp > 1:
+        self._has_depths = len(parts.layers) > model.config.num_hidden_layers  # models/mtp.py's, after the head
+        if self._has_depths and s.pp > 1:
             self.meshes.pipeline_ends()  # made by every rank, now, in the same order
         self.install_context_parallel(model)
         for index in self.stage_ids:
@@ -340,7 +340,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
                 tokens = {"input_ids": input_ids,
                           "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
                           **({"position_ids": position_ids} if position_ids is not None else {})} \
-                    if self._mtp_depths else {}
+                    if self._has_depths else {}
                 with forwarding({**padding, **sources, **tokens}):
                     output = self.stages[0](input_ids, position_ids, targets)
             else:
@@ -368,8 +368,8 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states, and
         # multi-token prediction depths after the head the tokens as well
-        head_targets = {"targets": targets} if (self._head_loss or self._mtp_depths) and last in self.stage_ids else {}
-        if self._mtp_depths and last in self.stage_ids:
+        head_targets = {"targets": targets} if (self._head_loss or self._has_depths) and last in self.stage_ids else {}
+        if self._has_depths and last in self.stage_ids:
             head_targets["mtp_tokens"] = inputs
         # an MoE model's routing reads each micro-batch's padding, after the shapes' stand-in forward
         masks = PipelinedMasks([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0) for b in micro_batches],
@@ -409,7 +409,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
     def _sum_embedding_gradients(self) -> None:
         """Multi-token prediction under pipelining: the first stage's embedding and the last stage's copy sum their
         gradients over the pipeline's two end ranks, so both apply the same update (Megatron's embedding group)."""
-        if self.settings.pp == 1 or not self._mtp_depths:
+        if self.settings.pp == 1 or not self._has_depths:
             return
         group = self.meshes.pipeline_ends()
         if group is None:  # a stage in between holds neither
