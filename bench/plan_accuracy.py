@@ -61,8 +61,9 @@ def model_folder(root: Path, size: str) -> Path:
 def run(folder: Path, processes: int, overrides: list[str], recompute: str, steps: int, save_dir: Path) -> dict:
     common = ["examples/quickstart.yaml", f"model_path={folder}", f"save_dir={save_dir}", f"num_training_steps={steps}",
               "warmup_steps=0", "eval_interval=null", "save_interval=null", "export_hf=false", "write_report=false",
-              "log_interval=1", "micro_batch_size=4", "seq_length=256", f"activation_checkpointing={recompute}",
-              *overrides]
+              "log_interval=1", "micro_batch_size=4", "seq_length=256", f"activation_checkpointing={recompute}"]
+    given = {o.split("=", 1)[0] for o in overrides}  # a layout's own value replaces the common one
+    common = [o for o in common if o.split("=", 1)[0] not in given] + overrides
     if processes == 1:
         command = [BIN / "pretrainer", "train", *common]
     else:
@@ -71,7 +72,8 @@ def run(folder: Path, processes: int, overrides: list[str], recompute: str, step
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, 2 // processes))}
     done = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=REPO, env=env)
     if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip() else "failed"}
+        errors = [line for line in done.stderr.splitlines() if "error:" in line] or done.stderr.splitlines()[-1:]
+        return {"error": errors[-1].strip()[:200] if errors else "failed"}
     rows = metrics(save_dir)
     start = next(r for r in rows if r.get("event") == "start")
     measured = max(r.get("peak_mem_mb", 0) for r in rows if "peak_mem_mb" in r)

@@ -89,6 +89,46 @@ def test_the_probe_counts_what_a_real_forward_saves_for_backward():
     assert probed.rest == measured.rest
 
 
+def test_the_compiled_probe_counts_what_inductor_saves_for_backward():
+    """With `compile: true` the probe's trace saves what the decoder layers compiled by inductor save on real
+    tensors, and less than the eager layer (HF's RMSNorm keeps fp32 copies that the compiled layer recomputes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer.parallel.activation_checkpoint import decoder_layers
+    from pretrainer.plan import activations
+    from pretrainer.plan.model_shape import one_layer_config
+
+    config = AutoConfig.from_pretrained(QUICKSTART_MODEL / "config.json")
+    seq = 64
+
+    def saved_by_inductor(layers: int) -> int:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(one_layer_config(config, layers), dtype=torch.float32)
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=False)
+        owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in owned:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.base_model(input_ids=torch.zeros((1, seq), dtype=torch.long), use_cache=False)
+        return sum(saved.values())
+
+    torch._dynamo.reset()
+    compiled_layer = saved_by_inductor(2) - saved_by_inductor(1)
+    torch._dynamo.reset()
+    probed = activations.probe(config, seq, "fp32", autocast=False, compiled=True)
+    eager = activations.probe(config, seq, "fp32", autocast=False)
+    assert probed.per_layer == compiled_layer
+    assert probed.per_layer < 0.8 * eager.per_layer
+    assert (probed.selective_layer, probed.layer_input, probed.rest) == (eager.selective_layer, eager.layer_input,
+                                                                         eager.rest)
+
+
 @pytest.mark.parametrize("stage,offload_optimizer,offload_parameters",
                          [(2, False, False), (2, True, False), (3, False, False), (3, True, False), (3, True, True)])
 def test_zero_model_states_agree_with_deepspeeds_own_estimators(stage, offload_optimizer, offload_parameters):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from . import mpt_attention
 from .hf_conversions import conversions_of
 from .hf_weights import CheckpointTensors, attach_checkpoint, pending_checkpoint
 from .init import materialize_modules
@@ -148,6 +149,7 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
+    mpt_attention.install(model)
     return model
 
 

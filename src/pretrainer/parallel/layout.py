@@ -82,6 +82,8 @@ class Layout:
             parts.append(f"optimizer={self.optimizer}")
         if self.accumulates_sharded:
             parts.append("accumulate=sharded")
+        if self.compile:
+            parts.append("compile=true")
         return " ".join(parts)
 
     @property

@@ -8,6 +8,12 @@ between the two models is one layer; the rest is the embedding, the final norm a
 `selective` recomputation keeps the outputs of the matmuls and attention (parallel/activation_checkpoint.py):
 those are summed separately. Everything scales with the micro-batch, so probes run at one sequence.
 
+With `compile: true` the decoder layers are traced as the run compiles them, and what the compiled forward saves
+is counted: the graph is split into forward and backward by the partitioner inductor uses (min-cut
+rematerialization), which recomputes cheap element-wise work in backward instead of saving its results (HF's
+RMSNorm keeps an fp32 copy of its input in eager mode; compiled, only the input and the inverse RMS are kept).
+Nothing is generated or run: the trace is on fake tensors too.
+
 Tensor parallelism is probed on the shard itself: the config with heads, kv heads and ffn width divided by
 tp gives the split part; what stays whole on every rank (norms, residual) is the rest, divided by tp again
 under sequence parallelism.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -27,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import expert_shape
 from ..config.architecture import Architecture
-from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS
+from ..models import mpt_attention
+from ..parallel.activation_checkpoint import SELECTIVE_SAVED_OPS, decoder_layers
 from .model_shape import model_shape, one_layer_config
 
 logger = logging.getLogger(__name__)
@@ -83,14 +91,29 @@ def _as_on_real_tensors():
             setattr(masking_utils, name, value)
 
 
-def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype) -> tuple[int, int, int]:
-    """(saved bytes, kept-by-selective bytes, hidden-state bytes) of the decoder of `config` for one sequence."""
+def _partition_only():
+    """A `torch.compile` backend that splits each traced layer into forward and backward as inductor does, and
+    runs the two graphs as traced (no code generation): what the forward saves is then what a compiled run saves."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def as_traced(graph_module, example_inputs):
+        return graph_module.forward
+    return aot_autograd(fw_compiler=as_traced, bw_compiler=as_traced,
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype, compiled: bool = False
+                 ) -> tuple[int, int, int]:
+    """(saved bytes, kept-by-selective bytes, hidden-state bytes) of the decoder of `config` for one sequence;
+    `compiled`: each decoder layer compiled (kept-by-selective is then not measured: 0)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from transformers import AutoModelForCausalLM
 
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+        mpt_attention.install(model)  # as models/build.py builds it
         parameters = list(model.parameters())
         owned = {StorageWeakRef(p.untyped_storage()) for p in parameters}
         weight_shapes = {tuple(p.shape) for p in parameters if p.dim() >= 2}
@@ -103,12 +126,17 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype) -> tuple[
                 saved[ref] = tensor.untyped_storage().nbytes()
             return tensor
 
+        if compiled:
+            torch._dynamo.reset()  # a fresh trace per probe: cached graphs of other shapes would turn dynamic
+            for layer in decoder_layers(model):
+                layer.compile(backend=_partition_only(), dynamic=False)
         ids = torch.zeros((1, seq_length), dtype=torch.long)
         cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-        kept = _MatmulOutputs()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, kept, _as_on_real_tensors():
+        # dynamo does not trace under a dispatch mode: compiled layers are not counted by op
+        kept = contextlib.nullcontext(_MatmulOutputs()) if compiled else _MatmulOutputs()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, kept as counted, _as_on_real_tensors():
             hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-        return sum(saved.values()), kept.bytes, hidden.numel() * hidden.element_size()
+        return sum(saved.values()), counted.bytes, hidden.numel() * hidden.element_size()
 
 
 def tensor_parallel_config(config, tp: int):
@@ -148,7 +176,8 @@ def llama_of_shape(arch: Architecture):
 
 
 @functools.lru_cache(maxsize=256)
-def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_name: str) -> ActivationProfile:
+def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_name: str,
+           compiled: bool = False) -> ActivationProfile:
     from transformers import AutoConfig
 
     from ..config import torch_dtype
@@ -167,8 +196,22 @@ def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_n
                     config.model_type, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         return _formula(config, seq_length, autocast_name or param_name, param_name)
     per_layer = two[0] - one[0]
-    return ActivationProfile(per_layer=per_layer, selective_layer=(two[1] - one[1]) + one[2], layer_input=one[2],
-                             rest=max(one[0] - per_layer, 0))
+    eager = ActivationProfile(per_layer=per_layer, selective_layer=(two[1] - one[1]) + one[2], layer_input=one[2],
+                              rest=max(one[0] - per_layer, 0))
+    return _compiled(config, seq_length, autocast_dtype, torch_dtype(param_name), eager) if compiled else eager
+
+
+def _compiled(config, seq_length: int, autocast_dtype, param_dtype, eager: ActivationProfile) -> ActivationProfile:
+    """`eager` with its layer's saved bytes as the compiled layer saves them (what `selective` keeps is chosen by
+    its policy, not by the compiler: it stays as measured eagerly)."""
+    try:
+        one, two = (_saved_bytes(one_layer_config(config, n), seq_length, autocast_dtype, param_dtype, compiled=True)
+                    for n in (1, 2))
+    except Exception as exc:  # a layer the tracer cannot take: the eager count is the upper bound
+        logger.info("activations of compiled %s layers counted as eager ones: the trace failed (%s)",
+                    config.model_type, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        return eager
+    return dataclasses.replace(eager, per_layer=two[0] - one[0])
 
 
 def _with_plain_rope(config):
@@ -205,21 +248,23 @@ def _formula(config, seq_length: int, compute: str, param: str) -> ActivationPro
 
 
 def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
-          sequence_parallel: bool = False) -> ActivationProfile:
+          sequence_parallel: bool = False, compiled: bool = False) -> ActivationProfile:
     """Activation bytes of one sequence of `seq_length` tokens on one rank.
 
     `autocast`: fp32 parameters computed in `dtype` under autocast (the residual stream stays fp32);
     otherwise the parameters themselves are in `dtype` (DeepSpeed, FSDP mixed precision).
+    `compiled`: the decoder layers run compiled (`compile: true`).
     """
     low = dtype != "fp32"
     autocast_name = dtype if (autocast and low) else None
     param_name = "fp32" if (autocast or not low) else dtype
-    whole = _probe(config.to_json_string(), seq_length, autocast_name, param_name)
+    whole = _probe(config.to_json_string(), seq_length, autocast_name, param_name, compiled)
     if tp == 1:
         return whole
     reference, shard_config = shard_reference(config, tp)
-    ref = whole if reference is config else _probe(reference.to_json_string(), seq_length, autocast_name, param_name)
-    shard = _probe(shard_config.to_json_string(), seq_length, autocast_name, param_name)
+    ref = whole if reference is config else _probe(reference.to_json_string(), seq_length, autocast_name, param_name,
+                                                   compiled)
+    shard = _probe(shard_config.to_json_string(), seq_length, autocast_name, param_name, compiled)
     # whole = R + S and shard = R + S/tp: R stays on every rank, S is split.
     split = (ref.per_layer - shard.per_layer) * tp // (tp - 1)
     replicated = ref.per_layer - split

@@ -214,7 +214,7 @@ def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, not
     """(bytes saved for backward at the end of forward, bytes one layer's backward works with)."""
     seq = layout.seq_length // layout.cp
     autocast = layout.engine_class.autocasts(layout)
-    profile = probe(config, seq, layout.dtype, autocast, layout.tp, layout.sequence_parallel)
+    profile = probe(config, seq, layout.dtype, autocast, layout.tp, layout.sequence_parallel, layout.compile)
     c = compute_bytes(layout.dtype)
     gathered_kv = 0
     if layout.cp > 1:  # every rank keeps the all-gathered keys and values of the whole sequence
