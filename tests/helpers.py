@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from launch import REPO
+from pretrainer.perf.host_memory import USER_SETTINGS
 
 EXAMPLES = REPO / "examples"
 QUICKSTART_MODEL = EXAMPLES / "models" / "tiny-llama"
@@ -162,9 +165,9 @@ def layout_check(trainer) -> dict:
     states = layout.engine_class.model_states(layout, shape, share, True)
     planned = {"weights": states.weights, "optimizer": states.optimizer, "gradient_ranks": layout.dims.gradient_ranks,
                "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout),
-               "expert_ranks": layout.dims.ep}
-    return {"engine": run.engine.name, "dtype": run.dtype, "planned": planned,
-            "held": dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer))}
+               "expert_ranks": layout.dims.ep, "cpu_heap": layout.cpu_heap}
+    held = {**dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer)), "cpu_heap": trainer.host_heap}
+    return {"engine": run.engine.name, "dtype": run.dtype, "planned": planned, "held": held}
 
 
 def write_layout_check(trainer) -> None:
@@ -189,6 +192,8 @@ def assert_layout_answers(save_dir: Path, ranks: int) -> list[dict]:
             (planned["gradient_ranks"], planned["shard_ranks"], planned["expert_ranks"]), where
         if check["dtype"] != "fp32":  # autocast or its absence shows only in low precision
             assert held["autocasts"] == planned["autocasts"], where
+        if sys.platform.startswith("linux") and not any(os.environ.get(name) for name in USER_SETTINGS):
+            assert held["cpu_heap"] == planned["cpu_heap"], where  # the heap the planner's CPU terms assume
     return checks
 
 

@@ -178,35 +178,61 @@ def test_report_to_wandb_works_offline(base_config, tmp_path, monkeypatch):
     assert (tmp_path / "run" / "tensorboard").is_dir()
 
 
-# A loop that allocates and frees a 64 MB buffer: with glibc's defaults every round maps fresh pages
-# (one fault per 4 KB page); with freed memory kept for reuse only the first round does.
+# A loop that allocates and frees an 8 MB buffer: with freed memory kept for reuse only the first round faults its
+# pages in (one fault per 4 KB page); returned to the kernel, every round does.
 MALLOC_LOOP = """
 import resource, sys, torch
-from pretrainer.perf.host_memory import reuse_freed_host_memory
-changed = reuse_freed_host_memory() if sys.argv[1] == "tuned" else False
+from pretrainer.perf.host_memory import apply_heap_policy
+changed = apply_heap_policy(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
-    torch.ones(16 * 1024 * 1024)
+    torch.ones(2 * 1024 * 1024)
 print(changed, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
-def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
-    def faults(mode: str, **env: str) -> tuple[str, int]:
+def test_freed_host_memory_is_reused_or_returned_as_the_policy_says():
+    def faults(policy: str, **env: str) -> tuple[str, int]:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
-        out = subprocess.run([sys.executable, "-c", MALLOC_LOOP, mode], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", MALLOC_LOOP, policy], capture_output=True, text=True,
                              env=clean, check=True).stdout.split()
         return out[0], int(out[1])
 
-    changed, tuned = faults("tuned")
-    _, control = faults("control")
-    assert changed == "True"
-    assert control > 20 * 16_000 * 0.9  # 64 MB = 16k pages, faulted in on each of the 20 rounds
-    assert tuned < control / 5
+    pages = 8 * 2**20 // 4096
+    changed, reused = faults("reuse")
+    assert changed == "True" and reused < 2 * pages  # the first round only
+    changed, returned = faults("return")
+    assert changed == "True" and returned > 20 * pages * 0.9  # every round
     # a user's own malloc setting wins: nothing is changed
-    changed, overridden = faults("tuned", MALLOC_MMAP_THRESHOLD_="131072")
-    assert changed == "False" and overridden > control * 0.9
+    changed, overridden = faults("reuse", MALLOC_MMAP_THRESHOLD_="65536")
+    assert changed == "False" and overridden > 20 * pages * 0.9
+
+
+def test_the_heap_policy_follows_the_layout_and_host_malloc_reuse():
+    """`auto` returns freed blocks where fsdp or megatron's sharded data parallelism gathers or reduce-scatters
+    layer-sized buffers every micro-batch (their heap would otherwise keep what sharding saves) and reuses them
+    elsewhere."""
+    from pretrainer.parallel.deepspeed_config import DeepSpeedSettings
+    from pretrainer.parallel.fsdp_plan import FSDPSettings
+    from pretrainer.parallel.megatron_settings import MegatronSettings
+    from pretrainer.perf.host_memory import heap_policy
+    from test_plan import layout_of
+
+    assert [heap_policy(s, frees) for s in ("auto", "on", "off") for frees in (True, False)] == \
+        ["return", "reuse", "reuse", "reuse", "system", "system"]
+    sharded = MegatronSettings(tp=1, pp=1, distributed_optimizer=True)
+    cases = [
+        ("single", None, "reuse"), ("ddp", None, "reuse"), ("fsdp", FSDPSettings(), "return"),
+        ("deepspeed", DeepSpeedSettings.for_zero(2, False, False), "reuse"),
+        ("deepspeed", DeepSpeedSettings.for_zero(3, False, False), "reuse"),  # see deepspeed_plan.py
+        ("megatron", sharded, "return"), ("megatron", MegatronSettings(tp=2, pp=1), "reuse"),
+    ]
+    for engine, settings, policy in cases:
+        world = 1 if engine == "single" else 2 * (settings.tp if isinstance(settings, MegatronSettings) else 1)
+        layout = layout_of(engine, world, world, 1, 2, 64, "fp32", settings)
+        assert layout.cpu_heap == policy, (engine, settings)
+        assert layout.replace(host_malloc="on").cpu_heap == "reuse"
 
 
 def test_svg_chart_has_round_ticks_a_legend_and_skips_non_finite_values():

@@ -129,6 +129,25 @@ def test_the_compiled_probe_counts_what_inductor_saves_for_backward():
                                                                          eager.rest)
 
 
+@pytest.mark.parametrize("name, world, layout_text", [
+    ("olmo-2-7b", 8, "engine=fsdp processes=8 dp=8 reshard=True micro_batch=2 accumulation=64 seq=4096"),
+    ("mpt-70b", 64, "recompute=full"),
+    ("llama-3.1-405b", 128, "sharding=optim_grads_params"),
+])
+def test_the_anchors_layouts_fit_an_h100(name, world, layout_text):
+    """The layouts OLMo-core (7B, compiled), llm-foundry (MPT-70B) and torchtitan (405B) run on 80 GB H100s fit
+    in the plan of examples/plan/<name>.yaml (before the planner counted compiled layers and MPT's fused
+    attention, the first two did not: 85.3 and 74.6 GiB)."""
+    from pretrainer.config import PreTrainingArguments
+    from pretrainer.plan.command import plan_for_command
+
+    plan = plan_for_command(PreTrainingArguments.from_yaml(REPO / "examples" / "plan" / f"{name}.yaml", []), world,
+                            None, "H100", None)
+    own = plan.estimate
+    assert layout_text in own.layout.describe()
+    assert own.fits, (own.layout.describe(), own.peak / 2**30)
+
+
 @pytest.mark.parametrize("stage,offload_optimizer,offload_parameters",
                          [(2, False, False), (2, True, False), (3, False, False), (3, True, False), (3, True, True)])
 def test_zero_model_states_agree_with_deepspeeds_own_estimators(stage, offload_optimizer, offload_parameters):

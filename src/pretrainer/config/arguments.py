@@ -53,6 +53,7 @@ TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")  # see parallel/activation_checkpoint.py
+HOST_MALLOC_REUSE = ("auto", "on", "off")  # see perf/host_memory.py
 ACCUMULATE_GRADIENTS = ("auto", "sharded", "unsharded")  # see run/resolve.py and plan/memory_check.py
 CHECKPOINT_FAILURES = ("fatal", "warn")  # see train/remote_checkpoints.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
@@ -188,7 +189,7 @@ class PreTrainingArguments:
     device: str = "auto"
     activation_checkpointing: str = "none"
     compile: bool = False
-    host_malloc_reuse: bool = True
+    host_malloc_reuse: str | bool = "auto"  # auto | on | off (true/false read as on/off)
     preflight_memory_check: str | bool = "error"
     device_memory: str | int | None = None
     max_skipped_updates: int = 10
@@ -473,6 +474,8 @@ class PreTrainingArguments:
     def _check_choices(self) -> None:
         if isinstance(self.preflight_memory_check, bool):  # YAML reads a bare `off` as false (and `on` as true)
             self.preflight_memory_check = "error" if self.preflight_memory_check else "off"
+        if isinstance(self.host_malloc_reuse, bool):
+            self.host_malloc_reuse = "on" if self.host_malloc_reuse else "off"
         if self.export_dtype is not None:
             self.export_dtype = self.export_dtype.lower()
         # `engine` is checked against the engine registry when the run picks its engine (parallel/registry.py)
@@ -480,7 +483,8 @@ class PreTrainingArguments:
                    ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
                    "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
                    "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
-                   "accumulate_gradients": ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES}
+                   "accumulate_gradients": ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES,
+                   "host_malloc_reuse": HOST_MALLOC_REUSE}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:

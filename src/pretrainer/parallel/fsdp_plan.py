@@ -116,6 +116,10 @@ class FSDPLayoutAnswers(LayoutAnswers):
         return layout.dims.shard
 
     @classmethod
+    def returns_freed_blocks(cls, layout: Layout) -> bool:
+        return layout.dims.shard > 1
+
+    @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:
         if layout.dims.shard == 1:
             return 0.0

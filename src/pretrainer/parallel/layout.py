@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import ParallelDims
+from ..perf.host_memory import heap_policy
 
 if TYPE_CHECKING:
     from .registry import EngineEntry
@@ -39,6 +40,7 @@ class Layout:
     optimizer: str = "adamw"      # adamw | muon
     accumulate: str = "unsharded"  # sharded: gradients reduce-scattered every micro-batch (engines that shard them)
     compile: bool = False         # torch.compile fuses each layer's element-wise ops
+    host_malloc: str = "auto"     # host_malloc_reuse: auto | on | off (what a CPU heap keeps of freed blocks)
 
     @property
     def engine_class(self):
@@ -85,6 +87,11 @@ class Layout:
         if self.compile:
             parts.append("compile=true")
         return " ".join(parts)
+
+    @property
+    def cpu_heap(self) -> str:
+        """On a CPU: what the heap does with freed blocks (perf/host_memory.py): reuse, return or system."""
+        return heap_policy(self.host_malloc, self.engine_class.returns_freed_blocks(self))
 
     @property
     def accumulates_sharded(self) -> bool:
@@ -265,8 +272,17 @@ class LayoutAnswers:
                            overlaps=True)]
 
     @classmethod
+    def returns_freed_blocks(cls, layout: Layout) -> bool:
+        """On a CPU under `host_malloc_reuse: auto`: this layout's runs give large freed blocks back to the kernel
+        instead of keeping them (perf/host_memory.py). For engines that allocate and free buffers of a layer's
+        size every micro-batch (per-layer parameter gathers, gradient reduce-scatters), whose freed blocks a heap
+        that keeps them cannot reuse for the activations in between."""
+        return False
+
+    @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:
-        """On a CPU: what the heap keeps of per-layer gathers, as a multiple of the fp32 model (measured)."""
+        """On a CPU whose heap keeps freed blocks: what it keeps of per-layer gathers, as a multiple of the fp32
+        model (measured)."""
         return 0.0
 
     @classmethod

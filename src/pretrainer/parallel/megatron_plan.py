@@ -38,6 +38,12 @@ class MegatronLayoutAnswers(LayoutAnswers):
         return settings.distributed_optimizer
 
     @classmethod
+    def returns_freed_blocks(cls, layout: Layout) -> bool:
+        """Sharded data parallelism is FSDP2 over the data ranks: gradients reduce-scattered per layer (and
+        parameters gathered per layer under optim_grads_params)."""
+        return layout.dims.shard > 1
+
+    @classmethod
     def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
         """A `dp x pp x cp x tp` mesh; the distributed optimizer shards its state over dp."""
         holders = world_size // (settings.tp * settings.pp)  # dp x cp ranks hold the same parameters

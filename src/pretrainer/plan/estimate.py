@@ -13,7 +13,8 @@ The peak is the runtime plus the persistent state plus the larger of two moments
 backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
 and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
 overhead (CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and engines that
-gather layers add what the heap keeps of the gathers (their `cpu_gather_retention`, measured). A model loaded
+gather layers add what the heap keeps of the gathers (their `cpu_gather_retention`, measured) where it keeps
+freed blocks (`host_malloc_reuse: on`; by default those engines' runs return them: `Layout.cpu_heap`). A model loaded
 from weights is first read whole in fp32 on every rank (`build_model`), which can be the peak itself for
 engines that shard it afterwards. Pipeline stages differ: the first holds the embedding and the most
 micro-batches in flight, the last the head and its logits; the higher of their peaks is the estimate.
@@ -175,8 +176,10 @@ def _muon_buffers(layout: Layout, shape: ModelShape, part: RankShare, notes: dic
 
 
 def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes: dict) -> int:
-    """Bytes the CPU heap keeps of an engine's per-layer gathers (its `cpu_gather_retention`)."""
-    factor = layout.engine_class.cpu_gather_retention(layout) if device.kind == "cpu" else 0.0
+    """Bytes the CPU heap keeps of an engine's per-layer gathers (its `cpu_gather_retention`), where it keeps
+    freed blocks for reuse."""
+    keeps = device.kind == "cpu" and layout.cpu_heap != "return"
+    factor = layout.engine_class.cpu_gather_retention(layout) if keeps else 0.0
     if not factor:
         return 0
     notes["heap_retained"] = (f"freed per-layer gather and gradient buffers the CPU heap keeps ({factor:g} x the fp32 "

@@ -14,7 +14,7 @@ and the planner's baseline run all go through `assemble_run`, so each puts a run
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,7 @@ from ..optim import build_optimizer, build_scheduler
 from ..parallel import Engine, World, create_engine
 from ..perf import flops_per_token
 from ..perf.flops import FlopsCount
+from ..perf.host_memory import RETURN_ABOVE_BYTES, apply_heap_policy
 from .extensions import SourceAccounting, StepExtension, step_extensions
 from .resolve import ResolvedRun, resolve_run
 
@@ -71,6 +72,7 @@ class AssembledRun:
     data: RunData | None = None
     extensions: list[StepExtension] = field(default_factory=list)
     predicted_memory: object = None   # what `before_build` returned (the memory plan's prediction)
+    host_heap: str | None = None      # on a CPU, what malloc does with freed blocks (reuse | return); None: unchanged
 
 
 def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler=None,
@@ -88,12 +90,29 @@ def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler
         resolved = resolved.with_accumulation("sharded", "auto: no memory plan (preflight_memory_check: off, or a "
                                               "model passed in) to say whole gradients fit")
     logger.info("run: %s", resolved.describe())
+    heap = _set_host_heap(resolved, world)
     engine = create_engine(resolved.engine, resolved.options, world)
     try:
-        return _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, predicted)
+        run = _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, predicted)
+        return replace(run, host_heap=heap)
     except BaseException:
         engine.release()  # its meshes and groups go before the process group does
         raise
+
+
+def _set_host_heap(resolved: ResolvedRun, world: World) -> str | None:
+    """On a CPU, before the model takes memory: what malloc does with freed blocks, for this layout
+    (`host_malloc_reuse`, perf/host_memory.py); the policy set, or None where nothing was changed."""
+    if world.device.type != "cpu":
+        return None
+    policy = resolved.layout(world.local_size).cpu_heap
+    if not apply_heap_policy(policy):
+        return None
+    if policy == "return":
+        logger.info("host memory: freed blocks of %d MiB and more go back to the kernel (%s gathers or "
+                    "reduce-scatters layer-sized buffers every micro-batch; host_malloc_reuse: on keeps them for "
+                    "reuse: faster steps, a larger heap)", RETURN_ABOVE_BYTES >> 20, resolved.engine.name)
+    return policy
 
 
 def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, model, optimizer, lr_scheduler,

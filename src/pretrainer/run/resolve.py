@@ -69,6 +69,7 @@ class ResolvedRun:
     moe: MoeSettings | None = None    # a model with experts: its shape and how its routing is balanced
     z_loss_coeff: float = 0.0         # the output z-loss's weight (run/extensions.py's OutputZLoss)
     mtp: MtpSettings | None = None    # multi-token prediction depths and their loss weight
+    host_malloc: str = "auto"         # host_malloc_reuse (what a CPU heap keeps of freed blocks)
 
     @property
     def dims(self) -> ParallelDims:
@@ -105,7 +106,8 @@ class ResolvedRun:
         return Layout(self.engine, self.dims, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
                       sizes.seq_length, self.dtype, min(devices_per_node, self.dims.world_size),
                       self.recompute.mode, self.options.settings, self.sequence_parallel, self.pipeline_schedule,
-                      self.loss_chunk.size, self.optimizer.name, self.options.accumulate, self.options.compile)
+                      self.loss_chunk.size, self.optimizer.name, self.options.accumulate, self.options.compile,
+                      self.host_malloc)
 
     def with_accumulation(self, mode: str, reason: str) -> "ResolvedRun":
         """This run with `accumulate_gradients: auto` decided (by the memory plan, see plan/memory_check.py)."""
@@ -240,7 +242,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
                        optimizer_settings(args, entry, dtype), lr_schedule, reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
-                       custom_loss, moe, args.z_loss_coeff, mtp)
+                       custom_loss, moe, args.z_loss_coeff, mtp, args.host_malloc_reuse)
 
 
 def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None) -> ScheduleSettings:

@@ -12,7 +12,6 @@ import time
 import torch
 
 from ..config import ConfigError, check_writable_folder
-from ..perf.host_memory import reuse_freed_host_memory
 from ..perf.peak import processor_name
 from .trackers import requested as requested_trackers
 
@@ -54,6 +53,8 @@ def start_row(trainer, meter, resumed: bool) -> dict:
     row["peak"] = meter.peak.describe()
     if trainer.predicted_memory is not None:
         row.update(trainer.predicted_memory.row())
+    if trainer.host_heap is not None:  # what the CPU heap does with freed blocks (host_malloc_reuse)
+        row["host_heap"] = trainer.host_heap
     return {**row, **trainer.model_memory}
 
 
@@ -83,12 +84,11 @@ def print_banner(trainer, meter) -> None:
 
 
 def prepare_process(args, world) -> None:
-    """This process, before the run allocates anything: native faults say where they struck, freed host memory
-    is reused (CPU), and only the main rank logs info lines (warnings still come from every rank)."""
+    """This process, before the run allocates anything: native faults say where they struck, and only the main
+    rank logs info lines (warnings still come from every rank). What the CPU heap does with freed blocks follows
+    the run's layout (run/assembly.py)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
-    if args.host_malloc_reuse and world.device.type == "cpu":
-        reuse_freed_host_memory()
     if not world.is_main:
         logging.getLogger("pretrainer").setLevel(logging.WARNING)
 

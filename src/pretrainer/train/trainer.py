@@ -93,6 +93,7 @@ class PreTrainer:
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.eval_sources = run.data.eval_sources  # a mixture's: evaluated one by one too
         self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
+        self.host_heap = run.host_heap
         self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
         self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
         self.loss_fn = combined_loss(self.hooks.loss, self.extensions)  # with the extensions' terms (z-loss)
