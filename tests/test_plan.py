@@ -353,9 +353,12 @@ def test_cpu_heap_retention_counts_for_engines_that_gather_layers_and_megatron_c
     def sizes(*overrides, device=()):
         return plan_json(config, *overrides, "--world-size", "2", *device)["per_rank_bytes"]
 
-    assert sizes("engine=fsdp", "dp=2")["heap_retained"] == int(CPU_GATHER_RETENTION["other"] * 4 * parameters)
-    assert sizes("engine=fsdp", "dp=2", "activation_checkpointing=full")["heap_retained"] == \
+    # where the heap keeps freed blocks (host_malloc_reuse: on); by default fsdp's runs return them
+    kept = "host_malloc_reuse=on"
+    assert sizes("engine=fsdp", "dp=2", kept)["heap_retained"] == int(CPU_GATHER_RETENTION["other"] * 4 * parameters)
+    assert sizes("engine=fsdp", "dp=2", kept, "activation_checkpointing=full")["heap_retained"] == \
         int(CPU_GATHER_RETENTION["full"] * 4 * parameters)
+    assert sizes("engine=fsdp", "dp=2")["heap_retained"] == 0
     assert sizes("engine=ddp", "dp=2")["heap_retained"] == 0
     assert sizes("engine=fsdp", "dp=2", device=("--device", "H100"))["heap_retained"] == 0  # a CPU heap's only
     # the megatron engine's head computes the loss in chunks of its own vocabulary rows
@@ -639,6 +642,33 @@ def test_the_step_time_moves_as_a_real_step_does(tmp_path):
             "tokenizer_path": str(QUICKSTART_MODEL), "preflight_memory_check": "off", **base.keys}
     slow = plan_for_command(PreTrainingArguments(**keys), 128, 8, base.device, None, links=(None, "2GB/s")).estimate
     assert slow.communication_seconds > 0.5 * plan.compute_seconds and slow.step_seconds > 1.5 * plan.step_seconds
+
+
+def test_the_pipeline_bubble_shrinks_with_interleaved_stages():
+    """1F1B idles (pp - 1) slots per accumulation window; with v virtual stages per rank, v times fewer (the
+    Megatron-LM paper's (p - 1) / (v m))."""
+    from transformers import AutoConfig
+
+    from pretrainer.parallel.megatron_settings import MegatronSettings
+    from pretrainer.plan import model_shape
+    from pretrainer.plan.device_spec import device_spec
+    from pretrainer.plan.estimate import rank_parts
+    from pretrainer.plan.step_time import micro_batch_seconds, step_time
+
+    config = AutoConfig.from_pretrained(REPO / "examples" / "models" / "llama-2-7b" / "config.json")
+    shape, device = model_shape(config), device_spec("bf16", 8, "H100")
+
+    def compute(virtual: int) -> tuple[float, float]:
+        settings = MegatronSettings(tp=1, pp=4, virtual_stages=virtual,
+                                    schedule="interleaved_1f1b" if virtual > 1 else "1f1b")
+        layout = layout_of("megatron", 8, 8, 1, 8, 2048, "bf16", settings)
+        part = rank_parts(layout, shape, "all")[0]
+        return step_time(layout, shape, device, part, 0, 1.0).compute, \
+            layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul)
+
+    (plain, work), (interleaved, same_work) = compute(1), compute(4)
+    assert work == pytest.approx(same_work)
+    assert plain == pytest.approx(work * (1 + 3 / 8)) and interleaved == pytest.approx(work * (1 + 3 / (8 * 4)))
 
 
 def test_the_search_offers_sharded_data_parallelism_with_tp_and_sharded_accumulation():

@@ -272,6 +272,12 @@ class LayoutAnswers:
                            overlaps=True)]
 
     @classmethod
+    def stages_per_rank(cls, layout: Layout) -> int:
+        """Model chunks a pipeline rank runs (the interleaved schedule's virtual stages): its bubble is
+        (pp - 1) / (micro-batches x this) of the step."""
+        return 1
+
+    @classmethod
     def returns_freed_blocks(cls, layout: Layout) -> bool:
         """On a CPU under `host_malloc_reuse: auto`: this layout's runs give large freed blocks back to the kernel
         instead of keeping them (perf/host_memory.py). For engines that allocate and free buffers of a layer's

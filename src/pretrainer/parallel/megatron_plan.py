@@ -38,6 +38,10 @@ class MegatronLayoutAnswers(LayoutAnswers):
         return settings.distributed_optimizer
 
     @classmethod
+    def stages_per_rank(cls, layout: Layout) -> int:
+        return layout.settings.virtual_stages
+
+    @classmethod
     def returns_freed_blocks(cls, layout: Layout) -> bool:
         """Sharded data parallelism is FSDP2 over the data ranks: gradients reduce-scattered per layer (and
         parameters gathered per layer under optim_grads_params)."""

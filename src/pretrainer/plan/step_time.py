@@ -93,9 +93,8 @@ def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, m
 
 def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> float:
     seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul)
-    if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, fewer with interleaved stages
-        interleave = 2 if layout.pipeline_schedule == "interleaved" else 1
-        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * interleave)
+    if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, v times fewer with v interleaved stages per rank
+        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * layout.engine_class.stages_per_rank(layout))
     return seconds
 
 
