@@ -58,8 +58,3 @@ def apply_heap_policy(policy: str) -> bool:
     if policy == "reuse":
         return mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BELOW_BYTES) == 1
     return mallopt(M_MMAP_THRESHOLD, RETURN_ABOVE_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, RETURN_ABOVE_BYTES) == 1
-
-
-def reuse_freed_host_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds; True when they were changed."""
-    return apply_heap_policy("reuse")
