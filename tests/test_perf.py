@@ -233,6 +233,15 @@ def test_the_heap_policy_follows_the_layout_and_host_malloc_reuse():
         layout = layout_of(engine, world, world, 1, 2, 64, "fp32", settings)
         assert layout.cpu_heap == policy, (engine, settings)
         assert layout.replace(host_malloc="on").cpu_heap == "reuse"
+    # the key: true/false (the earlier boolean) read as on/off, anything else refused by name
+    from pretrainer import PreTrainingArguments
+    from pretrainer.config import ConfigError
+
+    keys = dict(num_training_steps=1, micro_batch_size=1, dp=1, gradient_accumulation_steps=1, seq_length=8)
+    assert [PreTrainingArguments(**keys, host_malloc_reuse=v).host_malloc_reuse for v in (True, False, "auto")] == \
+        ["on", "off", "auto"]
+    with pytest.raises(ConfigError, match="key 'host_malloc_reuse': host_malloc_reuse 'maybe' is not one of auto"):
+        PreTrainingArguments(**keys, host_malloc_reuse="maybe")
 
 
 def test_svg_chart_has_round_ticks_a_legend_and_skips_non_finite_values():
