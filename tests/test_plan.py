@@ -48,6 +48,23 @@ def plan_json(*args) -> dict:
     return json.loads(out.getvalue())
 
 
+def saved_on_real_tensors(model, seq_length: int) -> tuple[int, torch.Tensor]:
+    """(bytes autograd keeps for backward, each storage once and parameters left out; the last hidden state) of the
+    decoder's forward over one sequence of `seq_length` real tokens."""
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = model.base_model(input_ids=torch.zeros((1, seq_length), dtype=torch.long),
+                                  use_cache=False).last_hidden_state
+    return sum(saved.values()), hidden
+
+
 def test_the_probe_counts_what_a_real_forward_saves_for_backward():
     """The fake-tensor probe and the same forward on real tensors save the same bytes."""
     from transformers import AutoConfig
@@ -57,29 +74,18 @@ def test_the_probe_counts_what_a_real_forward_saves_for_backward():
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL / "config.json")
     real = {}
 
-    def saved_on_real_tensors(config, seq_length, autocast_dtype, param_dtype):
+    def saved_by_the_real_forward(config, seq_length, autocast_dtype, param_dtype):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-        owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in owned:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            hidden = model.base_model(input_ids=torch.zeros((1, seq_length), dtype=torch.long),
-                                      use_cache=False).last_hidden_state
-        real[config.num_hidden_layers] = sum(saved.values())
-        return sum(saved.values()), 0, hidden.numel() * hidden.element_size()
+        real[config.num_hidden_layers], hidden = saved_on_real_tensors(model, seq_length)
+        return real[config.num_hidden_layers], 0, hidden.numel() * hidden.element_size()
 
     probed = activations.probe(config, 128, "fp32", autocast=False)
     original = activations._saved_bytes
     activations._probe.cache_clear()
-    activations._saved_bytes = saved_on_real_tensors
+    activations._saved_bytes = saved_by_the_real_forward
     try:
         measured = activations.probe(config, 128, "fp32", autocast=False)
     finally:
@@ -106,17 +112,7 @@ def test_the_compiled_probe_counts_what_inductor_saves_for_backward():
         model = AutoModelForCausalLM.from_config(one_layer_config(config, layers), dtype=torch.float32)
         for layer in decoder_layers(model):
             layer.compile(dynamic=False)
-        owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in owned:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.base_model(input_ids=torch.zeros((1, seq), dtype=torch.long), use_cache=False)
-        return sum(saved.values())
+        return saved_on_real_tensors(model, seq)[0]
 
     torch._dynamo.reset()
     compiled_layer = saved_by_inductor(2) - saved_by_inductor(1)
