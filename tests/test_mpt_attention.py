@@ -75,7 +75,7 @@ def test_the_planner_counts_no_score_matrix(monkeypatch):
     activations._probe.cache_clear()
     short, long = (activations.probe(config, seq, "bf16", autocast=False).per_layer for seq in (1024, 4096))
     assert long <= 4.1 * short
-    monkeypatch.setattr(mpt_attention, "install", lambda model: False)
+    monkeypatch.setattr(mpt_attention, "install", lambda model, announce=True: False)
     activations._probe.cache_clear()
     theirs = activations.probe(config, 4096, "bf16", autocast=False).per_layer
     activations._probe.cache_clear()
@@ -94,7 +94,7 @@ def test_a_run_trains_mpt_through_it_like_transformers_attention(tmp_path, small
     fused = PreTrainer(PreTrainingArguments(**config, save_dir=str(tmp_path / "fused")))
     assert all(hasattr(m.attn, "_shared_mask") for m in fused.model.transformer.blocks)
     fused.train()
-    monkeypatch.setattr(mpt_attention, "install", lambda model: False)
+    monkeypatch.setattr(mpt_attention, "install", lambda model, announce=True: False)
     PreTrainer(PreTrainingArguments(**config, save_dir=str(tmp_path / "scores"))).train()
     got, expected = train_losses(tmp_path / "fused"), train_losses(tmp_path / "scores")
     assert len(got) == 3 and [got[s] for s in got] == pytest.approx([expected[s] for s in got], rel=1e-5)

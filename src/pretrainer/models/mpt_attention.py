@@ -84,8 +84,9 @@ def _forward(self, hidden_states, position_bias, cache=None, attention_mask=None
     return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), None
 
 
-def install(model: torch.nn.Module) -> bool:
-    """Give each MPT attention module of `model` the fused path; False when it has none."""
+def install(model: torch.nn.Module, announce: bool = True) -> bool:
+    """Give each MPT attention module of `model` the fused path; False when it has none. `announce`: say so in the
+    log (a run's model; not the planner's probes)."""
     try:
         from transformers.models.mpt.modeling_mpt import MptAttention, MptModel
     except ImportError:
@@ -100,6 +101,7 @@ def install(model: torch.nn.Module) -> bool:
         module._transformers_forward = module.forward
         module._shared_mask = shared
         module.forward = types.MethodType(_forward, module)
-    logger.info("attention: MPT's runs through scaled_dot_product_attention (ALiBi and the causal mask as one "
-                "additive mask; no score matrix kept for backward)")
+    if announce:
+        logger.info("attention: MPT's runs through scaled_dot_product_attention (ALiBi and the causal mask as one "
+                    "additive mask; no score matrix kept for backward)")
     return True

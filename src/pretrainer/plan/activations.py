@@ -113,7 +113,7 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype, compiled:
 
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
-        mpt_attention.install(model)  # as models/build.py builds it
+        mpt_attention.install(model, announce=False)  # as models/build.py builds it
         parameters = list(model.parameters())
         owned = {StorageWeakRef(p.untyped_storage()) for p in parameters}
         weight_shapes = {tuple(p.shape) for p in parameters if p.dim() >= 2}
@@ -128,8 +128,9 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype, compiled:
 
         if compiled:
             torch._dynamo.reset()  # a fresh trace per probe: cached graphs of other shapes would turn dynamic
+            backend = _partition_only()
             for layer in decoder_layers(model):
-                layer.compile(backend=_partition_only(), dynamic=False)
+                layer.compile(backend=backend, dynamic=False)
         ids = torch.zeros((1, seq_length), dtype=torch.long)
         cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
         # dynamo does not trace under a dispatch mode: compiled layers are not counted by op
