@@ -17,6 +17,12 @@ Sources (read 2026-12):
 - llm-foundry, scripts/train/benchmarking/README.md, "H100 80GB BF16": MPT models (GELU MLP of 4 x d_model,
   flash attention, no compile) under FSDP FULL_SHARD with amp_bf16, each row's sequence, GPUs, micro-batch,
   accumulation and activation checkpointing (full or none); eleven of its rows, 1B to 70B.
+- Megatron-LM, README.md "Weak Scaling Results" (images/model_table.png, Megatron-Core r0.8.0): GPT models of 1.7B
+  to 462B, vocabulary 131,072, sequence 4,096, data-parallel size 48, tensor and pipeline sizes per row, the
+  distributed optimizer with gradient-reduce, parameter-gather and tensor-parallel communication overlapped. The
+  table gives TFLOP/s per GPU; tokens/s per GPU is that over Megatron-LM's own count of FLOPs per token,
+  72 l h^2 (1 + s / 6h + V / 16 l h). Not stated, and taken here: micro-batch 1 (the batch is 4 x pp sequences
+  per replica), no recomputation, no interleaved stages, a GPT-NeoX layer (LayerNorm, GELU MLP of 4h, rotary).
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ MPT = {  # llm-foundry's MPT sizes: d_model, n_layers, n_heads (expansion ratio 
     "mpt-1b": (2048, 24, 16), "mpt-3b": (2560, 32, 20), "mpt-7b": (4096, 32, 32), "mpt-13b": (5120, 40, 40),
     "mpt-30b": (7168, 48, 64), "mpt-70b": (8192, 80, 64),
 }
+MEGATRON_GPT = {  # the weak-scaling models: attention heads, hidden size, layers
+    "gpt-1.7b": (16, 2048, 24), "gpt-7.1b": (32, 4096, 30), "gpt-16b": (48, 6144, 32), "gpt-32b": (56, 7168, 48),
+    "gpt-70b": (64, 8192, 84), "gpt-119b": (80, 10240, 92), "gpt-177b": (96, 12288, 96), "gpt-314b": (128, 16384, 96),
+    "gpt-462b": (144, 18432, 112),
+}
+MEGATRON_VOCAB, MEGATRON_SEQ = 131072, 4096
 SHAPES = {  # HF Llama config fields
     "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
@@ -56,6 +68,14 @@ class Published:
     tokens_per_gpu: float       # tokens/s per GPU, as published
     keys: dict = field(default_factory=dict)  # the setting as pretrainer keys
     device: str = "H100"        # `pretrainer plan --device`: the publisher's hardware
+
+
+def megatron_tokens_per_gpu(shape: str, tflops: float) -> float:
+    """Megatron-LM's TFLOP/s per GPU as tokens/s per GPU, by its own FLOPs per token (forward and backward, the
+    attention scores counted whole, the output head)."""
+    _, h, layers = MEGATRON_GPT[shape]
+    per_token = 72 * layers * h * h * (1 + MEGATRON_SEQ / (6 * h) + MEGATRON_VOCAB / (16 * layers * h))
+    return tflops * 1e12 / per_token
 
 
 TORCHTITAN_8B = {"engine": "fsdp", "micro_batch_size": 2, "seq_length": 8192, "activation_checkpointing": "selective"}
@@ -81,6 +101,15 @@ ROWS = (
           ("13b", 2048, 64, 2, 1, False, 4800), ("7b", 8192, 8, 8, 2, True, 6935),
           ("7b", 2048, 8, 6, 1, False, 10643), ("3b", 4096, 8, 5, 6, False, 20964),
           ("1b", 2048, 8, 14, 1, False, 45455))),
+    *(Published("Megatron-LM", f"GPT-{size} tp {tp} pp {pp}", f"gpt-{size.lower()}", 48 * tp * pp,
+                megatron_tokens_per_gpu(f"gpt-{size.lower()}", tflops),
+                {"engine": "megatron", "micro_batch_size": 1, "seq_length": MEGATRON_SEQ,
+                 "gradient_accumulation_steps": 4 * pp, "activation_checkpointing": "none",
+                 "plugin_args": {"tp_degree": tp, "pp_degree": pp, "sequence_parallelism": tp > 1,
+                                 "use_distributed_optimizer": True}})
+      for size, tp, pp, tflops in (("1.7B", 1, 1, 408.8), ("7.1B", 2, 1, 465.9), ("16B", 4, 1, 489.1),
+                                   ("32B", 8, 1, 459.6), ("70B", 8, 2, 419.7), ("119B", 8, 4, 420.5),
+                                   ("177B", 8, 6, 432.8), ("314B", 8, 8, 474.4), ("462B", 8, 16, 459.9))),
 )
 
 
@@ -93,7 +122,14 @@ def plan_of(row: Published, folder: Path):
 
     model = folder / row.shape
     if not (model / "config.json").exists():
-        if row.shape in MPT:
+        if row.shape in MEGATRON_GPT:
+            from transformers import GPTNeoXConfig
+
+            heads, h, layers = MEGATRON_GPT[row.shape]
+            GPTNeoXConfig(hidden_size=h, num_attention_heads=heads, num_hidden_layers=layers, intermediate_size=4 * h,
+                          vocab_size=MEGATRON_VOCAB, max_position_embeddings=MEGATRON_SEQ, rotary_pct=1.0,
+                          use_parallel_residual=False, tie_word_embeddings=False).save_pretrained(model)
+        elif row.shape in MPT:
             from transformers import MptConfig
 
             d_model, layers, heads = MPT[row.shape]

@@ -66,7 +66,7 @@ class _MatmulOutputs(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _as_on_real_tensors():
+def as_on_real_tensors():
     """transformers takes fake tensors for a compiler's trace: it then cannot read the positions to rule out packed
     sequences, nor the offset that lets it skip the mask, and builds an explicit causal mask (repeating GQA keys)
     where a real training forward runs the mask-free causal kernel. During a probe it is told what it would find
@@ -135,7 +135,7 @@ def _saved_bytes(config, seq_length: int, autocast_dtype, param_dtype, compiled:
         cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
         # dynamo does not trace under a dispatch mode: compiled layers are not counted by op
         kept = contextlib.nullcontext(_MatmulOutputs()) if compiled else _MatmulOutputs()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, kept as counted, _as_on_real_tensors():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, kept as counted, as_on_real_tensors():
             hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
         return sum(saved.values()), counted.bytes, hidden.numel() * hidden.element_size()
 
@@ -183,7 +183,7 @@ def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_n
 
     from ..config import torch_dtype
 
-    config = _with_plain_rope(AutoConfig.for_model(**json.loads(config_json)))
+    config = with_plain_rope(AutoConfig.for_model(**json.loads(config_json)))
     autocast_dtype = torch_dtype(autocast_name) if autocast_name else None
     if expert_shape(config, "the model config") is not None:  # routing reads token values: no fake-tensor run
         logger.info("activations of %s estimated by formula (a Mixture-of-Experts layer's tokens per expert are "
@@ -215,7 +215,7 @@ def _compiled(config, seq_length: int, autocast_dtype, param_dtype, eager: Activ
     return dataclasses.replace(eager, per_layer=two[0] - one[0])
 
 
-def _with_plain_rope(config):
+def with_plain_rope(config):
     """The config with its RoPE scaling removed: scaling changes the rotary values, not the shapes, and dynamic
     (NTK) scaling reads the positions, which fake tensors do not have."""
     if hasattr(config, "rope_parameters"):  # transformers 5 (rope_scaling is another name for it)
@@ -227,18 +227,26 @@ def _with_plain_rope(config):
     return config
 
 
+def active_ffn_width(config) -> int:
+    """The MLP width a token goes through: the dense MLP's, or an MoE layer's top_k experts and shared experts (at
+    an even load)."""
+    ffn = Architecture.of(config).intermediate
+    shape = expert_shape(config, "the model config")
+    if shape is None:
+        return ffn
+    expert_ffn = getattr(config, "moe_intermediate_size", None) or ffn
+    shared = (getattr(config, "n_shared_experts", None) or 0) * expert_ffn \
+        + (getattr(config, "shared_expert_intermediate_size", None) or 0)
+    return shape.top_k * expert_ffn + shared
+
+
 def _formula(config, seq_length: int, compute: str, param: str) -> ActivationProfile:
     """Saved bytes of a Llama-like layer per sequence when the probe cannot run: the residual stream and norms
     (10 x hidden), the gated MLP (4 x ffn; an MoE layer's top_k experts and shared experts) and keys/values
     (2 x kv width), and an MoE router's outputs, in the compute dtype."""
     arch = Architecture.of(config)
-    hidden, kv_width, ffn = arch.hidden, arch.kv_heads * arch.head_dim, arch.intermediate
+    hidden, kv_width, ffn = arch.hidden, arch.kv_heads * arch.head_dim, active_ffn_width(config)
     shape = expert_shape(config, "the model config")
-    if shape is not None:  # each token goes through top_k experts (and the shared ones), at an even load
-        expert_ffn = getattr(config, "moe_intermediate_size", None) or ffn
-        shared = (getattr(config, "n_shared_experts", None) or 0) * expert_ffn \
-            + (getattr(config, "shared_expert_intermediate_size", None) or 0)
-        ffn = shape.top_k * expert_ffn + shared
     routing = 0 if shape is None else 2 * shape.experts + 2 * shape.top_k  # logits, probabilities, top-k
     per_token = 10 * hidden + 4 * ffn + 2 * kv_width + routing
     size = 4 if compute == "fp32" else 2

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ..parallel.layout import Layout, RankShare, compute_bytes
 from .activations import probe
 from .device_spec import DeviceSpec
+from .elementwise import layer_traffic
 from .model_shape import ModelShape
 from .step_time import step_time
 
@@ -158,7 +159,10 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
     retained = _heap_retained(layout, shape, device, notes)
     communication = states.communication + _muon_buffers(layout, shape, part, notes)
     held = states.weights + states.gradients + states.optimizer
-    time = step_time(layout, shape, device, part, held, _trained_share(shape, trainable))
+    traffic = None if device.kind == "cpu" else layer_traffic(
+        config, layout.seq_length // layout.cp, layout.dtype, layout.engine_class.autocasts(layout), layout.tp,
+        layout.sequence_parallel)
+    time = step_time(layout, shape, device, part, held, _trained_share(shape, trainable), traffic)
     return Estimate(layout, states.parameters, states.gradients, states.optimizer, activations, working, logits,
                     communication, device.runtime_bytes, loading, states.host_offload, retained,
                     _heap_overhead(layout, device), time.compute, time.communication, device, notes, part.stage,

@@ -6,9 +6,9 @@ On an accelerator, one rank's micro-batch costs:
   grows with the rows of the GEMMs (tokens of the micro-batch): GEMM_PEAK_SHARE x T / (T + GEMM_HALF_TOKENS);
 - attention: the causal half of the QK^T and PV products (forward, 2.5x that in backward) at the flash kernels'
   share of the peak;
-- element-wise ops (norms, activations, rotary, residual adds, casts): memory-bound, ELEMENTWISE_PASSES reads and
-  writes of a hidden (and ffn) row per token and layer, fewer when `compile` fuses them, more when `selective`
-  recomputation runs them again;
+- element-wise ops (norms, activations, rotary, residual adds, casts): memory-bound, the bytes the family's own layer
+  moves through them on the rank, measured (elementwise.py), the forward's again where recomputation runs it,
+  COMPILED_ELEMENTWISE of it when `compile` fuses them;
 then the optimizer step streams its states once. A pipeline adds its bubble.
 
 Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine; across
@@ -29,19 +29,17 @@ from dataclasses import dataclass
 
 from ..parallel.layout import Layout, RankShare, compute_bytes
 from .device_spec import CPU_MFU, DeviceSpec
+from .elementwise import LayerTraffic
 from .model_shape import ModelShape
 
 # Fitted together on the published rows (bench/plan_vs_published.py): a training step's GEMMs reach about 55% of
 # the rated peak at large micro-batches (cuBLAS alone reaches 70-80%; the rest is launch gaps, the optimizer's
-# and loss's small kernels, the data loader), and eager PyTorch moves about 120 hidden-sized and 36 ffn-sized
-# rows per token and layer through memory (norms and rotary in fp32, casts, residual adds, SwiGLU, their
-# backward), of which torch.compile's fusion leaves 40% (torchtitan measured +16% tokens/s from compile on 8B).
+# and loss's small kernels, the data loader), and torch.compile's fusion leaves 40% of the element-wise traffic
+# (torchtitan measured +16% tokens/s from compile on 8B).
 GEMM_PEAK_SHARE = 0.55       # of the rated dense peak
 GEMM_HALF_TOKENS = 1024      # GEMM rows (tokens of a micro-batch on a rank) at which half of that is reached
 ATTENTION_PEAK_SHARE = 0.35  # FlashAttention-2 forward and backward on H100 (about 35% of peak in its paper)
-ELEMENTWISE_PASSES = {"hidden": 120, "ffn": 36}  # rows read or written per token and layer, forward and backward
-COMPILED_ELEMENTWISE = 0.4   # what torch.compile's fusion leaves of that traffic
-SELECTIVE_ELEMENTWISE = 1.3  # selective recomputation runs the element-wise ops of forward again
+COMPILED_ELEMENTWISE = 0.4   # what torch.compile's fusion leaves of the element-wise traffic
 MEMORY_EFFICIENCY = 0.8      # of the rated memory bandwidth, for streaming kernels
 COLLECTIVE_EFFICIENCY = 0.8  # NCCL's bus bandwidth over the link's
 OVERLAP_SHARE = 0.9          # of the compute that overlapped collectives can hide behind
@@ -59,11 +57,12 @@ class StepTime:
 
 
 def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare, state_bytes: int,
-              trainable_share: float) -> StepTime:
-    """`state_bytes`: the rank's weights, gradients and optimizer state (the optimizer step streams them)."""
+              trainable_share: float, traffic: LayerTraffic | None = None) -> StepTime:
+    """`state_bytes`: the rank's weights, gradients and optimizer state (the optimizer step streams them);
+    `traffic`: a layer's element-wise bytes per token on the rank (elementwise.py; needed on an accelerator)."""
     if device.kind == "cpu":
         return StepTime(_cpu_compute(layout, shape, device), sum(_collectives(layout, shape, device, part)))
-    compute = _accelerator_compute(layout, shape, device, part)
+    compute = _accelerator_compute(layout, shape, device, part, traffic)
     compute += 2 * state_bytes / (device.memory_bandwidth * MEMORY_EFFICIENCY)
     if layout.engine_class.offloads_to_host(layout):
         states = 16 * shape.parameters * trainable_share / layout.dp
@@ -73,7 +72,8 @@ def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankS
     return StepTime(compute, exposed + hideable - hidden, hidden)
 
 
-def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, matmul_parameters: int) -> float:
+def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, matmul_parameters: int,
+                        traffic: LayerTraffic) -> float:
     """One micro-batch's forward and backward on one rank holding `matmul_parameters` of the matmuls."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     layers = -(-shape.layers // layout.pp) + shape.head_layers  # the head's stage is the slowest
@@ -83,16 +83,15 @@ def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, m
     gemm_rate = peak * GEMM_PEAK_SHARE * tokens / (tokens + GEMM_HALF_TOKENS)
     forward = 2 * tokens * layout.seq_length * shape.head_dim * shape.heads / layout.tp * layers  # causal half
     attention = forward * (1 + BACKWARD_ATTENTION + (1 if full else 0))
-    rows = ELEMENTWISE_PASSES["hidden"] * shape.hidden + ELEMENTWISE_PASSES["ffn"] * shape.intermediate / layout.tp
-    elementwise = tokens * layers * rows * compute_bytes(layout.dtype)
-    elementwise *= (COMPILED_ELEMENTWISE if layout.compile else 1) * (
-        SELECTIVE_ELEMENTWISE if layout.recompute == "selective" else 1)
+    per_token = traffic.total + (traffic.forward if layout.recompute != "none" else 0)  # the forward again
+    elementwise = tokens * layers * per_token * (COMPILED_ELEMENTWISE if layout.compile else 1)
     return (gemm / gemm_rate + attention / (peak * ATTENTION_PEAK_SHARE)
             + elementwise / (device.memory_bandwidth * MEMORY_EFFICIENCY))
 
 
-def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare) -> float:
-    seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul)
+def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare,
+                         traffic: LayerTraffic) -> float:
+    seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul, traffic)
     if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, v times fewer with v interleaved stages per rank
         seconds *= 1 + (layout.pp - 1) / (layout.accumulation * layout.engine_class.stages_per_rank(layout))
     return seconds
