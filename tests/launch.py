@@ -80,19 +80,22 @@ def run_ok(command: list, **options) -> subprocess.CompletedProcess:
     return done
 
 
-FATAL_MARKS = ("terminate called", "Fatal Python error", "exitcode  : -")
+FATAL_MARKS = ("terminate called", "Fatal Python error", "SIGABRT(6), PID", "SIGSEGV(11), PID", "exitcode  : -")
 
 
 def describe(done: subprocess.CompletedProcess, chars: int = 6000) -> str:
-    """The command, its exit code, the lines around any native fault (another rank's long traceback would push
-    them out of a tail), then the tails of stdout and stderr."""
+    """The command, its exit code, the tails of stdout and stderr, then the lines around any native fault: last,
+    so that they end a log that is read from its tail (another rank's long traceback would push them out of
+    stderr's tail)."""
     command = " ".join(str(c) for c in done.args)
     lines = (done.stderr or "").splitlines()
-    fatal = [i for i, line in enumerate(lines) if any(mark in line for mark in FATAL_MARKS)]
-    faults = "\n".join("\n".join(lines[i:i + 25]) for i in fatal[:3])
-    return (f"`{command}` exited with {done.returncode}\n--- native faults ---\n{faults or 'none'}"
+    firsts = sorted({next(i for i, line in enumerate(lines) if mark in line) for mark in FATAL_MARKS
+                     if any(mark in line for line in lines)})  # the first of each kind (every thread prints one)
+    faults = "\n".join("\n".join(lines[max(i - 3, 0):i + 40]) for i in firsts)
+    return (f"`{command}` exited with {done.returncode}"
             f"\n--- stdout (tail) ---\n{(done.stdout or '')[-chars // 2:]}"
-            f"\n--- stderr (tail) ---\n{(done.stderr or '')[-chars:]}")
+            f"\n--- stderr (tail) ---\n{(done.stderr or '')[-chars:]}"
+            f"\n--- native faults ---\n{faults or 'none'}")
 
 
 def start(command: list, log: Path, *, threads: int | None = 1, env: dict | None = None) -> subprocess.Popen:

@@ -10,6 +10,7 @@ the same save_dir, as a rerun of the same command would.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -98,7 +99,16 @@ def launch_cases(base: dict, cases: list[dict], nproc: int, folder: Path):
     return done
 
 
+def report_native_faults() -> None:
+    """A rank that aborts or faults prints every thread's Python stack (faulthandler) and native stack (c10's
+    handler, which then calls faulthandler's): what the test's failure message shows (launch.describe)."""
+    faulthandler.enable(all_threads=True)
+    if sys.platform.startswith("linux"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
+
+
 def main() -> None:
+    report_native_faults()
     spec = json.loads(Path(sys.argv[1]).read_text())
     for case in spec["cases"]:
         start = time.perf_counter()
