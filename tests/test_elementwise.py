@@ -57,3 +57,21 @@ def test_a_mixture_of_experts_layer_is_counted_by_formula():
                            num_local_experts=4, num_experts_per_tok=2, vocab_size=512, num_hidden_layers=2)
     traffic = layer_traffic(config, 64, "bf16", False)
     assert traffic.total == pytest.approx(2 * (FORMULA_ROWS["hidden"] * 128 + FORMULA_ROWS["ffn"] * 2 * 256))
+
+
+def test_the_plan_states_the_traffic_it_counted(tmp_path):
+    """On a GPU the step line says how many bytes a layer's element-wise kernels move per token on a rank."""
+    import shutil
+
+    from pretrainer import PreTrainingArguments
+    from pretrainer.plan import render
+    from pretrainer.plan.command import plan_for_command
+
+    shutil.copytree(QUICKSTART_MODEL, tmp_path / "model")
+    args = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, seq_length=128,
+                                model_path=str(tmp_path / "model"))
+    step = next(line for line in render.text(plan_for_command(args, 8, None, "H100", None)).splitlines()
+                if line.startswith("step:"))
+    assert "element-wise kernels moving" in step and "KiB per token and layer on a rank" in step, step
+    on_cpu = render.text(plan_for_command(args, 1, None, "cpu", None))
+    assert "element-wise" not in on_cpu

@@ -162,6 +162,9 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
     traffic = None if device.kind == "cpu" else layer_traffic(
         config, layout.seq_length // layout.cp, layout.dtype, layout.engine_class.autocasts(layout), layout.tp,
         layout.sequence_parallel)
+    if traffic is not None:
+        notes["elementwise"] = (f"element-wise kernels moving {traffic.total / 1024:,.0f} KiB per token and layer on "
+                                f"a rank, counted on the model's own layer")
     time = step_time(layout, shape, device, part, held, _trained_share(shape, trainable), traffic)
     return Estimate(layout, states.parameters, states.gradients, states.optimizer, activations, working, logits,
                     communication, device.runtime_bytes, loading, states.host_offload, retained,

@@ -25,8 +25,9 @@ def assumptions(estimate: Estimate) -> str:
     if device.kind == "cpu":
         return (f"an assumed {CPU_MFU:.0%} MFU of {device.peak_tflops:,.3g} TFLOP/s per process; communication at "
                 f"{device.intra_node_bandwidth / 1e9:g} GB/s between processes, not overlapped with compute")
+    traffic = f" ({estimate.notes['elementwise']})" if "elementwise" in estimate.notes else ""
     return (f"kernels at the rates of {device.peak_tflops:,.3g} TFLOP/s and {device.memory_bandwidth / 1e12:.3g} TB/s "
-            f"per device; links {device.intra_node_bandwidth / 1e9:g} GB/s within a node and "
+            f"per device{traffic}; links {device.intra_node_bandwidth / 1e9:g} GB/s within a node and "
             f"{device.inter_node_bandwidth / 1e9:g} GB/s between nodes ({device.link_source}); "
             f"{estimate.hidden_seconds:,.3g} s more of collectives overlapped with compute")
 
