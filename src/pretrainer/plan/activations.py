@@ -256,6 +256,15 @@ def _formula(config, seq_length: int, compute: str, param: str) -> ActivationPro
                              rest=2 * layer_input)
 
 
+def on_tensor_parallel_rank(whole: float, shard: float, tp: int, sequence_parallel: bool) -> float:
+    """One tensor-parallel rank's share of a layer's figure, from the whole layer's and its shard's: whole = R + S
+    and shard = R + S / tp, where S is what tensor parallelism splits and R what every rank repeats (norms,
+    residual adds), which sequence parallelism splits too."""
+    split = (whole - shard) * tp / (tp - 1)
+    repeated = whole - split
+    return shard - (repeated - repeated / tp if sequence_parallel else 0)
+
+
 def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
           sequence_parallel: bool = False, compiled: bool = False) -> ActivationProfile:
     """Activation bytes of one sequence of `seq_length` tokens on one rank.
@@ -274,10 +283,7 @@ def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
     ref = whole if reference is config else _probe(reference.to_json_string(), seq_length, autocast_name, param_name,
                                                    compiled)
     shard = _probe(shard_config.to_json_string(), seq_length, autocast_name, param_name, compiled)
-    # whole = R + S and shard = R + S/tp: R stays on every rank, S is split.
-    split = (ref.per_layer - shard.per_layer) * tp // (tp - 1)
-    replicated = ref.per_layer - split
-    per_layer = shard.per_layer - (replicated - replicated // tp if sequence_parallel else 0)
+    per_layer = on_tensor_parallel_rank(ref.per_layer, shard.per_layer, tp, sequence_parallel)
     layer_input = whole.layer_input // tp if sequence_parallel else whole.layer_input
     selective = shard.selective_layer - whole.layer_input + layer_input
     scale = whole.per_layer / ref.per_layer  # the family's own layer, split as its stand-in's is

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import expert_shape
 from ..config.architecture import Architecture
 from ..models import mpt_attention
-from .activations import active_ffn_width, as_on_real_tensors, shard_reference, with_plain_rope
+from .activations import active_ffn_width, as_on_real_tensors, on_tensor_parallel_rank, shard_reference, with_plain_rope
 from .model_shape import one_layer_config
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,6 @@ def layer_traffic(config, seq_length: int, dtype: str, autocast: bool, tp: int =
     ref = whole if reference is config else _measure(reference.to_json_string(), seq_length, autocast_name,
                                                      param_name)
     shard = _measure(shard_config.to_json_string(), seq_length, autocast_name, param_name)
-
-    def on_rank(ref_bytes: float, shard_bytes: float) -> float:
-        split = (ref_bytes - shard_bytes) * tp / (tp - 1)  # ref = R + S, shard = R + S / tp
-        repeated = ref_bytes - split
-        return shard_bytes - (repeated - repeated / tp if sequence_parallel else 0)
-
     scale = whole.total / ref.total if ref.total else 1.0  # the family's own layer, split as its stand-in's is
-    return LayerTraffic(on_rank(ref.forward, shard.forward), on_rank(ref.backward, shard.backward)).scaled(scale)
+    return LayerTraffic(*(on_tensor_parallel_rank(getattr(ref, part), getattr(shard, part), tp, sequence_parallel)
+                          for part in ("forward", "backward"))).scaled(scale)
