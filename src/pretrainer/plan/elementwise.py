@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..config import expert_shape
 from ..config.architecture import Architecture
@@ -74,9 +75,8 @@ class _ElementwiseBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._overloadpacket.__name__ not in _NOT_ELEMENTWISE:
-            outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-            self.bytes += sum(t.numel() * t.element_size() for t in (*args, *(kwargs or {}).values(), *outputs)
+        if func._overloadpacket.__name__ not in _NOT_ELEMENTWISE:  # tensors in lists too (cat's inputs)
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
                               if isinstance(t, torch.Tensor))
         return out
 
