@@ -93,6 +93,24 @@ def pytest_configure(config) -> None:
                             "`make test-fast` leaves these out")
 
 
+# The whole suite's folders (tiny checkpoints, corpora, tokenized stores) at their largest, measured with
+# pyproject's retention policy; a disk that fills mid-run fails dozens of tests with errors that hide the cause.
+SUITE_DISK_GIB = 4
+
+
+def pytest_sessionstart(session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller has checked
+        return
+    root = Path(session.config.option.basetemp or tempfile.gettempdir())
+    while not root.exists():
+        root = root.parent
+    free = shutil.disk_usage(root).free / 2**30
+    if free < SUITE_DISK_GIB:
+        raise pytest.UsageError(f"the test suite needs about {SUITE_DISK_GIB} GiB free under {root} and "
+                                f"{free:.1f} GiB are free: free space there, or point TMPDIR (or --basetemp) "
+                                f"at a larger disk")
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, pytest runs one process
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
