@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -183,6 +185,50 @@ def test_no_space_and_a_failing_writer_are_clear_errors_that_keep_the_previous_c
         trainer.train()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"]
 
+
+
+@contextmanager
+def files_limited_to(size: int):
+    """Writes past `size` bytes fail in this process with EFBIG, from the kernel (RLIMIT_FSIZE): a real failing
+    disk write without a small filesystem to fill. SIGXFSZ, which would kill the process, is ignored meanwhile."""
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, previous_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+def test_an_export_whose_writes_fail_is_a_clear_error_that_leaves_no_folder(base_config, tmp_path):
+    from pretrainer.train.errors import CheckpointError
+    from pretrainer.train.offline import export_checkpoint
+
+    config = {**base_config, "eval_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run")}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    with files_limited_to(64 * 1024), pytest.raises(CheckpointError) as failure:  # the weights file is larger
+        export_checkpoint(PreTrainingArguments(**config), None, None)
+    assert str(failure.value).startswith(f"writing the Hugging Face export {tmp_path / 'run' / 'hf'} failed (")
+    assert "File too large" in str(failure.value) and "pretrainer export <config>" in str(failure.value)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "hf" in p.name) == []  # no hf/, no .hf.tmp-*
+    export_checkpoint(PreTrainingArguments(**config), None, None)  # room again: the same export succeeds
+    assert (tmp_path / "run" / "hf" / "model.safetensors").stat().st_size > 64 * 1024
+
+
+def test_a_failed_export_write_still_reads_the_tensors_the_other_ranks_gather():
+    from pretrainer.train.errors import CheckpointError
+    from pretrainer.train.export import _failed_writes_explained
+
+    def stream():
+        yield from ((f"layer.{i}", torch.zeros(1)) for i in range(5))
+
+    tensors = stream()
+    with pytest.raises(CheckpointError, match="No space left"):
+        with _failed_writes_explained(Path("out"), Path("tmp-unused"), tensors):
+            next(tensors)
+            raise OSError(28, "No space left on device")
+    assert next(tensors, None) is None  # the other four were read
 
 def trained_samples(record: Path) -> dict[int, list[str]]:
     """Per step, the samples of the last launch that trained it (a relaunch redoes steps after its checkpoint)."""

@@ -8,7 +8,8 @@ class TrainingDiverged(RuntimeError):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (no space, a failing disk); the previous one is untouched."""
+    """A checkpoint or an export could not be written (no space, a failing disk); the previous checkpoint is
+    untouched."""
 
 
 logger = logging.getLogger("pretrainer")

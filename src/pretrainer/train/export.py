@@ -15,6 +15,7 @@ import torch
 from ..config import torch_dtype as dtype_to_torch
 from ..config.names import parameter_name
 from ..models import mtp_shared_copies, tied_output_names
+from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -58,31 +59,51 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
     copies = mtp_shared_copies(hf_model)
     if layout is not None:
         tensors = _with_copies(engine.export_tensors(model), copies)
-        if engine.is_main:
+        if not engine.is_main:
+            for _ in tensors:  # take part in gathering every tensor
+                pass
+            return None
+        with _failed_writes_explained(out_dir, tmp, tensors):
             with _no_progress_bar():  # it "writes" one empty weights file
                 _save_pretrained(hf_model, tmp, torch_dtype, {}, max_shard_size)  # the config files
             for leftover in tmp.glob("*.safetensors"):
                 leftover.unlink()
             _write_streamed(tensors, layout, hf_model, tmp, torch_dtype)
-        else:
-            for _ in tensors:  # take part in gathering every tensor
-                pass
     else:
         state = _whole_state(engine, model)
-        if engine.is_main:
-            state.update({name: state[source].clone() for name, source in copies.items()})
-            state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if not engine.is_main:
+            return None
+        state.update({name: state[source].clone() for name, source in copies.items()})
+        state = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        with _failed_writes_explained(out_dir, tmp, ()):
             _save_pretrained(hf_model, tmp, torch_dtype, state, max_shard_size)
-    if not engine.is_main:
-        return None
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-        _copy_sentencepiece_model(tokenizer, tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with _failed_writes_explained(out_dir, tmp, ()):
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+            _copy_sentencepiece_model(tokenizer, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
     logger.info("exported Hugging Face model (%s) to %s", dtype, out_dir)
     return out_dir
+
+
+@contextmanager
+def _failed_writes_explained(out_dir: Path, tmp: Path, unread_tensors):
+    """A write that fails (no space, a file-size limit, a failing disk) ends the export with one line and no
+    half-written folder. The tensors still to come are read first: the other ranks are gathering them with us,
+    and a main rank that left would make them fail in a collective instead of finishing."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        for _ in unread_tensors:
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing the Hugging Face export {out_dir} failed ({exc}); the run's checkpoints "
+                              "are untouched: free space, then write it again with `pretrainer export <config>` "
+                              "(--output for another folder)") from None
 
 
 def _with_copies(tensors, copies: dict[str, str]):
