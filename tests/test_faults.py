@@ -163,7 +163,21 @@ def test_retention_keeps_the_last_k_and_every_mth(base_config, tmp_path):
     assert kept == [4, 8, 9]
 
 
-def test_no_space_and_a_failing_writer_are_clear_errors_that_keep_the_previous_checkpoint(base_config, tmp_path,
+@contextmanager
+def files_limited_to(size: int):
+    """Writes past `size` bytes fail in this process with EFBIG, from the kernel (RLIMIT_FSIZE): a real failing
+    disk write without a small filesystem to fill. SIGXFSZ, which would kill the process, is ignored meanwhile."""
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, previous_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+def test_too_little_space_is_a_clear_error_that_keep_the_previous_checkpoint(base_config, tmp_path,
                                                                                             monkeypatch):
     from pretrainer.train import checkpoint as ckpt
 
@@ -177,28 +191,52 @@ def test_no_space_and_a_failing_writer_are_clear_errors_that_keep_the_previous_c
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text() == "step-3" and ckpt.verify_checkpoint(root / "step-3") is None
 
+
+@pytest.mark.parametrize("async_checkpoint", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_whose_writes_fail_is_a_clear_error_that_keeps_the_previous_one(base_config, tmp_path,
+                                                                                      async_checkpoint):
+    from pretrainer.train import checkpoint as ckpt
+
+    config = {**base_config, "eval_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run"),
+              "async_checkpoint": async_checkpoint, "exit_interval": 3}
+    PreTrainer(PreTrainingArguments(**config)).train()  # step-3, and the corpus tokenized into the cache
+    config["exit_interval"] = None
     trainer = PreTrainer(PreTrainingArguments(**config))  # resumes at step 3
-    monkeypatch.setattr(ckpt.checkpoint_io, "save_state",
-                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
-    with pytest.raises(ckpt.CheckpointError, match=r"writing checkpoint .*step-6 failed .*No space left.*step-3 is "
-                                                   "intact"):
+    with files_limited_to(64 * 1024), pytest.raises(ckpt.CheckpointError) as failure:  # the shards are larger
         trainer.train()
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"]
+    root = tmp_path / "run" / "checkpoints"
+    assert re.fullmatch(rf"writing checkpoint {root / 'step-6'} failed \(.*(File too large|short write).*\); the "
+                        rf"previous checkpoint {root / 'step-3'} is intact", str(failure.value)), failure.value
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"]  # no half-written .step-6.tmp
 
 
 
-@contextmanager
-def files_limited_to(size: int):
-    """Writes past `size` bytes fail in this process with EFBIG, from the kernel (RLIMIT_FSIZE): a real failing
-    disk write without a small filesystem to fill. SIGXFSZ, which would kill the process, is ignored meanwhile."""
-    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, previous_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
-        signal.signal(signal.SIGXFSZ, previous_handler)
+
+def test_a_tokenized_store_whose_writes_fail_is_one_line_that_says_what_to_do(base_config, tmp_path):
+    from pretrainer.data.errors import DataError
+
+    config = {**base_config, "data_cache_path": str(tmp_path / "cache")}
+    with files_limited_to(16 * 1024), pytest.raises(DataError) as failure:  # the corpus's tokens are larger
+        PreTrainer(PreTrainingArguments(**config)).train()
+    assert re.fullmatch(r"train_data: tokenizing into .*/cache/tokenized/\w+ failed \(\[Errno 27\] File too "
+                        r"large\); free space there, or set data_cache_path to a folder on a larger disk",
+                        str(failure.value))
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # the partial store was removed
+
+
+def test_only_failed_writes_are_taken_for_a_failed_checkpoint_write():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from pretrainer.train.checkpoint import write_failure
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    lost_peer = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33668")
+    assert write_failure(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
+    assert write_failure(short).endswith("unexpected pos 704 vs 598): the disk is probably full")
+    assert write_failure(lost_peer) is None  # the loop reports a collective's failure as such
+    assert write_failure(CheckpointException("save", {0: _wrap_exception(short)})).startswith("a short write")
+    assert write_failure(CheckpointException("save", {0: _wrap_exception(short), 1: _wrap_exception(lost_peer)})) \
+        is None
 
 
 def test_an_export_whose_writes_fail_is_a_clear_error_that_leaves_no_folder(base_config, tmp_path):

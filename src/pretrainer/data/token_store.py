@@ -14,6 +14,7 @@ machines that do not see its store (node-local caches), each node's local rank 0
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -105,6 +106,10 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
                 store = _ensure(folder, spec, what, tokenizer, workers)
             except DataError as exc:
                 outcome = str(exc)
+            except OSError as exc:  # a full or failing disk: no traceback, what to do instead
+                room = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                outcome = (f"{what}: tokenizing into {folder} failed ({exc})" + ("; free space there, or set "
+                           "data_cache_path to a folder on a larger disk" if room else ""))
             except Exception as exc:  # the other ranks wait for this one: tell them, then fail everywhere
                 logger.exception("%s: tokenizing into %s failed", what, folder)
                 outcome = f"{what}: tokenizing into {folder} failed ({type(exc).__name__}: {exc})"

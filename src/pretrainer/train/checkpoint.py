@@ -120,7 +120,7 @@ class Checkpointer:
         self._check_free_space()
         state = {**self.state.saved(per_rank=False), "config_hash": self.config_hash, "step": step,
                  "world_size": engine.world_size, "engine": engine.name, "checkpoint_format": engine.checkpoint_format}
-        try:
+        with self._failed_write_explained(tmp, final):
             torch.save(self.state.saved(per_rank=True), tmp / extra_state_file(engine.rank))
             with _single_process_ok():
                 if self.async_save:
@@ -128,10 +128,6 @@ class Checkpointer:
                                      state)
                     return final
                 checkpoint_io.save_state(engine, tmp, model, optimizer)
-        except OSError as exc:  # ENOSPC, EIO, ...: leave nothing half-written, keep the previous checkpoint
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"writing checkpoint {final} failed ({exc}); the previous checkpoint "
-                                  f"{find_latest(self.root.parent, verify=False) or '(none)'} is intact") from None
         self._complete(tmp, final, state)
         return final
 
@@ -154,12 +150,28 @@ class Checkpointer:
     def wait(self) -> None:
         """Finish an asynchronous save or upload, if one is under way."""
         if self._pending is not None:
-            future, *rest = self._pending
+            future, tmp, final, state = self._pending
             self._pending = None
-            future.result()
-            self._complete(*rest)
+            with self._failed_write_explained(tmp, final):
+                future.result()
+            self._complete(tmp, final, state)
         if self.uploads is not None:
             self.uploads.finish()
+
+    @contextlib.contextmanager
+    def _failed_write_explained(self, tmp: Path, final: Path):
+        """A write that fails (ENOSPC, EIO, a file-size limit) on every rank (DCP gathers each rank's outcome)
+        ends the run with one line, nothing half-written left, the previous checkpoint kept."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            cause = write_failure(exc)
+            if cause is None:  # not a write: a collective's failure, which the loop reports as such
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = find_latest(self.root.parent, verify=False)
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(f"writing checkpoint {final} failed ({cause}); {kept}") from None
 
     def abandon(self) -> None:
         """Leave an asynchronous save under way incomplete (a run that failed or ends at once): its folder is
@@ -308,6 +320,23 @@ def resolve_resume(resume: str, save_dir: str | None, given_as: str = "key 'resu
         raise ConfigError(f"{given_as}: {resume} is not a complete checkpoint folder (expected {STATE_FILE} inside, "
                           "e.g. save_dir/checkpoints/step-100) nor a save_dir holding one")
     return path
+
+
+# What torch's zip writer (torch.save, and DCP's files of non-tensor items) says when a write comes up short: the
+# errno of the failed write is lost on the way.
+SHORT_WRITE_SIGNS = ("inline_container.cc", "PytorchStreamWriter failed writing")
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """The cause of a failed checkpoint write in one line, or None where `exc` is not a failed write."""
+    if isinstance(exc, CheckpointException):  # DCP: every rank's failure, each with its traceback
+        causes = [write_failure(failure) for failure, _ in exc.failures.values()]
+        return causes[0] if causes and all(causes) else None
+    if isinstance(exc, OSError):
+        return str(exc)
+    if isinstance(exc, RuntimeError) and any(sign in str(exc) for sign in SHORT_WRITE_SIGNS):
+        return f"a short write ({str(exc).splitlines()[0][:200]}): the disk is probably full"
+    return None
 
 
 @contextlib.contextmanager
