@@ -224,6 +224,23 @@ def test_a_tokenized_store_whose_writes_fail_is_one_line_that_says_what_to_do(ba
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # the partial store was removed
 
 
+def test_metrics_whose_writes_fail_are_one_line_and_keep_whole_rows_only(base_config, tmp_path):
+    from pretrainer.train.errors import OutputError
+
+    warm = {**base_config, "num_training_steps": 2, "save_interval": 0, "eval_interval": 0, "export_hf": False,
+            "save_dir": str(tmp_path / "warm")}
+    PreTrainer(PreTrainingArguments(**warm)).train()  # the corpus tokenized before writes are limited
+    config = {**base_config, "eval_interval": 0, "save_interval": 0, "save_dir": str(tmp_path / "run")}
+    with files_limited_to(2048), pytest.raises(OutputError) as failure:  # a few rows fit, not the run's
+        PreTrainer(PreTrainingArguments(**config)).train()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert re.fullmatch(rf"writing {metrics} failed \(a short write, \d+ of \d+ bytes: the disk is probably full\); "
+                        r"free space there, then rerun the same command: it resumes from the last checkpoint, if "
+                        r"there is one", str(failure.value)), failure.value
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line whole
+    assert rows and metrics.read_text().endswith("\n")
+
+
 def test_only_failed_writes_are_taken_for_a_failed_checkpoint_write():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 

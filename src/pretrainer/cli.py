@@ -14,7 +14,7 @@ from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_
 from .config.loading import int_at_least
 from .data.readers import DataError
 from .storage import StorageError
-from .train.errors import CheckpointError, CollectiveFailure, TrainingDiverged
+from .train.errors import CheckpointError, CollectiveFailure, OutputError, TrainingDiverged
 from .train.launcher import add_launcher_flags, record_worker_status
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
 
@@ -105,7 +105,8 @@ def launch_command(ns, argv: list[str]) -> int:
 def exit_code(exc: BaseException) -> int | None:
     """The documented exit code of an error that ends a run (None: a bug, shown with its traceback)."""
     codes = {ConfigError: EXIT_USAGE, DataError: EXIT_USAGE, TrainingDiverged: EXIT_DIVERGED,
-             CheckpointError: EXIT_CHECKPOINT, StorageError: EXIT_CHECKPOINT, CollectiveFailure: EXIT_COLLECTIVE}
+             CheckpointError: EXIT_CHECKPOINT, OutputError: EXIT_CHECKPOINT, StorageError: EXIT_CHECKPOINT,
+             CollectiveFailure: EXIT_COLLECTIVE}
     return next((code for kind, code in codes.items() if isinstance(exc, kind)), None)
 
 

@@ -12,6 +12,10 @@ class CheckpointError(RuntimeError):
     untouched."""
 
 
+class OutputError(RuntimeError):
+    """A file of the run's record (metrics.jsonl) could not be written; the checkpoints are untouched."""
+
+
 logger = logging.getLogger("pretrainer")
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .errors import OutputError
 
 logger = logging.getLogger("pretrainer")
 
@@ -49,18 +52,30 @@ class MetricsLog:
 
     def __init__(self, save_dir: str | None, enabled: bool = True, trackers: list | None = None):
         self.file = None
+        self.path = Path(save_dir) / "metrics.jsonl" if save_dir else None
         self.trackers = trackers or []
-        if save_dir and enabled:
-            path = Path(save_dir) / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8")
+        if self.path is not None and enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "ab", buffering=0)  # unbuffered: a row is on disk, or is not, once written
 
     def write(self, row: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            self._append((json.dumps(row) + "\n").encode("utf-8"))
         for tracker in self.trackers:
             tracker.write(row)
+
+    def _append(self, line: bytes) -> None:
+        """One whole row, or none: a write cut short (a full disk) is taken back, so the file a resumed run
+        continues and the report reads holds whole rows only."""
+        start = os.fstat(self.file.fileno()).st_size
+        try:
+            written = self.file.write(line)
+            if written != len(line):
+                raise OSError(f"a short write, {written} of {len(line)} bytes: the disk is probably full")
+        except OSError as exc:
+            os.ftruncate(self.file.fileno(), start)
+            raise OutputError(f"writing {self.path} failed ({exc}); free space there, then rerun the same command: "
+                              "it resumes from the last checkpoint, if there is one") from None
 
     def close(self) -> None:
         if self.file is not None:
