@@ -177,8 +177,7 @@ def files_limited_to(size: int):
         signal.signal(signal.SIGXFSZ, previous_handler)
 
 
-def test_too_little_space_is_a_clear_error_that_keep_the_previous_checkpoint(base_config, tmp_path,
-                                                                                            monkeypatch):
+def test_too_little_space_is_a_clear_error_that_keeps_the_previous_checkpoint(base_config, tmp_path, monkeypatch):
     from pretrainer.train import checkpoint as ckpt
 
     config = {**base_config, "eval_interval": 0, "export_hf": False, "save_dir": str(tmp_path / "run")}
@@ -208,8 +207,6 @@ def test_a_checkpoint_whose_writes_fail_is_a_clear_error_that_keeps_the_previous
     assert re.fullmatch(rf"writing checkpoint {root / 'step-6'} failed \(.*(File too large|short write).*\); the "
                         rf"previous checkpoint {root / 'step-3'} is intact", str(failure.value)), failure.value
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"]  # no half-written .step-6.tmp
-
-
 
 
 def test_a_tokenized_store_whose_writes_fail_is_one_line_that_says_what_to_do(base_config, tmp_path):
