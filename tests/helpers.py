@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -206,3 +209,17 @@ def wait_for_step(save_dir: Path, step: int, process: subprocess.Popen, timeout:
         assert process.poll() is None, f"the run ended (rc {process.returncode}) before step {step}"
         time.sleep(0.05)
     raise AssertionError(f"no step {step} within {timeout} s")
+
+
+@contextmanager
+def files_limited_to(size: int):
+    """Writes past `size` bytes fail in this process with EFBIG, from the kernel (RLIMIT_FSIZE): a real failing
+    disk write without a small filesystem to fill. SIGXFSZ, which would kill the process, is ignored meanwhile."""
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, previous_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)

@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from helpers import read_metrics, train_losses, wait_for_step
+from helpers import files_limited_to, read_metrics, train_losses, wait_for_step
 from launch import REPO, describe, pretrainer, run, run_ok, start, torchrun
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.train.errors import TrainingDiverged
@@ -161,20 +159,6 @@ def test_retention_keeps_the_last_k_and_every_mth(base_config, tmp_path):
     PreTrainer(PreTrainingArguments(**config)).train()
     kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
     assert kept == [4, 8, 9]
-
-
-@contextmanager
-def files_limited_to(size: int):
-    """Writes past `size` bytes fail in this process with EFBIG, from the kernel (RLIMIT_FSIZE): a real failing
-    disk write without a small filesystem to fill. SIGXFSZ, which would kill the process, is ignored meanwhile."""
-    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, previous_limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
-        signal.signal(signal.SIGXFSZ, previous_handler)
 
 
 def test_too_little_space_is_a_clear_error_that_keeps_the_previous_checkpoint(base_config, tmp_path, monkeypatch):

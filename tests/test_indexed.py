@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import CORPUS, QUICKSTART_MODEL, assert_resume_reproduces
+from helpers import CORPUS, QUICKSTART_MODEL, assert_resume_reproduces, files_limited_to
 from launch import environment, pretrainer, run
 from pretrainer import DataError, PreTrainer, PreTrainingArguments
 from pretrainer.data import split_ranges
@@ -203,3 +203,13 @@ def test_prepare_shards_split_the_input_files_and_train_as_one_blend(tmp_path, b
                                    "data_path": blend, "dataloader_config": {"split": "90,10,0"},
                                    "num_training_steps": 2, "save_dir": str(tmp_path / "run")})
     PreTrainer(args).train()
+
+
+def test_prepare_whose_writes_fail_is_one_line_and_leaves_no_pair(tmp_path):
+    from pretrainer.data.prepare import prepare
+
+    with files_limited_to(16 * 1024), pytest.raises(DataError) as failure:  # the corpus's tokens are larger
+        prepare([str(CORPUS)], str(QUICKSTART_MODEL), str(tmp_path / "docs"), ["text"], workers=1)
+    assert str(failure.value) == (f"prepare: writing {tmp_path / 'docs_text_document'}.bin and .idx failed ([Errno "
+                                  "27] File too large); free space there, or give an --output-prefix on a larger disk")
+    assert list(tmp_path.iterdir()) == []

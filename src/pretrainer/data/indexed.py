@@ -11,6 +11,7 @@ The writer streams tokens to hidden temporary files and renames them into place 
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -25,6 +26,8 @@ VERSION = 1
 DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7,
                np.uint16: 8}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+# A write that failed for want of room (a full disk, a file-size limit, a quota), not a broken disk.
+NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def optimal_dtype(vocab_size: int):

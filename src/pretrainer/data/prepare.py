@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import ON_ERROR, ConfigError, check_writable_folder
 from .encode import EncodeSettings, encode_into
-from .indexed import IndexedDatasetWriter, optimal_dtype
+from .indexed import NO_ROOM, IndexedDatasetWriter, optimal_dtype
 from .readers import BytesRead, DataError, Document, SpecialTokens, expand_paths, read_documents
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,11 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
                 raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
                                 + (" (every record was skipped)" if summary.skipped else ""))
             writer.finalize()
+        except OSError as exc:  # a full or failing disk: one line, what to do instead
+            writer.abort()
+            raise DataError(f"prepare: writing {prefix}.bin and .idx failed ({exc})" + (
+                "; free space there, or give an --output-prefix on a larger disk" if exc.errno in NO_ROOM else "")
+            ) from None
         except BaseException:
             writer.abort()  # no .bin/.idx pair that looks complete
             raise

@@ -14,7 +14,6 @@ machines that do not see its store (node-local caches), each node's local rank 0
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .encode import EncodeSettings, apply_policy, encode_into
-from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype, remove_stale_partial_files
+from .indexed import NO_ROOM, IndexedDataset, IndexedDatasetWriter, optimal_dtype, remove_stale_partial_files
 from .readers import BytesRead, DataError, SpecialTokens, read_documents
 
 logger = logging.getLogger(__name__)
@@ -107,9 +106,8 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
             except DataError as exc:
                 outcome = str(exc)
             except OSError as exc:  # a full or failing disk: no traceback, what to do instead
-                room = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
                 outcome = (f"{what}: tokenizing into {folder} failed ({exc})" + ("; free space there, or set "
-                           "data_cache_path to a folder on a larger disk" if room else ""))
+                           "data_cache_path to a folder on a larger disk" if exc.errno in NO_ROOM else ""))
             except Exception as exc:  # the other ranks wait for this one: tell them, then fail everywhere
                 logger.exception("%s: tokenizing into %s failed", what, folder)
                 outcome = f"{what}: tokenizing into {folder} failed ({type(exc).__name__}: {exc})"
