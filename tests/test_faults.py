@@ -222,6 +222,32 @@ def test_metrics_whose_writes_fail_are_one_line_and_keep_whole_rows_only(base_co
     assert rows and metrics.read_text().endswith("\n")
 
 
+def test_a_report_whose_writes_fail_keeps_the_previous_one_whole(base_config, tmp_path):
+    import logging
+
+    from pretrainer.train.report import ReportWriteError, write_report, write_report_logged
+
+    config = {**base_config, "eval_interval": 0, "write_report": True, "save_dir": str(tmp_path / "run")}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    page = tmp_path / "run" / "report" / "report.html"
+    before = page.read_text()
+    with files_limited_to(4096):  # the charts fit, the page does not
+        with pytest.raises(ReportWriteError, match=rf"writing the run report into {page.parent} failed \(.*File too "
+                                                   r"large\)"):
+            write_report(tmp_path / "run")
+        warnings = logging.Handler(logging.WARNING)
+        warnings.emit = lambda record: warned.append(record.getMessage())
+        warned: list[str] = []
+        logging.getLogger("pretrainer").addHandler(warnings)
+        try:
+            write_report_logged(tmp_path / "run")  # at the end of a run: a warning, not an error
+        finally:
+            logging.getLogger("pretrainer").removeHandler(warnings)
+    assert [w.split(" failed")[0] for w in warned] == [f"no run report: writing the run report into {page.parent}"]
+    assert page.read_text() == before
+    assert sorted(p.name for p in page.parent.iterdir() if ".tmp-" in p.name) == []
+
+
 def test_only_failed_writes_are_taken_for_a_failed_checkpoint_write():
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 

@@ -14,7 +14,7 @@ from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shap
 from .mtp import MtpSettings, mtp_settings
 from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
 from .optimization import MUON_ADJUST_LR, OPTIMIZERS, BranchPoint, MuonSettings, OptimizerSettings, ScheduleSettings
-from .paths import CHECKPOINT_STATE_FILE, check_writable_folder, extra_state_file, staging_folder
+from .paths import CHECKPOINT_STATE_FILE, check_writable_folder, extra_state_file, staging_folder, write_text_whole
 from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "CHECKPOINT_STATE_FILE", "DEFAULT_DATA_SPLIT", "DTYPES",
@@ -23,4 +23,4 @@ __all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "CHECKPOINT_STATE_FILE"
            "MoeSettings", "MtpSettings", "MuonSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments",
            "ScheduleSettings", "check_writable_folder", "dtype_name", "expert_shape", "extra_state_file",
            "global_batch_size", "key_error", "megatron_args", "model_positions", "mtp_settings", "parse_size",
-           "read_downstream_tasks", "resolve_seq_length", "staging_folder", "torch_dtype"]
+           "read_downstream_tasks", "resolve_seq_length", "staging_folder", "torch_dtype", "write_text_whole"]

@@ -1,4 +1,5 @@
-"""Folders a run will write into, checked when the run starts instead of failing at the first save."""
+"""Folders a run will write into, checked when the run starts instead of failing at the first save; files
+written whole."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def check_writable_folder(path: str | Path, what: str) -> Path:
         raise ConfigError(f"{what}: {folder} cannot be created or written ({reason}); choose a folder you can "
                           "write to") from None
     return folder
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or keeps what it held: written beside it, then renamed over it (a write cut
+    short by a full disk leaves no half file, and a reader never sees one)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def staging_folder(url: str, staging_dir: str | None) -> Path:

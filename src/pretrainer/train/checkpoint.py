@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..config import ConfigError, extra_state_file, staging_folder
+from ..config import ConfigError, extra_state_file, staging_folder, write_text_whole
 from ..parallel.registry import BY_NAME
 from ..storage import RemoteFolder, is_url
 from . import checkpoint_io
@@ -197,7 +197,7 @@ class Checkpointer:
             if final.exists():  # a replay after resume saves the same step again
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_text_atomic(self.root / "latest", final.name)
+            write_text_whole(self.root / "latest", final.name)
             logger.info("saved checkpoint %s", final)
             if self.uploads is None:
                 self._apply_retention(final)
@@ -349,12 +349,6 @@ def _single_process_ok():
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:

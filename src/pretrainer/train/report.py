@@ -19,6 +19,7 @@ import re
 import time
 from pathlib import Path
 
+from ..config import write_text_whole
 from ..run.branch import find_branches
 from .svg_plot import heatmap, line_chart
 
@@ -38,6 +39,10 @@ class ReportError(ValueError):
     """Nothing to report on."""
 
 
+class ReportWriteError(ReportError):
+    """The report's files could not be written (a full disk); the previous report's stay whole."""
+
+
 def read_rows(save_dir: Path) -> list[dict]:
     path = Path(save_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -49,6 +54,8 @@ def write_report_logged(save_dir: str | Path) -> None:
     """The report at the end of a run: where it went, or why there is none (never an error)."""
     try:
         logger.info("run report: %s", write_report(save_dir))
+    except ReportWriteError as exc:  # the run itself is complete: its checkpoint and metrics are written
+        logger.warning("no run report: %s", exc)
     except ReportError as exc:
         logger.info("no run report: %s", exc)
 
@@ -77,11 +84,14 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
     branch_rows = {branch: read_rows(branch) for branch in found}
     charts += downstream_charts(tasks, train) + moe_charts(train) + mixture_charts(train, evals)
     charts += branch_charts(train, evals, branch_rows)
-    for name, chart in charts:
-        (out / name).write_text(chart, encoding="utf-8")
     page = out / "report.html"
-    page.write_text(render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts],
-                                branch_summary(branch_rows)), encoding="utf-8")
+    try:
+        for name, chart in charts:
+            write_text_whole(out / name, chart)
+        write_text_whole(page, render_html(save_dir, rows, train, evals, tasks, [chart for _, chart in charts],
+                                           branch_summary(branch_rows)))
+    except OSError as exc:  # a full disk: the previous report's files stay whole
+        raise ReportWriteError(f"writing the run report into {out} failed ({exc})") from None
     return page
 
 
