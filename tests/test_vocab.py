@@ -9,8 +9,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import CORPUS, ZH_REVIEWS, ZH_REVIEWS_HELD_OUT
-from launch import pretrainer, run, run_ok
+from helpers import CORPUS, ZH_REVIEWS, ZH_REVIEWS_HELD_OUT, files_limited_to
+from launch import cli_in_process, pretrainer, run, run_ok
 
 pytest.importorskip("sentencepiece")
 
@@ -120,6 +120,8 @@ def test_extension_from_another_tokenizer_and_inspect_side_by_side(bases, corpor
      "one is a SentencePiece model (tokenizer.model) and the other is not"),
     (["train", "--input", "{en}", "--vocab-size", "500", "--output", "/proc/nope/tok"],
      "--output: /proc/nope/tok cannot be created or written"),
+    (["extend", "--tokenizer", "{base}", "--input", "{zh}", "--add", "10", "--output", "{base}"],
+     "is the base tokenizer's folder; write the extension elsewhere"),
 ])
 def test_bad_tokenizer_commands_end_in_one_line_with_exit_2(arguments, message, bases, corpora, tmp_path):
     values = {"base": bases["sentencepiece"], "bytes": bases["byte-level"], "tmp": tmp_path, "zh": corpora["zh"],
@@ -140,3 +142,19 @@ def test_a_sentencepiece_style_tokenizer_json_without_its_model_is_refused_with_
                           "--output", tmp_path / "x"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "is extended through its SentencePiece tokenizer.model; put that file in the folder" in done.stderr
+
+
+@pytest.mark.parametrize("kind", [[], ["--byte-fallback"]], ids=["byte-level", "sentencepiece"])
+def test_a_tokenizer_whose_writes_fail_leaves_the_output_as_it_was(kind, corpora, tmp_path, capsys):
+    output = tmp_path / "tok"
+    train = ("tokenizer", "train", "--input", corpora["en"], "--output", output, *kind)
+    assert cli_in_process(capsys, *train, "--vocab-size", "1000")[0] == 0
+    before = {f.name: f.read_bytes() for f in output.iterdir()}
+    with files_limited_to(16 * 1024):  # tokenizer.json is larger
+        code, err = cli_in_process(capsys, *train, "--vocab-size", "1200")
+    assert code == 2 and err.startswith(f"pretrainer: error: --output {output}: writing the tokenizer failed ("), err
+    assert err.rstrip().endswith(f"nothing in {output} was changed: free space there, or give another --output")
+    assert {f.name: f.read_bytes() for f in output.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["tok"]  # no staging folder left
+    assert cli_in_process(capsys, *train, "--vocab-size", "1200")[0] == 0  # room again: written
+    assert len(AutoTokenizer.from_pretrained(output)) == 1200

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import check_writable_folder
 from ..config.loading import int_at_least
+from ..data import DataError
 
 
 def add_tokenizer_commands(commands) -> None:
@@ -57,14 +61,16 @@ def tokenizer_command(ns) -> int:
     if ns.action == "train":
         from .train import train_tokenizer
 
-        trained = train_tokenizer(corpus, ns.vocab_size, Path(ns.output), ns.kind, ns.byte_fallback, ns.workers)
-        print(f"wrote {trained.kind} tokenizer, {trained.vocab_size:,} tokens: {trained.folder}")
+        with written_whole(Path(ns.output)) as folder:
+            trained = train_tokenizer(corpus, ns.vocab_size, folder, ns.kind, ns.byte_fallback, ns.workers)
+        print(f"wrote {trained.kind} tokenizer, {trained.vocab_size:,} tokens: {ns.output}")
     elif ns.action == "extend":
-        from .extend import extend_tokenizer
+        from .extend import extend_tokenizer, refuse_base_as_output
 
         source = Path(ns.source) if ns.source else None
-        extension = extend_tokenizer(Path(ns.tokenizer), Path(ns.output), ns.add, corpus, source, ns.scripts,
-                                     ns.workers)
+        refuse_base_as_output(Path(ns.tokenizer), Path(ns.output))  # before the files are written beside it
+        with written_whole(Path(ns.output)) as folder:
+            extension = extend_tokenizer(Path(ns.tokenizer), folder, ns.add, corpus, source, ns.scripts, ns.workers)
         targets = ", ".join(f"{script} ({share:.0%} uncovered)" for script, share in extension.targets.items())
         print(f"target scripts: {targets}")
         print(f"added {len(extension.added):,} tokens to the {extension.kind} tokenizer: {extension.base_size:,} -> "
@@ -72,7 +78,7 @@ def tokenizer_command(ns) -> int:
         if len(extension.added) < ns.add:
             print(f"only {len(extension.added):,} of --add {ns.add:,}: {'--from' if source else 'the corpus'} offered "
                   "no more tokens of the target scripts")
-        print(f"wrote {extension.folder}")
+        print(f"wrote {ns.output}")
     else:
         from .inspect import inspect_tokenizers, stats_json, stats_table
 
@@ -80,3 +86,22 @@ def tokenizer_command(ns) -> int:
         print(json.dumps(stats_json(stats), indent=2) if ns.json else stats_table(stats))
     return 0
 
+
+@contextmanager
+def written_whole(output: Path):
+    """A folder to write the tokenizer files into, beside `output`; they are moved into `output` once all are
+    written. A write that fails (a full disk) leaves `output` as it was, never a truncated tokenizer.json that
+    a later run fails to parse, and is one line."""
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) or "(os error" in str(exc):  # tokenizers' and safetensors' I/O errors
+            raise DataError(f"--output {output}: writing the tokenizer failed ({exc}); nothing in {output} was "
+                            "changed: free space there, or give another --output") from None
+        raise
+    for written in staging.iterdir():
+        os.replace(written, output / written.name)
+    staging.rmdir()

@@ -15,9 +15,9 @@ before. Candidates come in the order they were learned (most frequent first) unt
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,11 @@ class Extension:
         return self.base_size + len(self.added)
 
 
+def refuse_base_as_output(base: Path, output: Path) -> None:
+    if output.resolve() == base.resolve():
+        raise DataError(f"--output {output} is the base tokenizer's folder; write the extension elsewhere")
+
+
 def extend_tokenizer(base: Path, output: Path, add: int, corpus: Corpus | None = None, source: Path | None = None,
                      scripts: list[str] | None = None, workers: int = 1) -> Extension:
     if add < 1:
@@ -58,8 +63,7 @@ def extend_tokenizer(base: Path, output: Path, add: int, corpus: Corpus | None =
         raise DataError(f"--from {source}: its tokens cannot be merged into --tokenizer {base}: one is a "
                         "SentencePiece model (tokenizer.model) and the other is not; take the new tokens from a "
                         "tokenizer of the same kind (pretrainer tokenizer train with or without --byte-fallback)")
-    if output.resolve() == base.resolve():
-        raise DataError(f"--output {output} is the base tokenizer's folder; write the extension elsewhere")
+    refuse_base_as_output(base, output)
     output.mkdir(parents=True, exist_ok=True)
     for name in CONFIG_FILES:  # special tokens, BOS/EOS settings and the chat template carry over
         if (base / name).is_file():
@@ -109,7 +113,7 @@ def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -
     extension.targets = _targets(scripts, characters, lambda char: char in vocab)
     # room for every character (SentencePiece needs them in its vocabulary) and for pieces the filter drops
     learned_size = add + len(characters) + 1000
-    candidates = (_sentencepiece_pieces(source, pb) if source else
+    candidates = (_sentencepiece_pieces(pb, (source / "tokenizer.model").read_bytes()) if source else
                   _learn_sentencepiece(corpus, proto, learned_size, workers, sentencepiece, pb))
     lowest = min((piece.score for piece in proto.pieces), default=0.0)
     for piece in candidates:
@@ -135,29 +139,27 @@ def _buildable(piece: str, vocab: set[str]) -> bool:
 def _learn_sentencepiece(corpus, proto, size, workers, sentencepiece, pb) -> list[str]:
     """Pieces a SentencePiece BPE with the base's normalisation learns on the corpus, most frequent first."""
     spec = proto.trainer_spec
-    with tempfile.TemporaryDirectory() as scratch:
-        prefix = Path(scratch) / "learned"
-        options = dict(model_type="bpe", vocab_size=size, byte_fallback=spec.byte_fallback,
-                       split_digits=spec.split_digits, character_coverage=0.9995,
-                       allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
-                       remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
-                       add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
-                       normalization_rule_name=proto.normalizer_spec.name or "identity",
-                       unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, num_threads=max(1, workers),
-                       max_sentence_length=16384, input_sentence_size=5_000_000, shuffle_input_sentence=True,
-                       minloglevel=2, hard_vocab_limit=False)
-        try:
-            sentencepiece.SentencePieceTrainer.train(sentence_iterator=corpus.lines("learning pieces"),
-                                                     model_prefix=str(prefix), **options)
-        except RuntimeError as exc:
-            raise DataError(f"sentencepiece could not learn from {', '.join(map(str, corpus.files))}: {exc}") \
-                from None
-        return _sentencepiece_pieces(Path(scratch), pb, f"{prefix}.model")
+    model = io.BytesIO()  # handed back: sentencepiece's own writer does not report a failed write
+    options = dict(model_type="bpe", vocab_size=size, byte_fallback=spec.byte_fallback,
+                   split_digits=spec.split_digits, character_coverage=0.9995,
+                   allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
+                   remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
+                   add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
+                   normalization_rule_name=proto.normalizer_spec.name or "identity",
+                   unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, num_threads=max(1, workers),
+                   max_sentence_length=16384, input_sentence_size=5_000_000, shuffle_input_sentence=True,
+                   minloglevel=2, hard_vocab_limit=False)
+    try:
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=corpus.lines("learning pieces"),
+                                                 model_writer=model, **options)
+    except RuntimeError as exc:
+        raise DataError(f"sentencepiece could not learn from {', '.join(map(str, corpus.files))}: {exc}") from None
+    return _sentencepiece_pieces(pb, model.getvalue())
 
 
-def _sentencepiece_pieces(folder: Path, pb, path: str | None = None) -> list[str]:
+def _sentencepiece_pieces(pb, model: bytes) -> list[str]:
     proto = pb.ModelProto()
-    proto.ParseFromString(Path(path or folder / "tokenizer.model").read_bytes())
+    proto.ParseFromString(model)
     normal = [p for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.NORMAL]
     # single characters first (every multi-character piece is built from them), then by score
     return [p.piece for p in sorted(normal, key=lambda p: (len(p.piece) > 1, -p.score))]
@@ -171,7 +173,7 @@ def _pieces_text(folder: Path):
     else:
         from sentencepiece import sentencepiece_model_pb2 as pb
 
-        yield " ".join(_sentencepiece_pieces(folder, pb))
+        yield " ".join(_sentencepiece_pieces(pb, (folder / "tokenizer.model").read_bytes()))
 
 
 # ----------------------------------------------------------------------------------- HF tokenizer.json BPE

@@ -10,9 +10,8 @@ Two families, the ones Llama-family models ship:
 
 from __future__ import annotations
 
+import io
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,19 +63,18 @@ def _train_byte_level(corpus: Corpus, vocab_size: int, output: Path) -> TrainedT
 def _train_sentencepiece(corpus: Corpus, vocab_size: int, output: Path, kind: str, byte_fallback: bool,
                          workers: int) -> TrainedTokenizer:
     sentencepiece = import_sentencepiece()
-    with tempfile.TemporaryDirectory() as scratch:
-        prefix = Path(scratch) / "spm"
-        try:
-            sentencepiece.SentencePieceTrainer.train(
-                sentence_iterator=corpus.lines("reading"), model_prefix=str(prefix), vocab_size=vocab_size,
-                model_type=kind, byte_fallback=byte_fallback, character_coverage=0.9995, split_digits=True,
-                allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
-                unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=max(1, workers), max_sentence_length=16384,
-                input_sentence_size=5_000_000, shuffle_input_sentence=True, minloglevel=2,
-                required_chars=PRINTABLE_ASCII)
-        except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
-            raise DataError(f"sentencepiece could not train on {', '.join(map(str, corpus.files))}: {exc}") from None
-        shutil.copy(f"{prefix}.model", output / "tokenizer.model")
+    model = io.BytesIO()  # handed back, not written by sentencepiece, whose writer does not report a failed write
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=corpus.lines("reading"), model_writer=model, vocab_size=vocab_size,
+            model_type=kind, byte_fallback=byte_fallback, character_coverage=0.9995, split_digits=True,
+            allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=max(1, workers), max_sentence_length=16384,
+            input_sentence_size=5_000_000, shuffle_input_sentence=True, minloglevel=2,
+            required_chars=PRINTABLE_ASCII)
+    except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
+        raise DataError(f"sentencepiece could not train on {', '.join(map(str, corpus.files))}: {exc}") from None
+    (output / "tokenizer.model").write_bytes(model.getvalue())
     write_sentencepiece_config(output)
     size = convert_sentencepiece(output)
     return TrainedTokenizer(output, size, f"SentencePiece {kind.upper() if kind == 'bpe' else kind}")
