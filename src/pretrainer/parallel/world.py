@@ -118,6 +118,10 @@ def destroy_process_group(barrier: bool = False) -> None:
         return
     if barrier:
         dist.barrier()
+    # A worker may still be freeing the last collective, holding its queue's lock while it waits for the GIL;
+    # destroying the group takes that lock with the GIL held: a deadlock (a rank hung at exit after a resume
+    # that found the run complete). Waiting without the GIL lets the worker finish first.
+    wait_for_idle_gloo_workers()
     dist.destroy_process_group()
     gc.collect()  # groups held only in reference cycles (meshes, wrapped modules) are freed now, threads joined
     if not wait_for_idle_gloo_workers():
