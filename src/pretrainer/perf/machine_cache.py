@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..config import write_text_whole
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,9 +27,7 @@ def write_entry(key: str, value) -> None:
     table = {**_read_json(path), key: value}  # read again: another process may have added its own
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        write_text_whole(path, json.dumps(table, indent=1))
     except OSError as exc:  # a read-only home: measured again next time
         logger.info("could not cache a measurement of this machine in %s (%s)", path, exc)
 
