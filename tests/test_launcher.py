@@ -7,6 +7,10 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from conftest import fast_config
 from helpers import small_corpus_file, train_losses, wait_for_step, write_tiny_model, write_tiny_moe
 from launch import BIN, REPO, cli_in_process, describe, environment, listening_port, pretrainer, run, start, torchrun
 from pretrainer.config import ConfigError, PreTrainingArguments
-from pretrainer.train.launcher import check_before_launch, outcome, worker_argv
+from pretrainer.train.launcher import LAUNCHER_FLAGS, check_before_launch, outcome, worker_argv
 from pretrainer.train.signals import EXIT_PREEMPTED
 
 
@@ -68,16 +72,172 @@ def test_launcher_flags_are_checked_and_stripped_from_the_workers_command(config
         code, stderr = cli_in_process(capsys, "train", path, *flags)
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, (flags, stderr)
     assert worker_argv(["train", "c.yaml", "--nproc-per-node", "2", "lr=1", "--nnodes=1", "--rdzv-id", "x",
-                        "--shutdown-timeout", "9"]) == ["train", "c.yaml", "lr=1"]
+                        "--shutdown-timeout", "9", "--rdzv-timeout=5"]) == ["train", "c.yaml", "lr=1"]
 
 
-def test_the_outcome_names_root_causes_first_and_crashed_ranks():
-    statuses = {0: {"code": 5, "message": "rank 0: a collective failed", "consequence": True},
-                1: {"code": 2, "message": "train_data: file x does not exist", "consequence": False}}
-    assert outcome(statuses, {1: 2}) == 2
-    assert outcome({0: {"code": 75, "message": None}, 1: {"code": 75, "message": None}}, {}) == 75
-    assert outcome({0: {"code": 5, "message": "lost a peer", "consequence": True}}, {1: -9}) == 128 + 9
-    assert outcome({}, {0: 1}) == 1
+def test_flags_are_not_abbreviated_and_the_launchers_flags_need_the_launcher(configs, tmp_path, capsys):
+    """An abbreviated flag is refused, the full one suggested: `--nproc 1` once started a launcher in every
+    worker (the workers' command line kept it). The launcher's other flags without --nproc-per-node would do
+    nothing; a worker that a launcher started may not launch again."""
+    path = write(tmp_path / "c.yaml", configs["dense"])
+    cases = [(["--nproc", 1], "unrecognized arguments: --nproc; did you mean --nproc-per-node?"),
+             (["--nproc=1"], "unrecognized arguments: --nproc=1; did you mean --nproc-per-node?"),
+             (["--nproc-per-node", 1, "--nnode", 1], "unrecognized arguments: --nnode; did you mean --nnodes?"),
+             (["--nnodes", 2], "--nnodes 2: only used with --nproc-per-node N"),
+             (["--node-rank", 0], "--node-rank 0: only used with --nproc-per-node N"),
+             (["--rdzv-endpoint", "h:1"], "--rdzv-endpoint h:1: only used with --nproc-per-node N"),
+             (["--rdzv-id", "x"], "--rdzv-id x: only used with --nproc-per-node N"),
+             (["--rdzv-timeout", 5], "--rdzv-timeout 5: only used with --nproc-per-node N"),
+             (["--shutdown-timeout", 5], "--shutdown-timeout 5: only used with --nproc-per-node N")]
+    for flags, message in cases:
+        code, stderr = cli_in_process(capsys, "train", path, *flags)
+        assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, (flags, stderr)
+    os.environ["TORCHELASTIC_RUN_ID"] = "outer"
+    try:
+        code, stderr = cli_in_process(capsys, "evaluate", tmp_path, "--nproc-per-node", 1)
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+    assert code == 2 and "already a worker that a launcher started" in stderr, stderr
+    done = run(pretrainer("train", path, "--nproc", 1), timeout=60)  # the console command, as the user typed it
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "pretrainer train: error: unrecognized arguments: --nproc; did you mean --nproc-per-node? (flags are spelled "
+        "out in full) (see `pretrainer train --help`)"], describe(done)
+
+
+def process_tree(root: int) -> dict[int, tuple[int, list[str]]]:
+    """`root`'s descendants (pid: parent pid, command line), read from /proc."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except (OSError, IndexError, ValueError):  # the process ended while it was read
+                continue
+    tree, grown = {root}, True
+    while grown:
+        grown = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grown = True
+    return {pid: (parents[pid], commands[pid]) for pid in tree - {root} if pid in commands}
+
+
+def test_a_launch_starts_one_launcher_and_its_workers_only(configs, tmp_path):
+    """A real training through `--nproc-per-node=1`, its process tree read until it ends: the launcher starts one
+    worker; no process below it has a launcher flag, and none starts pretrainer anew (a process that runs
+    pretrainer below the worker is a fork of it, with its command line)."""
+    path = write(tmp_path / "c.yaml", {**configs["dense"], "num_training_steps": 2, "eval_interval": 0,
+                                       "save_interval": 0, "export_hf": False})
+    process = subprocess.Popen([str(BIN / "pretrainer"), "train", str(path), "--nproc-per-node=1"], cwd=REPO,
+                               env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, tuple[int, list[str]]] = {}
+    while process.poll() is None:
+        seen.update((pid, (parent, command)) for pid, (parent, command) in process_tree(process.pid).items()
+                    if command != [""])  # a process between fork and exec, or a zombie
+        time.sleep(0.05)
+    stdout, stderr = process.communicate()
+    assert process.returncode == 0, stderr[-3000:]
+    runs_pretrainer = {pid: (parent, command) for pid, (parent, command) in seen.items()
+                       if "pretrainer.cli" in command}
+    workers = [pid for pid, (parent, _) in runs_pretrainer.items() if parent == process.pid]
+    assert len(workers) == 1, seen
+    assert not [command for _, command in seen.values() if any(
+        item.split("=", 1)[0] in LAUNCHER_FLAGS or item.startswith("--nproc") for item in command)], seen
+    assert all(parent == process.pid or command == seen.get(parent, (0, None))[1]
+               for parent, command in runs_pretrainer.values()), seen
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2]
+
+
+def watch(process: subprocess.Popen) -> tuple[str, bool, str, int]:
+    """A process's first stderr line, whether it was still running then (at least 2 s later), the rest of its
+    stderr, and its exit code."""
+    first = process.stderr.readline()
+    time.sleep(2)
+    running = process.poll() is None
+    rest = process.stderr.read()
+    return first, running, rest, process.wait(timeout=60)
+
+
+def test_a_rendezvous_says_what_it_waits_for_and_ends_with_one_line(configs, tmp_path):
+    """Two machines, only one started: node 1 with no node 0, and node 0 with no node 1 (each on a port of its
+    own). Each says at once what it waits for and how long, and at --rdzv-timeout ends with one line, exit 5."""
+    path = write(tmp_path / "c.yaml", {**configs["dense"], "dp": 2})
+    nodes = {rank: subprocess.Popen(
+        [str(BIN / "pretrainer"), "train", str(path), "--nproc-per-node", "1", "--nnodes", "2", "--node-rank",
+         str(rank), "--rdzv-endpoint", f"127.0.0.1:{listening_port() + rank}", "--rdzv-timeout", "3"], cwd=REPO,
+        env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)}
+    waits_for = {0: "for node 1 to join the rendezvous this machine hosts at 127.0.0.1:",
+                 1: "for node 0 at 127.0.0.1:"}
+    with ThreadPoolExecutor(2) as pool:
+        watched = dict(zip(nodes, pool.map(watch, nodes.values())))
+    for rank, (first, told_while_waiting, rest, code) in watched.items():
+        assert first.startswith(f"pretrainer: node {rank} of 2: waiting up to 3 s (--rdzv-timeout) "
+                                f"{waits_for[rank]}") and told_while_waiting, first
+        assert code == 5 and rest.splitlines() == [rest.strip()] and rest.startswith(
+            f"pretrainer: error: node {rank} of 2: the machines did not all meet at 127.0.0.1:"), rest
+        assert "within --rdzv-timeout 3 s" in rest and "Traceback" not in rest
+
+
+def test_the_outcome_names_root_causes_first_and_crashed_ranks(capsys):
+    """Causes first, each once, and the exit code the first cause documents; a rank that torch's agent ended
+    with SIGTERM because another rank had failed is not a cause."""
+    lost = {"code": 5, "message": "rank 0: a collective failed", "consequence": True}
+    cases = [  # statuses, failures (rank: exit code), failed_at, exit code, lines
+        ({0: lost, 1: {"code": 2, "message": "train_data: file x does not exist"}}, {0: 5, 1: 2}, {}, 2,
+         ["rank 1: train_data: file x does not exist", "rank 0: rank 0: a collective failed"]),
+        ({0: {"code": 75, "message": None}, 1: {"code": 75, "message": None}}, {}, {}, 75, []),
+        ({0: lost}, {0: 5, 1: -9}, {}, 128 + 9,
+         ["rank 1 was killed by signal 9 (its output is above)", "rank 0: a collective failed"]),
+        ({}, {0: 1}, {}, 1, ["rank 0 exited with code 1 (its output is above)"]),
+        # both crashed: rank 1 first (exit 1), rank 0 then ended by the agent's SIGTERM
+        ({}, {0: -15, 1: 1}, {0: 11, 1: 10}, 1,
+         ["rank 1 exited with code 1 (its output is above); the other ranks were stopped"]),
+        ({}, {0: 1, 1: -11}, {0: 11, 1: 10}, 128 + 11,
+         ["rank 1 was killed by signal 11 (its output is above)", "rank 0 exited with code 1 (its output is above)"]),
+        ({}, {0: 1, 1: 1, 2: -15}, {0: 10, 1: 10, 2: 10}, 1,
+         ["ranks 0, 1 exited with code 1 (their output is above); the other ranks were stopped"]),
+        ({}, {0: -15, 1: -15}, {}, 128 + 15, ["ranks 0, 1 were killed by signal 15 (their output is above)"]),
+        ({1: {"code": 2, "message": "bad data"}}, {0: -15, 1: 2}, {}, 2, ["bad data"]),
+    ]
+    for statuses, failures, failed_at, code, lines in cases:
+        capsys.readouterr()
+        assert outcome(statuses, failures, failed_at) == code, (statuses, failures)
+        assert capsys.readouterr().err.splitlines() == [f"pretrainer: error: {line}" for line in lines], failures
+
+
+# A launched worker of a fault (python -c WORKER MODE): rank 1 is killed or crashes at once; rank 0 waits for a
+# peer that never comes, then, stopped by the agent, says its collective failed (as pretrainer's workers do) or
+# dies of the SIGTERM.
+WORKER = """
+import os, signal, sys, time
+from pretrainer.train.launcher import record_worker_status
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+if rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL) if mode == "kill" else sys.exit(1)
+if mode == "kill":
+    def lost_peer(signum, frame):
+        record_worker_status(5, "rank 0: a collective failed: another rank died", consequence=True)
+        os._exit(5)
+    signal.signal(signal.SIGTERM, lost_peer)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode, code, lines", [
+    ("kill", 128 + 9, ["rank 1 was killed by signal 9 (its output is above)",
+                       "rank 0: a collective failed: another rank died"]),
+    ("crash", 1, ["rank 1 exited with code 1 (its output is above); the other ranks were stopped"])])
+def test_the_launcher_names_the_rank_that_failed_first(mode, code, lines):
+    """Real workers under torch's agent: the rank that failed first is named first, and its code is the
+    launch's; the other rank, stopped by the agent's SIGTERM, is a consequence (its line follows, or none)."""
+    launcher = ("import sys; from pretrainer.train.launcher import LaunchPlan, launch; "
+                f"sys.exit(launch(LaunchPlan(2, 1, 0, None, 'faults', 30), ['-c', {WORKER!r}, {mode!r}], ()))")
+    done = run([sys.executable, "-c", launcher], timeout=120)
+    assert done.returncode == code, describe(done)
+    assert error_lines(done.stderr) == [f"pretrainer: error: {line}" for line in lines], describe(done)
 
 
 def test_a_workers_error_is_one_line_from_the_launcher_and_once_under_torchrun(configs, tmp_path):

@@ -15,7 +15,7 @@ from .config.loading import int_at_least
 from .data.readers import DataError
 from .storage import StorageError
 from .train.errors import CheckpointError, CollectiveFailure, OutputError, TrainingDiverged
-from .train.launcher import add_launcher_flags, record_worker_status
+from .train.launcher import LaunchPlan, add_launcher_flags, launch_plan, record_worker_status
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
 
 logger = logging.getLogger("pretrainer")
@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan_command, "train": train_command, "export": export_command,
                 "evaluate": evaluate_command}
     try:
-        if getattr(ns, "nproc_per_node", None):
-            return launch_command(ns, sys.argv[1:] if argv is None else argv)
+        plan = launch_plan(ns)
+        if plan is not None:
+            return launch_command(ns, plan, sys.argv[1:] if argv is None else argv)
         return commands[ns.command](ns)
     except Exception as exc:
         code = exit_code(exc)
@@ -78,15 +79,14 @@ def record_torchrun_error(line: str) -> None:
         Path(path).write_text(json.dumps(record))
 
 
-def launch_command(ns, argv: list[str]) -> int:
+def launch_command(ns, plan: LaunchPlan, argv: list[str]) -> int:
     """`train`/`evaluate` with `--nproc-per-node`: the run checked for its whole world here, then its workers
     started (train/launcher.py)."""
     import contextlib
     import io
 
-    from .train.launcher import LaunchPlan, check_before_launch, launch, worker_argv
+    from .train.launcher import check_before_launch, launch, worker_argv
 
-    plan = LaunchPlan.of(ns)
     if ns.command == "train":
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
         quiet = logging.getLogger("pretrainer")
@@ -112,7 +112,28 @@ def exit_code(exc: BaseException) -> int | None:
 
 class OneLineErrors(argparse.ArgumentParser):
     """A usage error as one line, like every other error of the command line (argparse prints the usage first);
-    the subcommands' parsers are of this class too."""
+    the subcommands' parsers are of this class too. Flags are never abbreviated: an abbreviation would reach a
+    launched worker's command line, which keeps everything but the launcher's own flags."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # What is left over may be `key=value` overrides (main takes those); a flag is this parser's to name.
+        ns, extra = super().parse_known_args(args, namespace)
+        unknown = next((item for item in extra if item.startswith("--") and item != "--"), None)
+        if unknown is not None:
+            self.error(f"unrecognized arguments: {unknown}{self.suggestion(unknown.split('=', 1)[0])}")
+        return ns, extra
+
+    def suggestion(self, flag: str) -> str:
+        """The flags `flag` abbreviates, else the nearest ones: what the user most likely meant."""
+        import difflib
+
+        flags = [option for option in self._option_string_actions if option.startswith("--")]
+        meant = [option for option in flags if option.startswith(flag)] or difflib.get_close_matches(flag, flags)
+        return f"; did you mean {' or '.join(meant)}? (flags are spelled out in full)" if meant else ""
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

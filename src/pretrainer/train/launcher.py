@@ -16,17 +16,26 @@ import json
 import logging
 import os
 import re
+import signal
+import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from .errors import CollectiveFailure
 
 WORKER_STATUS_ENV = "PRETRAINER_WORKER_STATUS"  # the folder a launched worker writes rank<N>.json into
 EXIT_WORKER_CRASHED = 1
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--shutdown-timeout")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300  # a stop request's checkpoint gets this long before the workers are killed
+DEFAULT_RDZV_TIMEOUT_S = 600  # torch's own for a rendezvous (the static one's store, the c10d one's join)
+# The flags that only mean something with --nproc-per-node, with their defaults (the parser's are None, so a
+# flag given without the launcher is told from one left out).
+LAUNCHER_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_id": None,
+                     "rdzv_timeout": DEFAULT_RDZV_TIMEOUT_S, "shutdown_timeout": DEFAULT_SHUTDOWN_TIMEOUT_S}
+LAUNCHER_FLAGS = ("--nproc-per-node", *(f"--{name.replace('_', '-')}" for name in LAUNCHER_DEFAULTS))
 
 
 def add_launcher_flags(parser: argparse.ArgumentParser, int_type) -> None:
@@ -34,13 +43,16 @@ def add_launcher_flags(parser: argparse.ArgumentParser, int_type) -> None:
     group.add_argument("--nproc-per-node", type=int_type(1), metavar="N",
                        help="worker processes on this machine (one per GPU); the run is checked for the whole world "
                             "before any starts")
-    group.add_argument("--nnodes", type=int_type(1), default=1, metavar="M", help="machines in the run (default 1)")
-    group.add_argument("--node-rank", type=int_type(0), default=0, metavar="R", help="this machine's index, 0..M-1")
+    group.add_argument("--nnodes", type=int_type(1), metavar="M", help="machines in the run (default 1)")
+    group.add_argument("--node-rank", type=int_type(0), metavar="R", help="this machine's index, 0..M-1")
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="where the machines meet: node 0's address and a free port (needed when M > 1)")
     group.add_argument("--rdzv-id", metavar="ID", help="the run's id, the same on every machine (default: "
                                                        "SLURM_JOB_ID, else 'pretrainer')")
-    group.add_argument("--shutdown-timeout", type=int_type(1), default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+    group.add_argument("--rdzv-timeout", type=int_type(1), metavar="S",
+                       help="seconds the machines wait for each other at the rendezvous (default "
+                            f"{DEFAULT_RDZV_TIMEOUT_S})")
+    group.add_argument("--shutdown-timeout", type=int_type(1), metavar="S",
                        help="on SIGTERM/SIGINT, seconds the workers get to checkpoint before they are killed "
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
 
@@ -53,6 +65,7 @@ class LaunchPlan:
     endpoint: str | None
     run_id: str
     shutdown_timeout: int
+    rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
 
     @property
     def world_size(self) -> int:
@@ -60,20 +73,42 @@ class LaunchPlan:
 
     @classmethod
     def of(cls, ns) -> LaunchPlan:
-        if ns.node_rank >= ns.nnodes:
-            raise ConfigError(f"--node-rank {ns.node_rank}: machines are numbered 0..{ns.nnodes - 1} (--nnodes "
-                              f"{ns.nnodes})")
-        if ns.nnodes > 1 and not ns.rdzv_endpoint:
-            raise ConfigError(f"--nnodes {ns.nnodes}: give --rdzv-endpoint HOST:PORT (node 0's address and a free "
+        flags = {name: LAUNCHER_DEFAULTS[name] if getattr(ns, name) is None else getattr(ns, name)
+                 for name in LAUNCHER_DEFAULTS}
+        nnodes, node_rank, endpoint = flags["nnodes"], flags["node_rank"], flags["rdzv_endpoint"]
+        if node_rank >= nnodes:
+            raise ConfigError(f"--node-rank {node_rank}: machines are numbered 0..{nnodes - 1} (--nnodes {nnodes})")
+        if nnodes > 1 and not endpoint:
+            raise ConfigError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT (node 0's address and a free "
                               "port), the same on every machine")
-        if ns.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", ns.rdzv_endpoint):
-            raise ConfigError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT, e.g. node0:29500")
-        run_id = ns.rdzv_id or os.environ.get("SLURM_JOB_ID") or "pretrainer"
-        return cls(ns.nproc_per_node, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, run_id, ns.shutdown_timeout)
+        if endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", endpoint):
+            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
+        run_id = flags["rdzv_id"] or os.environ.get("SLURM_JOB_ID") or "pretrainer"
+        return cls(ns.nproc_per_node, nnodes, node_rank, endpoint, run_id, flags["shutdown_timeout"],
+                   flags["rdzv_timeout"])
+
+
+def launch_plan(ns) -> LaunchPlan | None:
+    """The launch the command line asks for, or None: run as this one process. The launcher's other flags
+    without --nproc-per-node are refused (they would do nothing), and so is a launch from a process that a
+    launcher started (its workers would each start workers of their own)."""
+    if not getattr(ns, "nproc_per_node", None):
+        given = [name for name in LAUNCHER_DEFAULTS if getattr(ns, name, None) is not None]
+        if given:
+            flag = f"--{given[0].replace('_', '-')}"
+            raise ConfigError(f"{flag} {getattr(ns, given[0])}: only used with --nproc-per-node N, which starts the "
+                              f"workers; add it, or drop {flag} (under torchrun, give torchrun its own flags)")
+        return None
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torch's agent (torchrun, or this launcher) for its workers
+        raise ConfigError(f"--nproc-per-node {ns.nproc_per_node}: this process is already a worker that a launcher "
+                          "started (TORCHELASTIC_RUN_ID is set); drop --nproc-per-node, or run the command outside "
+                          "torchrun")
+    return LaunchPlan.of(ns)
 
 
 def worker_argv(argv: list[str]) -> list[str]:
-    """The command line without the launcher's flags (`--flag V` and `--flag=V`): what each worker runs."""
+    """The command line without the launcher's flags, in each spelling the parser takes (`--flag V`, `--flag=V`;
+    it takes no abbreviation): what each worker runs."""
     kept, skip = [], False
     for item in argv:
         if skip:
@@ -100,31 +135,41 @@ def check_before_launch(args, world_size: int, local_size: int) -> None:
     check_memory_before_build(args, resolve_run(args, world), world)
 
 
-def launch(plan: LaunchPlan, argv: list[str]) -> int:
-    """Run `pretrainer ARGV` as `plan.world_size` workers (this machine's share of them) and return the exit code."""
+def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-m", "pretrainer.cli")) -> int:
+    """Run `pretrainer ARGV` (`python PYTHON_ARGS ARGV`) as `plan.world_size` workers (this machine's share of
+    them) and return the exit code."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the outcome is told below
+    deadline = time.monotonic() + plan.rdzv_timeout
+    announce_rendezvous(plan)
+    wait_for_node_zero(plan, deadline)
     single = plan.nnodes == 1 and plan.endpoint is None
     config = LaunchConfig(
         min_nodes=plan.nnodes, max_nodes=plan.nnodes, nproc_per_node=plan.nproc_per_node, run_id=plan.run_id,
         # One machine: the store binds a free port itself (torchrun --standalone). Several: node 0 hosts it at
-        # the endpoint and each machine says its index (torchrun's static rendezvous).
+        # the endpoint and each machine says its index (torchrun's static rendezvous, whose store waits
+        # `timeout` seconds for the machines).
         rdzv_backend="c10d" if single else "static", rdzv_endpoint="localhost:0" if single else plan.endpoint,
-        rdzv_configs={} if single else {"rank": plan.node_rank}, max_restarts=0,
-        shutdown_timeout=plan.shutdown_timeout)
+        rdzv_configs={"join_timeout": plan.rdzv_timeout} if single else
+        {"rank": plan.node_rank, "timeout": max(1, round(deadline - time.monotonic()))},
+        max_restarts=0, shutdown_timeout=plan.shutdown_timeout)
     with tempfile.TemporaryDirectory(prefix="pretrainer-workers-") as status:
         os.environ[WORKER_STATUS_ENV] = status
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
-        failures, signalled = {}, None
+        failures, failed_at, signalled = {}, {}, None
         try:
-            launch_agent(config, sys.executable, ["-m", "pretrainer.cli", *argv])
+            launch_agent(config, sys.executable, [*python_args, *argv])
         except ChildFailedError as exc:
             failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+            failed_at = {rank: failure.timestamp for rank, failure in exc.failures.items()}
         except SignalException as exc:
             signalled = exc.sigval
+        except DistError as exc:  # the machines did not meet within the timeout
+            raise rendezvous_timeout(plan, str(exc)) from None
         finally:
             os.environ.pop(WORKER_STATUS_ENV, None)
         statuses = read_statuses(Path(status))
@@ -132,35 +177,109 @@ def launch(plan: LaunchPlan, argv: list[str]) -> int:
         print(f"pretrainer: error: stopped by {signalled.name}; {plan.nproc_per_node - len(statuses)} worker(s) "
               f"did not finish within --shutdown-timeout {plan.shutdown_timeout} s", file=sys.stderr)
         return 128 + int(signalled)
-    return outcome(statuses, failures)
+    return outcome(statuses, failures, failed_at)
+
+
+def announce_rendezvous(plan: LaunchPlan) -> None:
+    """Several machines: say at once what this one waits for and how long (the store waits in silence)."""
+    if plan.nnodes == 1:
+        return
+    joiners = "node 1" if plan.nnodes == 2 else f"nodes 1..{plan.nnodes - 1}"
+    others = "" if plan.nnodes == 2 else f" and the other {plan.nnodes - 2} machine(s)"
+    waits_for = (f"{joiners} to join the rendezvous this machine hosts at {plan.endpoint}" if plan.node_rank == 0
+                 else f"node 0 at {plan.endpoint}{others}")
+    print(f"pretrainer: node {plan.node_rank} of {plan.nnodes}: waiting up to {plan.rdzv_timeout} s (--rdzv-timeout) "
+          f"for {waits_for}", file=sys.stderr, flush=True)
+
+
+def wait_for_node_zero(plan: LaunchPlan, deadline: float) -> None:
+    """On a machine other than node 0: wait until node 0's store takes connections. torch's store client would
+    wait too, but it ends with C++ log lines and a stack of native frames rather than one line."""
+    if plan.node_rank == 0 or plan.endpoint is None:
+        return
+    host, port = plan.endpoint.rsplit(":", 1)
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise rendezvous_timeout(plan, f"node 0 did not answer at {plan.endpoint} ({exc})") from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def rendezvous_timeout(plan: LaunchPlan, cause: str) -> CollectiveFailure:
+    """The one line a rendezvous that timed out ends with (exit 5, as for a rank that never answers)."""
+    why = (cause.splitlines() or ["timed out"])[0].rstrip(".")
+    return CollectiveFailure(
+        f"node {plan.node_rank} of {plan.nnodes}: the machines did not all meet at {plan.endpoint} within "
+        f"--rdzv-timeout {plan.rdzv_timeout} s ({why}). Start the same command on every machine (each with its "
+        "--node-rank, the same --nnodes, --rdzv-endpoint and --rdzv-id), or give them longer with --rdzv-timeout")
 
 
 def read_statuses(folder: Path) -> dict[int, dict]:
     return {int(path.stem[len("rank"):]): json.loads(path.read_text()) for path in folder.glob("rank*.json")}
 
 
-def outcome(statuses: dict[int, dict], failures: dict[int, int]) -> int:
-    """Print what went wrong once, and return the launch's exit code. `statuses`: what the workers that ended
-    on their own said (code, error line, and whether the error follows from another rank's failure);
-    `failures`: the exit codes torch saw for the ranks that failed."""
-    errors: dict[str, list[int]] = {}
-    # Root causes first: a collective that failed because another rank died is a consequence.
-    for rank, status in sorted(statuses.items(), key=lambda item: (item[1].get("consequence", False), item[0])):
-        if status.get("message"):
-            errors.setdefault(status["message"], []).append(rank)
-    for message, ranks in errors.items():
-        who = "" if len(errors) == 1 else f"rank {', '.join(map(str, ranks))}: "
-        print(f"pretrainer: error: {who}{message}", file=sys.stderr)
-    crashed = {rank: code for rank, code in failures.items() if rank not in statuses}
-    if crashed and not any(not statuses[ranks[0]].get("consequence") for ranks in errors.values()):
-        rank, code = min(crashed.items())
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"pretrainer: error: rank {rank} {how} (its output is above); the other ranks were stopped",
-              file=sys.stderr)
+def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float] | None = None) -> int:
+    """Print what went wrong, causes first, each distinct line once, and return the launch's exit code (the first
+    cause's). `statuses`: what the workers that ended on their own said (code, error line, and whether the error
+    follows from another rank's failure); `failures`: the exit codes torch saw for the ranks that failed;
+    `failed_at`: when torch saw each (orders the crashes)."""
+    errors = {rank: status for rank, status in statuses.items() if status.get("message")}
+    causes = [rank for rank in sorted(errors) if not errors[rank].get("consequence")]
+    consequences = [rank for rank in sorted(errors) if errors[rank].get("consequence")]
+    crashed, stopped = crashes(statuses, failures, failed_at or {})
+    print_error_lines(errors, causes)
+    for code, ranks in group_crashes(crashed, failures).items():
+        one = len(ranks) == 1
+        who = f"rank {ranks[0]}" if one else f"ranks {', '.join(map(str, ranks))}"
+        how = f"{'was' if one else 'were'} killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"pretrainer: error: {who} {how} ({'its' if one else 'their'} output is above)"
+              + ("; the other ranks were stopped" if stopped else ""), file=sys.stderr)
+    print_error_lines(errors, consequences)
+    if causes:
+        return errors[causes[0]]["code"]
+    if crashed:
+        code = failures[crashed[0]]
         return 128 - code if code < 0 else code or EXIT_WORKER_CRASHED
-    if errors:
-        return statuses[next(iter(errors.values()))[0]]["code"]
+    if consequences:
+        return errors[consequences[0]]["code"]
     return max((status["code"] for status in statuses.values()), default=0)
+
+
+def crashes(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float]) \
+        -> tuple[list[int], bool]:
+    """The ranks that ended without a word, first to fail first, and whether any others were stopped. Once a
+    rank has failed, torch's agent ends the others with SIGTERM: a rank that died of it, beside a rank that
+    failed otherwise (or said why), is a consequence, not a cause."""
+    silent = sorted((rank for rank in failures if rank not in statuses),
+                    key=lambda rank: (failed_at.get(rank, 0), rank))
+    by_agent = [rank for rank in silent if failures[rank] == -signal.SIGTERM]
+    failed_otherwise = len(by_agent) < len(silent) or any(
+        status.get("message") and not status.get("consequence") for status in statuses.values())
+    if not failed_otherwise:  # every rank that failed died of SIGTERM: someone else's, and they are the causes
+        return silent, False
+    return [rank for rank in silent if rank not in by_agent], bool(by_agent)
+
+
+def group_crashes(ranks: list[int], failures: dict[int, int]) -> dict[int, list[int]]:
+    """The ranks by how they ended (their exit code), in the order of the first to end so."""
+    grouped: dict[int, list[int]] = {}
+    for rank in ranks:
+        grouped.setdefault(failures[rank], []).append(rank)
+    return grouped
+
+
+def print_error_lines(errors: dict[int, dict], ranks: list[int]) -> None:
+    """Each distinct line once; with the ranks that gave it when the ranks' lines differ."""
+    lines: dict[str, list[int]] = {}
+    for rank in ranks:
+        lines.setdefault(errors[rank]["message"], []).append(rank)
+    several = len({status["message"] for status in errors.values()}) > 1
+    for message, same in lines.items():
+        who = f"rank {', '.join(map(str, same))}: " if several else ""
+        print(f"pretrainer: error: {who}{message}", file=sys.stderr)
 
 
 def record_worker_status(code: int, message: str | None = None, consequence: bool = False) -> bool:
