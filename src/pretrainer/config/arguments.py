@@ -9,6 +9,7 @@ the model or tokenizer on disk live in `pretrainer.models.preflight`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
@@ -30,8 +31,12 @@ from .loading import (
     describe_types,
     field_names,
     load_yaml,
+    non_finite_at,
+    not_finite_message,
     parse_size,
     plain,
+    read_user_text,
+    reads_as_not_finite,
     suggestion,
     top_level_key_lines,
 )
@@ -221,7 +226,7 @@ class PreTrainingArguments:
         path = Path(config_path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
+        text = read_user_text(path, "config file")
         try:
             data = load_yaml(text)
         except ConfigError as exc:
@@ -381,11 +386,15 @@ class PreTrainingArguments:
             setattr(self, f.name, coerced)
 
     def _check_types(self) -> None:
+        """Each key's type, and every number in it (nested ones too) finite: no key documents NaN or inf."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             allowed = allowed_types(f.type)
             if value is None and type(None) in allowed:
                 continue
+            found = non_finite_at(value, f.name)
+            if found is not None:
+                raise key_error(f.name, not_finite_message(*found))
             if float in allowed and isinstance(value, int) and not isinstance(value, bool):
                 setattr(self, f.name, float(value) if int not in allowed else value)
                 continue
@@ -394,7 +403,9 @@ class PreTrainingArguments:
             else:
                 ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
             if not ok:
-                raise key_error(f.name, f"expected {describe_types(allowed)}, got {value!r} ({type(value).__name__})")
+                finite = "; a finite number is needed" if reads_as_not_finite(value) else ""  # `z_loss_coeff=nan`
+                raise key_error(f.name, f"expected {describe_types(allowed)}, got {value!r} "
+                                f"({type(value).__name__}){finite}")
 
     def _check_values(self) -> None:
         self._check_counts()
@@ -609,8 +620,10 @@ class PreTrainingArguments:
         if self.spike_window != 128 and self.spike_zscore is None:
             raise key_error("spike_window", "spike_window is the window of spike_zscore, which is not set; set "
                             "spike_zscore (e.g. 6) or remove spike_window")
-        if self.distributed_timeout_minutes <= 0:
-            raise key_error("distributed_timeout_minutes", "distributed_timeout_minutes must be > 0")
+        longest = datetime.timedelta.max.total_seconds() / 60  # what a process group's timeout can hold
+        if not 0 < self.distributed_timeout_minutes <= longest:
+            raise key_error("distributed_timeout_minutes", f"distributed_timeout_minutes must be > 0 and at most "
+                            f"{longest:.3g} (a timedelta's limit), got {self.distributed_timeout_minutes:g}")
 
     def _check_long_context(self) -> None:
         if self.rope_scaling is not None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+import sys
+from pathlib import Path
 
 import yaml
 
@@ -24,7 +27,12 @@ def apply_override(data: dict, item: str, names: set[str]) -> None:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {item!r} has an empty key")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); write it as in the "
+                          "config file, quoted for the shell (e.g. 'key=[1, 2]')") from None
     parts = key.split(".")
     if parts[0] not in names:
         raise ConfigError(f"override {item!r}: unknown key {parts[0]!r}{suggestion(parts[0], names)}")
@@ -67,6 +75,22 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def read_user_text(path: Path, what: str) -> str:
+    """A text file the user wrote (the config, a DeepSpeed JSON), as UTF-8 (a leading BOM dropped); one line
+    naming `what` and the file when it cannot be read or is not UTF-8 (where: line and byte)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        offset = exc.start + len(raw) - len(exc.object)  # the decoder counts after a BOM it dropped
+        line = raw[:offset].count(b"\n") + 1
+        raise ConfigError(f"{what} {path} is not UTF-8 (line {line}, byte {offset}: {raw[offset]:#04x}); save "
+                          "it as UTF-8") from None
+
+
 def load_yaml(text: str):
     """`yaml.safe_load`, refusing duplicate keys."""
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
@@ -93,6 +117,43 @@ def coerce_scientific(value):
     if isinstance(value, str) and _SCI_NOTATION.match(value):
         return float(value)
     return value
+
+
+def non_finite_at(value, where: str) -> tuple[str, float | int] | None:
+    """The first number in `value` (a config value, walked through its lists and mappings) that a run cannot
+    compute with, and its position (`key.sub[1]`): NaN, an infinity (YAML's `.nan`, `.inf`, or a number beyond
+    the float range, which YAML reads as `.inf`) or a whole number too large for a float. None when every number
+    is finite. NaN passes every comparison such as `x <= 0`, so range checks alone would let it through."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (where, value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if abs(value) <= sys.float_info.max else (where, value)
+    if isinstance(value, dict):
+        items = ((f"{where}.{key}", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    return next((found for position, item in items if (found := non_finite_at(item, position)) is not None), None)
+
+
+def not_finite_message(position: str, number) -> str:
+    """What is wrong with a number non_finite_at found, and what to give instead."""
+    if isinstance(number, float) and math.isnan(number):
+        what = "NaN (not a number)"
+    elif isinstance(number, float):
+        what = f"{number} (YAML's .inf, or a number beyond ±{sys.float_info.max:.1e})"
+    else:
+        what = f"a whole number of {len(str(abs(number)))} digits, beyond any float (±{sys.float_info.max:.1e})"
+    return f"{position} is {what}, but a finite number is needed"
+
+
+def reads_as_not_finite(text) -> bool:
+    """A string such as `nan`, `inf` or `-Infinity`, which float() reads but is no finite number."""
+    try:
+        return isinstance(text, str) and not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def plain(value):

@@ -16,6 +16,7 @@ is refused). The blend itself is data/mixture.py's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import key_error
@@ -50,9 +51,14 @@ class Mixture:
     def describe(self) -> str:
         stages = []
         for stage in self.stages:
-            until = f"until {stage.until_tokens:,.0f} tokens: " if stage.until_tokens is not None else ""
+            until = f"until {_tokens(stage.until_tokens)} tokens: " if stage.until_tokens is not None else ""
             stages.append(until + ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, stage.weights)))
         return "; ".join(stages)
+
+
+def _tokens(count: float) -> str:
+    """A token count as people read it: 8,000,000,000, or 1e+300 where digits would fill the line."""
+    return f"{count:,.0f}" if count < 1e15 else f"{count:.3g}"
 
 
 def is_mixture(train_data) -> bool:
@@ -154,5 +160,7 @@ def _normalised(weights: dict, names: list[str], where: str, key: str) -> tuple[
         raise key_error(key,
                         f"{where}: weights must be numbers >= 0 with a positive sum, got "
                         f"{dict(zip(names, values))}")
+    if not math.isfinite(float(sum(values))):  # weights near the float limit: scaled to at most 1 first
+        values = [v / max(values) for v in values]
     total = float(sum(values))
     return tuple(v / total for v in values)

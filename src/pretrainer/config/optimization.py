@@ -3,7 +3,6 @@ the schedule and DeepSpeed's JSON blocks all take these instead of the arguments
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw", "muon")
@@ -98,7 +97,7 @@ class ScheduleSettings:
         if branch is not None:
             start = sizes.ramp.tokens_before(branch.step) if sizes.ramp is not None else branch.step * per_step
             decay = sizes.steps_for(start + args.cooldown_tokens) - branch.step
-            total = branch.step + math.ceil(decay - 1e-9)
+            total = sizes.whole_steps_for(start + args.cooldown_tokens, "cooldown_tokens")
             return ScheduleSettings(args.lr, args.min_lr, total, 0.0, "cooldown", args.wsd_decay_shape, decay,
                                     tokens_per_step=per_step, branch=branch)
         warmup = sizes.steps_for(args.warmup_tokens) if args.warmup_tokens is not None else \

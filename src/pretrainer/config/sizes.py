@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .errors import ConfigError, key_error
 
@@ -36,6 +39,18 @@ def model_positions(model_config) -> int | None:
     return positions
 
 
+# A run counts its tokens in 64-bit integers (metrics, checkpoints, the data's sample positions): a length in
+# tokens or steps beyond them is refused at load instead of overflowing somewhere in the loop.
+MAX_RUN_TOKENS = 2**63 - 1
+
+
+def check_run_tokens(tokens: float, key: str) -> None:
+    """One line naming `key` when a run of `tokens` tokens is longer than its token counts can hold."""
+    if tokens > MAX_RUN_TOKENS:
+        raise key_error(key, f"the run would train {tokens:.3g} tokens, more than its 64-bit token counts hold "
+                        f"({MAX_RUN_TOKENS:.3g}); give fewer")
+
+
 def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, data_parallel_size: int) -> int:
     """Sequences per optimizer step, over all data-parallel replicas."""
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
@@ -44,13 +59,15 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 class BatchRamp:
     """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained
     tokens (sequences x seq_length, so the stage of every step follows from the steps before it, on any world
-    size and on resume). A stage's batch is made of more accumulated micro-batches, never larger ones."""
+    size and on resume). A stage's batch is made of more accumulated micro-batches, never larger ones.
+
+    Every question is answered by arithmetic over the stages (at most one segment of equal updates each), so a
+    length of 1e15 tokens costs what a length of 1e3 does."""
 
     def __init__(self, stages: tuple[tuple[int, int], ...], seq_length: int):
         self.stages = stages                 # (first token, sequences per step), the first at token 0
         self.seq_length = seq_length
-        self._batches: list[int] = []        # of the updates walked so far
-        self._tokens: list[int] = [0]        # trained before each of them (and after the last)
+        self._segments = _segments(stages, seq_length)  # (first update, tokens before it, sequences per step)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, BatchRamp) and (self.stages, self.seq_length) == (other.stages, other.seq_length)
@@ -58,35 +75,47 @@ class BatchRamp:
     def __hash__(self) -> int:
         return hash((self.stages, self.seq_length))
 
-    def _walk_to(self, step: int) -> None:
-        while len(self._batches) <= step:
-            tokens = self._tokens[-1]
-            batch = next(seqs for start, seqs in reversed(self.stages) if tokens >= start)
-            self._batches.append(batch)
-            self._tokens.append(tokens + batch * self.seq_length)
+    def _segment_of_step(self, step: int) -> tuple[int, int, int]:
+        return self._segments[bisect.bisect_right([first for first, _, _ in self._segments], step) - 1]
 
     def sequences(self, step: int) -> int:
         """The global batch of the update numbered `step` (0-based)."""
-        self._walk_to(step)
-        return self._batches[step]
+        return self._segment_of_step(step)[2]
 
     def tokens_before(self, step: int) -> int:
-        self._walk_to(step)
-        return self._tokens[step]
+        first, tokens, seqs = self._segment_of_step(max(step, 0))
+        return tokens + (step - first) * seqs * self.seq_length
 
     def samples(self, steps: int) -> int:
         """Sequences the first `steps` updates read."""
         return self.tokens_before(steps) // self.seq_length
 
     def steps_for(self, tokens: float) -> float:
-        """The (fractional) number of updates after which `tokens` have been trained."""
-        step = 0
-        while self.tokens_before(step + 1) < tokens:
-            step += 1
-        return step + (tokens - self.tokens_before(step)) / (self.sequences(step) * self.seq_length)
+        """The (fractional) number of updates after which `tokens` have been trained: the update `step` that
+        trains the `tokens`-th token, plus the share of it trained by then."""
+        index = max(0, bisect.bisect_left([before for _, before, _ in self._segments], tokens) - 1)
+        first, before, seqs = self._segments[index]
+        per_step = seqs * self.seq_length
+        step = first + max(0, math.ceil((Fraction(tokens) - before) / per_step) - 1)  # exact for 1e15 as for 1e3
+        return step + (tokens - self.tokens_before(step)) / per_step
 
     def describe(self) -> str:
         return " -> ".join(f"{seqs} from token {start:,}" for start, seqs in self.stages)
+
+
+def _segments(stages: tuple[tuple[int, int], ...], seq_length: int) -> tuple[tuple[int, int, int], ...]:
+    """The ramp as runs of equal updates: (first update, tokens trained before it, sequences per update). An
+    update's batch is the stage's whose first token the tokens before it have reached, so one update may pass
+    over a short stage."""
+    segments, step, tokens = [], 0, 0
+    while True:
+        current = max(index for index, (start, _) in enumerate(stages) if tokens >= start)
+        seqs = stages[current][1]
+        segments.append((step, tokens, seqs))
+        if current == len(stages) - 1:
+            return tuple(segments)
+        updates = -(-(stages[current + 1][0] - tokens) // (seqs * seq_length))  # until the next stage's token
+        step, tokens = step + updates, tokens + updates * seqs * seq_length
 
 
 @dataclass(frozen=True)
@@ -104,12 +133,14 @@ class BatchSizes:
     def of(args, seq_length: int, data_parallel_size: int) -> "BatchSizes":
         sizes = BatchSizes(seq_length, args.micro_batch_size, args.gradient_accumulation_steps, data_parallel_size,
                            args.num_training_steps, args.eval_iters)
-        return sizes.with_steps(args.num_training_steps, args.batch_size_schedule)
+        sizes = sizes.with_steps(args.num_training_steps, args.batch_size_schedule)
+        check_run_tokens(sizes.train_samples * seq_length, "num_training_steps")
+        return sizes
 
     def with_steps(self, num_training_steps: int, schedule: list | None) -> "BatchSizes":
         """These sizes over `num_training_steps`, with the ramp `schedule` ([[tokens, sequences], ...]) checked
-        against the global batch: each stage a whole number of micro-batches on every replica, the last this
-        config's global batch."""
+        against the global batch: each stage a whole number of micro-batches on every replica, none larger than
+        this config's global batch, the last this global batch."""
         ramp = None
         if schedule:
             per_round = self.micro_batch_size * self.data_parallel_size
@@ -122,6 +153,10 @@ class BatchSizes:
                                 f"global batch is {self.global_batch_size} ({self.micro_batch_size} x "
                                 f"{self.gradient_accumulation_steps} accumulation x {self.data_parallel_size} "
                                 "replica(s)); the ramp ends at the config's global batch")
+            larger = [seqs for _, seqs in schedule if seqs > self.global_batch_size]
+            if larger:  # a stage of 1e300 sequences would accumulate micro-batches for ever
+                raise key_error("batch_size_schedule", f"a stage has {larger[0]:.6g} sequences, more than the global "
+                                f"batch of {self.global_batch_size} that the ramp grows to")
             ramp = BatchRamp(tuple((int(start), int(seqs)) for start, seqs in schedule), self.seq_length)
         return dataclasses.replace(self, num_training_steps=num_training_steps, ramp=ramp)
 
@@ -138,6 +173,12 @@ class BatchSizes:
     def steps_for(self, tokens: float) -> float:
         """The (fractional) number of updates that train `tokens` (through the ramp's smaller first batches)."""
         return self.ramp.steps_for(tokens) if self.ramp is not None else tokens / self.tokens_per_step()
+
+    def whole_steps_for(self, tokens: float, key: str) -> int:
+        """The whole number of updates that train `tokens` (the last one finishes them), refused in one line
+        naming `key` beyond what the run's token counts hold (so a huge length never overflows a conversion)."""
+        check_run_tokens(tokens, key)
+        return math.ceil(self.steps_for(tokens) - 1e-9)
 
     @property
     def global_batch_size(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, global_batch_size
+from ..config.loading import non_finite_at, not_finite_message, read_user_text
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,16 @@ def load_deepspeed_config(source) -> dict:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"key 'deepspeed': {path} does not exist")
-    text = re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "", path.read_text(encoding="utf-8"))
+    text = re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "",
+                  read_user_text(path, "key 'deepspeed':"))
     try:
-        return json.loads(text)
+        config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: invalid DeepSpeed JSON ({exc.msg})") from None
+    found = non_finite_at(config, "")  # JSON's NaN and Infinity, as the config's own keys refuse them
+    if found is not None:
+        raise ConfigError(f"key 'deepspeed': {path}: {not_finite_message(found[0].lstrip('.'), found[1])}")
+    return config
 
 
 def config_from_accelerate_env() -> dict:

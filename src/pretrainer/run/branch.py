@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -87,6 +88,36 @@ def find_branches(save_dir: str | Path) -> list[Path]:
     """The branch folders under a run (RUN/branches/*) that have metrics."""
     return sorted(p for p in (Path(save_dir) / BRANCHES).glob("*") if (p / "metrics.jsonl").is_file())
 
+
+
+@contextmanager
+def no_folder_left_if_refused(args, branch: BranchPoint | None):
+    """A branch refused while it starts (a bad key, a model that does not load) leaves no empty folder behind:
+    the folders this start creates for it (RUN/branches/<name>, and RUN/branches) are removed again when they
+    hold no file; an empty one would read as a branch that exists."""
+    first_new = None
+    if branch is not None and args.save_dir is not None and not is_url(args.save_dir):
+        folder = Path(args.save_dir).absolute()
+        while not folder.exists() and folder != folder.parent:
+            first_new, folder = folder, folder.parent
+    try:
+        yield
+    except BaseException:
+        if first_new is not None:
+            _remove_empty_folders(Path(args.save_dir).absolute(), first_new)
+        raise
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """`folder` and its parents up to `top`, each while it is empty (a file found keeps it and what is above)."""
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another rank started writing), or already gone
+            return
+        if folder == top:
+            return
+        folder = folder.parent
 
 
 def branch_args(args):

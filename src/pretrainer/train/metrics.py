@@ -111,10 +111,18 @@ class Progress:
         if done <= 0:
             return "?"
         remaining = (time.perf_counter() - self.start_time) / done * (self.total - step)
-        return time.strftime("%H:%M:%S", time.gmtime(remaining))
+        return format_duration(remaining)
 
     def close(self) -> None:
         self.bar.close()
+
+
+def format_duration(seconds: float) -> str:
+    """`HH:MM:SS`, with the days before it past a day (`3d 04:05:06`); whole seconds, so any finite length
+    prints (a time struct overflows past the year 9999)."""
+    days, rest = divmod(int(seconds), 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {clock}" if days else clock
 
 
 def format_train_line(row: dict, eta: str) -> str:

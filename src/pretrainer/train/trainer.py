@@ -26,7 +26,7 @@ from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
-from ..run.branch import branch_args
+from ..run.branch import branch_args, no_folder_left_if_refused
 from ..run.extensions import combined_loss, combined_losses
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
@@ -55,22 +55,23 @@ class PreTrainer:
         setup_logging()
         # a cooldown branch (cooldown_from) starts from its parent's checkpoint, in a folder of its own
         args, self.branch = branch_args(pretrain_args)
-        self.pretrain_args = args
-        self.accelerator = accelerator
-        check_inputs(args, accelerator, model, optimizer, lr_scheduler)
-        self.world = launch_world(args)
-        self._closed = False
-        self._started = time.perf_counter()
-        atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
-        try:
-            self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
-        except BaseException:
-            # In a process of its own (a script, a notebook, a test) the next PreTrainer must find no group
-            # left; under a launcher the process ends with the error, which is told first (a peer's exit makes
-            # the launcher stop this one).
-            if self.world.size == 1:
-                self.close(barrier=False)
-            raise
+        with no_folder_left_if_refused(args, self.branch):
+            self.pretrain_args = args
+            self.accelerator = accelerator
+            check_inputs(args, accelerator, model, optimizer, lr_scheduler)
+            self.world = launch_world(args)
+            self._closed = False
+            self._started = time.perf_counter()
+            atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
+            try:
+                self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+            except BaseException:
+                # In a process of its own (a script, a notebook, a test) the next PreTrainer must find no group
+                # left; under a launcher the process ends with the error, which is told first (a peer's exit
+                # makes the launcher stop this one).
+                if self.world.size == 1:
+                    self.close(barrier=False)
+                raise
 
     def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader) -> None:
         """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
