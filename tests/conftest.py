@@ -215,3 +215,15 @@ def s3_server():
         yield server
     process.terminate()
     process.wait(timeout=10)
+
+
+@pytest.fixture
+def fault_relay(s3_server, monkeypatch):
+    """The clients (this process's and the runs it starts) go through a relay in front of the S3 server that can
+    refuse chosen requests or take the server down (tests/fault_proxy.py)."""
+    from fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    yield proxy
+    proxy.close()

@@ -1,8 +1,9 @@
 """A run whose save_dir is an S3 URL, on a real S3-compatible server (moto's server mode, tests/conftest.py) through
 the real client stack (s3fs, botocore): checkpoints, metrics, report and HF export land in the bucket; a run
 resumes from the bucket in a fresh staging folder with the losses of an uninterrupted run; an outage in the
-middle of a checkpoint upload (tests/fault_proxy.py) is survived with `checkpoint_failure: warn` and ends the run
-in one line with `fatal`, and a later resume never takes the partial checkpoint."""
+middle of a checkpoint upload (tests/fault_proxy.py) is survived with `checkpoint_failure: warn` (the failed
+checkpoint is kept in staging and uploaded again once the server is back) and ends the run in one line with
+`fatal`, and a later resume never takes the partial checkpoint. Refusing buckets and URLs: test_storage_checks.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 
 import pytest
 
-from fault_proxy import FaultProxy
 from helpers import read_metrics, train_losses
 from multi_run import launch_cases
 from pretrainer import PreTrainer, PreTrainingArguments
@@ -64,50 +64,48 @@ def test_two_fsdp_ranks_resume_from_the_bucket_in_a_fresh_staging_folder(s3_serv
                    for name in stored if name.endswith((".json", ".yaml", ".jsonl")))
 
 
-@pytest.fixture
-def outage(s3_server, monkeypatch):
-    """The clients go through a relay that can take the server down (tests/fault_proxy.py)."""
-    proxy = FaultProxy(s3_server.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    yield proxy
-    proxy.close()
-
-
 def outage_config(base_config, tmp_path, run: str, failure: str) -> dict:
     return {**base_config, "save_dir": URL.format(run), "staging_dir": str(tmp_path / "staging"),
             "save_interval": 2, "eval_interval": 0, "export_hf": False, "checkpoint_failure": failure,
             "storage_retries": 2}
 
 
-def test_an_outage_during_an_upload_with_warn_goes_on_and_the_next_checkpoint_is_complete(
-        s3_server, outage, base_config, tmp_path, pretrainer_log):
+def test_an_outage_during_an_upload_with_warn_goes_on_and_the_failed_checkpoint_is_uploaded_again(
+        s3_server, fault_relay, base_config, tmp_path, pretrainer_log):
     # down at the third object of step-4's upload (two are in), up again when step-6's upload starts
-    outage.fail_from(r"^PUT /bucket/warn/checkpoints/step-4/", nth=3, recover_on=r"/bucket/warn/checkpoints/step-6/")
-    # the last two complete checkpoints are kept: 2 and 6; the partial step-4 goes
+    fault_relay.fail_from(r"^PUT /bucket/warn/checkpoints/step-4/", nth=3,
+                          recover_on=r"/bucket/warn/checkpoints/step-6/")
     config = {**outage_config(base_config, tmp_path, "warn", "warn"), "keep_last_checkpoints": 2}
     PreTrainer(PreTrainingArguments(**config)).train()
     log = pretrainer_log.take()
     assert "checkpoint s3://bucket/warn/checkpoints/step-4 was not saved" in log and "run goes on" in log
-    assert "deleted checkpoint s3://bucket/warn/checkpoints/step-4" in log, outage.requests[-20:]
+    # step-6's commit: retention deletes the partial step-4 in the bucket; then the staged step-4 is uploaded
+    # again, whole, and the newest two (4 and 6) are kept
+    assert "deleted checkpoint s3://bucket/warn/checkpoints/step-4" in log, fault_relay.requests[-20:]
+    staged = tmp_path / "staging" / "checkpoints"
+    assert f"uploading checkpoint {staged / 'step-4'} again" in log
+    assert "deleted checkpoint s3://bucket/warn/checkpoints/step-2" in log
     stored = objects(s3_server, "warn")
-    assert "checkpoints/step-6/trainer_state.json" in stored and "checkpoints/step-2/trainer_state.json" in stored
-    assert not any(name.startswith("checkpoints/step-4/") for name in stored)
+    assert {name.split("/")[1] for name in stored if name.endswith("/trainer_state.json")} == {"step-4", "step-6"}
+    assert not any(name.startswith("checkpoints/step-2/") for name in stored)
+    assert s3_server.fs.cat_file("bucket/warn/checkpoints/latest").decode() == "step-6"  # not the re-upload
+    assert not list(staged.glob("step-*")) and "exist only in the staging folder" not in log
     assert sorted(remote_losses(s3_server, "warn")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_an_outage_during_an_upload_with_fatal_stops_in_one_line_and_resume_skips_the_partial_checkpoint(
-        s3_server, outage, base_config, tmp_path, pretrainer_log):
+        s3_server, fault_relay, base_config, tmp_path, pretrainer_log):
     straight = {**base_config, "save_dir": str(tmp_path / "straight"), "save_interval": 2, "eval_interval": 0,
                 "export_hf": False}
     PreTrainer(PreTrainingArguments(**straight)).train()
-    outage.fail_from(r"^PUT /bucket/fatal/checkpoints/step-4/", nth=3)
+    fault_relay.fail_from(r"^PUT /bucket/fatal/checkpoints/step-4/", nth=3)
     config = outage_config(base_config, tmp_path, "fatal", "fatal")
     with pytest.raises(CheckpointError) as failure:
         PreTrainer(PreTrainingArguments(**config)).train()
     message = str(failure.value)
     assert "\n" not in message and "s3://bucket/fatal/checkpoints/step-4 was not saved" in message, message
     assert "failed after 2 attempt(s)" in message
-    outage.restore()
+    fault_relay.restore()
     stored = objects(s3_server, "fatal")
     assert any(n.startswith("checkpoints/step-4/") for n in stored)
     assert "checkpoints/step-4/trainer_state.json" not in stored

@@ -47,6 +47,7 @@ from .openmind import apply_openmind_rules, check_given_against_megatron, megatr
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .paths import staging_folder
 from .sizes import global_batch_size
+from .urls import is_url, parse_url
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +67,24 @@ ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 
 
-URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # s3://, gs://, az://, file://, https://, ...
+# Keys whose paths may be URLs (a run's folders, its data and task files), and keys read from local disk only.
+URL_KEYS = ("save_dir", "resume", "cooldown_from", "train_data", "eval_data", "data_path", "downstream_evals")
+LOCAL_KEYS = ("data_cache_path", "staging_dir", "model_path", "tokenizer_path", "openmind_model_path")
+PATH_FIELDS = ("path", "eval_path")  # the path items of a mixture source or a task mapping
 
 
-def _strings_in(value) -> list[str]:
-    """The strings of a config value: itself, a list's items, a mapping's values (named sources' paths)."""
+def _map_paths(value, read):
+    """`value` with `read` applied to each path in it: a string's words (data_path's `0.3 s3://...` blends), a
+    list's items, a mapping's `path` / `eval_path`."""
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for item in value.values() for s in _strings_in(item)]
+        words = value.split()
+        read_words = [read(word) for word in words]
+        return " ".join(read_words) if read_words != words else value
     if isinstance(value, list):
-        return [s for item in value for s in _strings_in(item)]
-    return []
+        return [_map_paths(item, read) for item in value]
+    if isinstance(value, dict):
+        return {key: _map_paths(item, read) if key in PATH_FIELDS else item for key, item in value.items()}
+    return value
 
 
 @dataclass
@@ -307,7 +314,7 @@ class PreTrainingArguments:
     @property
     def remote_save_dir(self) -> str | None:
         """`save_dir` when it is an object-storage URL."""
-        return self.save_dir if self.save_dir and URL_SCHEME.match(self.save_dir) else None
+        return self.save_dir if is_url(self.save_dir) else None
 
     @property
     def run_dir(self) -> Path | None:
@@ -416,7 +423,7 @@ class PreTrainingArguments:
         self._check_loop()
         self._check_ranges()
         self._check_path_lists()
-        self._check_local_paths()
+        self._read_paths()
         self._check_storage_keys()
         mixture = self.mixture  # read once here, so a mistake fails at load
         own_eval = [source.name for source in (mixture.sources if mixture else ()) if source.eval_paths]
@@ -427,21 +434,25 @@ class PreTrainingArguments:
                             f"source(s) {', '.join(own_eval)} give an eval_path, but {why}; remove one of them")
         read_downstream_tasks(self.downstream_evals)
 
-    def _check_local_paths(self) -> None:
-        """Object-storage URLs are refused by name where they are not read yet: a path like `s3://bucket/run`
-        would otherwise be read as a local folder `s3:/bucket/run`, and a run's checkpoints would be written to
-        the node's disk. A run's folders (`save_dir`, `resume`, `cooldown_from`: train/remote_checkpoints.py),
-        its data (`train_data`, `eval_data`, `data_path`) and task files (`downstream_evals`: data/remote.py) may
-        be URLs; models and tokenizers are read from local folders."""
-        keys = ("data_cache_path", "staging_dir", "model_path", "tokenizer_path", "openmind_model_path")
-        for key in keys:
-            for value in _strings_in(getattr(self, key, None)):
-                scheme = URL_SCHEME.match(value)
-                if scheme:
-                    raise key_error(key, f"{value} is a URL ({scheme.group(1)}://); object storage is read for "
-                                    "a run's data, tasks and folders (save_dir, resume, cooldown_from), not here: "
-                                    "give a local path, or mount the bucket (s3fs-fuse, gcsfuse, blobfuse2) and "
-                                    "give the mount's path")
+    def _read_paths(self) -> None:
+        """Every path of every key through the one URL parser (config/urls.py): a URL's scheme in lower case, a
+        malformed one (`s3:/bucket`, `s3://`) refused with the key named. A run's folders (`save_dir`, `resume`,
+        `cooldown_from`: train/remote_checkpoints.py), its data and task files (data/remote.py) may be URLs;
+        elsewhere a URL is refused by name: read as a path, `s3://bucket/run` would become a local folder
+        `s3:/bucket/run` on the node's disk, and models and tokenizers are read from local folders."""
+        for key in URL_KEYS + LOCAL_KEYS:
+            def read(text: str, key=key) -> str:
+                try:
+                    url = parse_url(text)
+                except ConfigError as exc:
+                    raise key_error(key, str(exc)) from None
+                if url is not None and key in LOCAL_KEYS:
+                    raise key_error(key, f"{text} is a URL ({url.split('://')[0]}://); object storage is read for a "
+                                    "run's data, tasks and folders (save_dir, resume, cooldown_from), not here: give "
+                                    "a local path, or mount the bucket (s3fs-fuse, gcsfuse, blobfuse2) and give the "
+                                    "mount's path")
+                return url or text
+            setattr(self, key, _map_paths(getattr(self, key), read))
 
     def _check_storage_keys(self) -> None:
         """The keys of a save_dir URL's uploads are refused beside a local save_dir, where they would do nothing."""

@@ -6,12 +6,16 @@ listing is read fresh each time (another node may have written since), never fro
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .retry import retried
+from .errors import StorageError
+from .retry import reason, retried
 from .urls import filesystem, join_url
+
+logger = logging.getLogger("pretrainer")
 
 UPLOAD_WORKERS = 8  # objects in flight at once: enough to fill a node's link with checkpoint shards
 
@@ -60,6 +64,49 @@ class RemoteFolder:
             self.fs.invalidate_cache()
             return self.fs.isfile(self._path(rel))
         return self._retried(exists, f"reading {self.url_of(rel)}")
+
+    # ------------------------------------------------------------ access
+    def check_access(self, probe: str, need_delete: bool) -> None:
+        """That this folder's bucket exists and these credentials may write, list (and, with `need_delete`,
+        delete) objects in it: the object `probe` is written, the folder listed, the probe deleted. A refusal
+        raises StorageError, one line naming the URL and what failed; transient errors are retried as any."""
+        where = self.url_of(probe)
+        refused = self._refusal(lambda: self.fs.pipe_file(self._path(probe), b""), f"writing {where}")
+        if isinstance(refused, FileNotFoundError):
+            raise StorageError(f"{self.url}: no such bucket ({self.bucket}); create it or correct the URL")
+        if refused is not None:
+            raise StorageError(f"{self.url}: access denied: cannot write {where} ({reason(refused)}); give "
+                               "these credentials permission to write objects under it")
+        try:  # the probe is there, so the folder exists: only a refusal or an outage fails this
+            refused = self._refusal(lambda: self.fs.ls(self.root, refresh=True), f"listing {self.url}")
+        except StorageError as exc:
+            refused = exc
+        if isinstance(refused, (PermissionError, StorageError)):
+            detail = str(refused) if isinstance(refused, StorageError) else reason(refused)
+            raise StorageError(f"{self.url}: cannot list it ({detail}); give these credentials "
+                               "permission to list the bucket (resume and retention list it)")
+        refused = self._refusal(lambda: self.fs.rm_file(self._path(probe)), f"deleting {where}")
+        if refused is not None and need_delete:
+            raise StorageError(f"{self.url}: cannot delete {where} ({reason(refused)}); keep_last_checkpoints "
+                               "deletes older checkpoints: give these credentials permission to delete objects, "
+                               "or remove keep_last_checkpoints")
+        if refused is not None:
+            logger.warning("%s: cannot delete %s (%s); it stays there (harmless)", self.url, where, reason(refused))
+
+    @property
+    def bucket(self) -> str:
+        return self.url.split("://", 1)[-1].split("/", 1)[0]
+
+    def _refusal(self, action, what: str) -> Exception | None:
+        """None, or the refusal (no such object or bucket, access denied) `action` met; transient errors are
+        retried, and raise StorageError once the tries are spent."""
+        def attempt():
+            try:
+                action()
+            except (FileNotFoundError, PermissionError) as exc:
+                return exc
+            return None
+        return self._retried(attempt, what)
 
     # ------------------------------------------------------------ listings
     def sizes(self, rel: str = "") -> dict[str, int]:

@@ -22,13 +22,13 @@ def retried(action, what: str, attempts: int = 4, delay: float = 1.0, cancel: th
         try:
             return action()
         except PERMANENT as exc:
-            raise StorageError(f"{what} failed: {_reason(exc)}") from None
+            raise StorageError(f"{what} failed: {reason(exc)}") from None
         except Exception as exc:  # the clients' own error types (connection, throttling, server errors)
             if attempt == attempts or (cancel is not None and cancel.is_set()):
-                raise StorageError(f"{what} failed after {attempt} attempt(s): {_reason(exc)}") from None
+                raise StorageError(f"{what} failed after {attempt} attempt(s): {reason(exc)}") from None
             wait = delay * 2 ** (attempt - 1)
             logger.warning("%s: attempt %d of %d failed (%s); retrying in %.0f s", what, attempt, attempts,
-                           _reason(exc), wait)
+                           reason(exc), wait)
             if cancel is not None:
                 cancel.wait(wait)
             else:
@@ -36,6 +36,7 @@ def retried(action, what: str, attempts: int = 4, delay: float = 1.0, cancel: th
     raise AssertionError("unreachable")
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """An exception in one line: its type and its text, cut at 300 characters."""
     text = " ".join(str(exc).split())[:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

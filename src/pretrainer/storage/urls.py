@@ -1,4 +1,4 @@
-"""What a URL is, and the fsspec filesystem that serves it.
+"""What a URL is (the config's one parser, config/urls.py), and the fsspec filesystem that serves it.
 
 Endpoint and credentials come from each filesystem's own configuration (for S3: `AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `~/.aws`, or fsspec's `FSSPEC_S3_*`); nothing here logs, copies or
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 
+from ..config.urls import is_url, parse_url
 from .errors import StorageError
 
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+__all__ = ["PACKAGES", "URL", "filesystem", "is_url", "join_url"]
+
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a parsed URL's scheme and `://` (to strip them)
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-
-
-def is_url(text) -> bool:
-    return bool(URL.match(str(text)))
 
 
 def join_url(url: str, *parts: str) -> str:
@@ -28,6 +27,7 @@ def filesystem(url: str):
     (endpoint, credentials) applies."""
     import fsspec
 
+    url = parse_url(url) or url
     protocol = URL.match(url).group(1)
     try:
         return fsspec.core.url_to_fs(url, skip_instance_cache=True)

@@ -69,9 +69,8 @@ class Checkpointer:
                  checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None):
         self.root = checkpoints_root(save_dir)
         self.uploads = uploads  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
-        if uploads is not None and engine.world.local_rank == 0:
-            # the bucket holds the run's checkpoints: what an earlier process left staged was never committed
-            shutil.rmtree(self.root, ignore_errors=True)
+        if uploads is not None:  # what an earlier process left staged: partial ones go, complete ones are kept
+            uploads.keep_leftovers(self.root)
         self.engine, self.state = engine, state
         self.config_yaml, self.config_hash = config_yaml, config_hash
         self.interval = interval
@@ -147,6 +146,14 @@ class Checkpointer:
                                   f"GiB needed (the size of {name}), {free / 2**30:.2f} GiB free. Free space "
                                   f"{remedy}; the previous checkpoint is intact")
 
+    def end_run(self) -> None:
+        """At the run's end: finish the last save (`wait`); for a save_dir URL, name the checkpoints that exist only
+        in staging, and end a run none of whose checkpoints reached the bucket (CheckpointError, exit 4;
+        collective)."""
+        self.wait()
+        if self.uploads is not None:
+            self.uploads.report_end()
+
     def wait(self) -> None:
         """Finish an asynchronous save or upload, if one is under way."""
         if self._pending is not None:
@@ -205,7 +212,7 @@ class Checkpointer:
         if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        if self.uploads is not None:  # the staged copy goes once uploaded: its size is the next free-space estimate
+        if self.uploads is not None:  # the staged copy goes once uploaded; its size is the free-space estimate
             self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             self.uploads.start(state["step"], final, state)
 
@@ -287,7 +294,8 @@ def elect_resume(world, args) -> Path | None:
     url = args.resume if is_url(args.resume) else args.remote_save_dir if args.resume == "auto" else None
     if url is not None:
         local_root = (args.run_dir or staging_folder(url, args.staging_dir)) / RESUME_DOWNLOADS
-        return fetch_checkpoint(world, url, local_root, args.storage_retries)
+        given_as = "key 'resume'" if url == args.resume else None  # `auto` may find none: a fresh start
+        return fetch_checkpoint(world, url, local_root, args.storage_retries, given_as)
     outcome = None
     if world.is_main:
         try:
@@ -304,7 +312,8 @@ def branch_checkpoint(world, args, checkpoint: str) -> Path:
     """The checkpoint a cooldown branch starts from, downloaded first when it is a URL (collective)."""
     if not is_url(checkpoint):
         return Path(checkpoint)
-    return fetch_checkpoint(world, checkpoint, args.run_dir / RESUME_DOWNLOADS, args.storage_retries)
+    return fetch_checkpoint(world, checkpoint, args.run_dir / RESUME_DOWNLOADS, args.storage_retries,
+                            "key 'cooldown_from'")
 
 
 def resolve_resume(resume: str, save_dir: str | None, given_as: str = "key 'resume'") -> Path | None:

@@ -191,8 +191,8 @@ class PreTrainer:
         self._count_tokens()
         if stop is None:
             self._finish()
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
+        if self.checkpointer is not None:  # the last save and upload complete; what is only in staging is named
+            self.checkpointer.end_run()
         log.close()
         engine.barrier()
         if stop == "interrupted":
