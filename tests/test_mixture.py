@@ -251,3 +251,27 @@ def test_a_prepared_mixture_s_mistake_names_data_path(base_config):
                                           r"positive sum"):
         PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
                                 "data_path": [{"name": "a", "path": "prefix", "weight": 0}]})
+
+
+def test_a_resume_onto_other_weights_is_refused_and_override_mixture_never_recounts_the_trained_tokens(
+        base_config, sources, tmp_path):
+    """The blend decides which source each trained sample came from: a resume onto other weights would recount the
+    steps already trained over the new blend. Refused before anything is built; with override_mixture the counts
+    carry on from the checkpoint's."""
+    config = mixture_config(base_config, sources, tmp_path / "run", num_training_steps=4, save_interval=2,
+                            exit_interval=2, micro_batch_size=2, gradient_accumulation_steps=1)
+    PreTrainer(PreTrainingArguments(**config)).train()
+    reweighted = {**config, "exit_interval": None, "train_data": [
+        {"name": n, "path": str(sources[n]), "weight": w} for n, w in {"prose": 0.05, "reviews": 0.05,
+                                                                        "news": 0.9}.items()]}
+    with pytest.raises(ConfigError, match=r"^resuming from .*step-2 would change the run's state: mixture .*\(the "
+                                          r"steps already trained would be read from another blend.*set "
+                                          r"override_mixture: true to accept\)"):
+        PreTrainer(PreTrainingArguments(**reweighted))
+    PreTrainer(PreTrainingArguments(**{**reweighted, "override_mixture": True})).train()
+    rows = {row["step"]: row for row in read_metrics(tmp_path / "run") if "loss" in row}
+    counts = {step: {k: v for k, v in row.items() if k.startswith("source_tokens/")} for step, row in rows.items()}
+    assert sorted(counts) == [1, 2, 3, 4]
+    for earlier, later in zip([1, 2, 3], [2, 3, 4]):
+        assert all(counts[later][name] >= counts[earlier][name] for name in counts[earlier]), (earlier, counts)
+    assert all(sum(counts[step].values()) == rows[step]["tokens"] for step in rows)  # the run's own count

@@ -254,7 +254,8 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(base_config, tmp_path):
     run(base_config, num_training_steps=3, eval_interval=0)
     other = write_tiny_model(tmp_path / "wider", hidden_size=96)
     with pytest.raises(ConfigError, match=r"step-3 does not fit this run's model and optimizer \(.*[Ss]ize mismatch"):
-        PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(other), "num_training_steps": 4})).train()
+        PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(other), "num_training_steps": 4,
+                                           "override_schedule": True})).train()
 
 
 def test_a_misspelt_pretrainer_argument_is_an_error(base_config):

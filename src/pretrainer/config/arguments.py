@@ -162,6 +162,8 @@ class PreTrainingArguments:
     cooldown_from: str | None = None       # a checkpoint folder: start a cooldown branch there
     cooldown_tokens: float | None = None   # the branch's decay length in tokens (num_training_steps derived)
     override_schedule: bool = False        # resume although the schedule's keys changed since the checkpoint
+    override_mixture: bool = False         # resume (or branch) although the mixture's weights changed
+    override_mtp: bool = False             # resume with fewer mtp_num_layers than the checkpoint's (drops depths)
     batch_size_schedule: list | None = None  # [[tokens, sequences], ...]: a global batch that grows in stages
     weight_decay: float = 0.1
     adam_beta1: float = 0.9

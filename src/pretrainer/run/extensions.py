@@ -30,6 +30,9 @@ class StepExtension:
     def attach(self, engine, model: torch.nn.Module) -> None:
         """After the engine has wrapped the model (`model`: what the loop calls forward on)."""
 
+    def register_state(self, state) -> None:
+        """This feature's saved state, registered with the run's components (train/run_state.py's `register`)."""
+
     def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
         """Before the step's micro-batches; `counts`: the global [targets, useful tokens, rows] (device);
         `batches`: this rank's host micro-batches of the step (a batch ramp changes how many)."""
@@ -170,6 +173,8 @@ class SourceAccounting(StepExtension):
         self.engine, self._sources, self._window, self._sums = None, [], [], None
         self._without_rows = False  # a pipeline schedule hands the head no sources: no source_loss
         self._targets = torch.zeros(len(mixture.names), dtype=torch.float64)  # of the interval, this rank's
+        self._resumed_at: tuple[int, dict[str, int]] | None = None  # (position, counts) a checkpoint holds
+        self._blend_at_resume: dict[str, int] | None = None  # the blend's own counts at that position
 
     def attach(self, engine, model: torch.nn.Module) -> None:
         self.engine = engine
@@ -199,8 +204,27 @@ class SourceAccounting(StepExtension):
                 self._sums.index_add_(0, sources, rows.double())
         self._window = []
 
+    def register_state(self, state) -> None:
+        state.register("source_tokens", lambda: {"position": self.stream.position, "tokens": self.trained_tokens()},
+                       self._resume_counts, default=None)
+
+    def _resume_counts(self, saved: dict | None) -> None:
+        self._resumed_at = None if saved is None else (int(saved["position"]), saved["tokens"])
+        self._blend_at_resume = None
+
+    def trained_tokens(self) -> dict[str, int]:
+        """Each source's trained target tokens so far. After a resume, the checkpoint's counts plus what the blend
+        gave since: a resume onto another blend (override_mixture) never recounts the steps already trained."""
+        if self._resumed_at is None:
+            return self.mixture.trained_tokens(self.stream.position)
+        position, counts = self._resumed_at
+        if self._blend_at_resume is None:  # once, before the counts move on (the blend counts incrementally)
+            self._blend_at_resume = self.mixture.trained_tokens(position)
+        now = self.mixture.trained_tokens(self.stream.position)
+        return {name: counts.get(name, 0) + now[name] - self._blend_at_resume[name] for name in self.mixture.names}
+
     def interval_row(self) -> dict:
-        tokens = {f"source_tokens/{name}": n for name, n in self.mixture.trained_tokens(self.stream.position).items()}
+        tokens = {f"source_tokens/{name}": n for name, n in self.trained_tokens().items()}
         both = self.engine.reduce_sum(torch.cat([self._sums, self._targets.to(self._sums.device)]))
         sums, counted = both.split(len(self.mixture.names))
         self._sums.zero_()

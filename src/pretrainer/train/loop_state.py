@@ -1,23 +1,19 @@
 """What a checkpoint keeps of the loop beside the model and optimizer: the schedule's and the loss scaler's
-state, the token count, the data position, the skipped updates, the spike rules' windows, the schedule's keys
-and the RNG, each registered once as a `RunState` component (run_state.py); and the resume that loads them."""
+state, the token count, the data position, the skipped updates, the spike rules' windows, the keys that shape
+the run's state (resume_keys.py), the extensions' own state and the RNG, each registered once as a `RunState`
+component (run_state.py); and the resume that loads them."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from ..config import ConfigError
 from ..optim import realign_to_schedule
 from . import checkpoint as ckpt
+from .resume_keys import RECORD, check_resume_keys, recorded_keys
 from .run_state import RunState, rng_state, set_rng_state
 
 logger = logging.getLogger("pretrainer")
-
-# The keys that shape the learning rate: a resume whose values differ is refused unless override_schedule
-# (Megatron's check of its optimizer-parameter scheduler), since the lr would jump at the resumed step.
-SCHEDULE_KEYS = ("lr", "min_lr", "lr_decay_style", "warmup_steps", "warmup_fraction", "warmup_tokens",
-                 "wsd_decay_fraction", "wsd_decay_tokens", "wsd_decay_shape", "num_training_steps",
-                 "cooldown_from", "cooldown_tokens", "batch_size_schedule")
 
 
 def loop_state(trainer) -> RunState:
@@ -32,30 +28,26 @@ def loop_state(trainer) -> RunState:
     state.register("skipped_updates", lambda: trainer.skips.total, trainer.skips.load, default=0)
     state.register("loss_history", guard.state_dict if guard else list, guard.load_state_dict if guard
                    else lambda _: None, default=[])
-    state.register("schedule", lambda: schedule_keys(trainer.pretrain_args),
-                   lambda saved: check_schedule(saved, trainer), default=None)
+    # checked against this run before anything is built (resume_keys.py), so loading them does nothing
+    state.register(RECORD, lambda: recorded_keys(trainer.pretrain_args, trainer.branch), lambda saved: None,
+                   default=None)
+    for extension in trainer.extensions:  # a feature's own saved state (a mixture's token counts)
+        extension.register_state(state)
     state.register("rng", rng_state, set_rng_state, per_rank=True)  # last: loading the rest may draw numbers
     return state
 
 
-def schedule_keys(args) -> dict:
-    return {key: getattr(args, key) for key in SCHEDULE_KEYS}
-
-
-def check_schedule(saved: dict | None, trainer) -> None:
-    """Refuse to resume a run whose schedule keys changed since `saved` (a checkpoint written before the keys
-    were kept passes, and so does a cooldown branch starting from its parent's checkpoint)."""
-    args = trainer.pretrain_args
-    if saved is None or args.override_schedule or trainer.starting_branch:
-        return
-    current = schedule_keys(args)
-    changed = [f"{key} {saved[key]!r} -> {current[key]!r}" for key in SCHEDULE_KEYS
-               if key in saved and saved[key] != current[key]]
-    if changed:
-        raise ConfigError(f"the schedule changed since {trainer.resume_from} was saved ({'; '.join(changed)}): "
-                          "the lr would jump at the resumed step. Resume with the checkpoint's values (its "
-                          "config.yaml), set override_schedule: true to continue on the new schedule from here, "
-                          "or start a cooldown branch (cooldown_from, cooldown_tokens)")
+def elect_start(world, args, branch) -> tuple[Path | None, bool]:
+    """The checkpoint the run starts from, and whether it is a cooldown branch's first start: the run's own newest
+    (`resume`), else the branch point; checked against the keys that shape the run's state before anything is
+    built (resume_keys.py)."""
+    checkpoint = ckpt.elect_resume(world, args)
+    starting_branch = branch is not None and checkpoint is None
+    if starting_branch:
+        checkpoint = ckpt.branch_checkpoint(world, args, branch.checkpoint)
+    for change in check_resume_keys(args, branch, checkpoint, starting_branch):
+        logger.warning("resuming with a changed key, as its override_* key allows: %s", change)
+    return checkpoint, starting_branch
 
 
 def resume_run(trainer) -> None:

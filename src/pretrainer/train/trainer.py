@@ -33,8 +33,9 @@ from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
 from .export import export_hf
 from .hooks import Hooks
-from .loop_state import loop_state, resume_run
+from .loop_state import elect_start, loop_state, resume_run
 from .metrics import setup_logging
+from .remote_checkpoints import check_save_dir
 from .report import write_report_logged
 from .run_files import RunFiles
 from .run_log import RunLog
@@ -77,10 +78,8 @@ class PreTrainer:
         """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
         world = self.world
         prepare_process(args, world)
-        self.resume_from = ckpt.elect_resume(world, args)
-        self.starting_branch = self.branch is not None and self.resume_from is None
-        if self.starting_branch:
-            self.resume_from = ckpt.branch_checkpoint(world, args, self.branch.checkpoint)
+        check_save_dir(world, args)  # a save_dir URL's bucket exists and takes writes, before anything is built
+        self.resume_from, self.starting_branch = elect_start(world, args, self.branch)
         seed_everything(args.seed)
         self.hooks = Hooks(args.plugin_args)
         if model is None and self.hooks.model_provider is not None:

@@ -1,0 +1,152 @@
+"""The keys that shape what a checkpoint's state means, recorded in every checkpoint and compared when a run resumes
+or a cooldown branch starts from one, before anything is built.
+
+A resumed run that changed one of them would go on silently from a state that no longer fits it: the learning
+rate jumps at the resumed step, the steps already trained are re-read from another blend (and each source's
+token count recounted), a trained multi-token-prediction depth is dropped, or a cooldown branch continues
+another run's checkpoint and records the wrong parent. Each group of keys is one row of `GROUPS`, with the
+`override_*` key that accepts its change (the lineage has none: a branch continues only its own checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError
+from ..storage import is_url
+from .checkpoint_files import read_trainer_state
+
+# The keys that shape the learning rate (Megatron checks its optimizer-parameter scheduler the same way).
+SCHEDULE_KEYS = ("lr", "muon_lr", "min_lr", "lr_decay_style", "warmup_steps", "warmup_fraction", "warmup_tokens",
+                 "wsd_decay_fraction", "wsd_decay_tokens", "wsd_decay_shape", "num_training_steps",
+                 "cooldown_from", "cooldown_tokens", "batch_size_schedule")
+# What a cooldown branch sets for itself: its decay (from the parent's lr at the branch point) and its length.
+# The rest of the schedule continues the parent's, so it must be the parent's.
+BRANCH_OWN_KEYS = ("min_lr", "lr_decay_style", "wsd_decay_fraction", "wsd_decay_tokens", "wsd_decay_shape",
+                   "num_training_steps", "cooldown_from", "cooldown_tokens")
+RECORD = "run_keys"  # the trainer_state.json component that holds them
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    name: str
+    values: Callable          # (args, lineage) -> {key: value}, as JSON keeps it
+    override: str | None      # the key that accepts a change (None: never accepted)
+    consequence: str          # what the change would do, for the message
+    branch_own: tuple[str, ...] = ()  # keys a branch may set apart from its parent's checkpoint
+
+
+def schedule_values(args, lineage) -> dict:
+    return {key: getattr(args, key) for key in SCHEDULE_KEYS} | {"cooldown_from": folder_name(args.cooldown_from)}
+
+
+def folder_name(folder: str | None) -> str | None:
+    """A folder as compared: absolute (two spellings of one folder are one), a URL without its last slash."""
+    if folder is None:
+        return None
+    return folder.rstrip("/") if is_url(folder) else str(Path(folder).resolve())
+
+
+def mixture_values(args, lineage) -> dict:
+    """The blend: each stage's normalised weights by source, and where it ends (None: plain files, no blend)."""
+    mixture = args.mixture
+    if mixture is None:
+        return {"mixture": None}
+    return {"mixture": [{"until_tokens": stage.until_tokens, "weights": dict(zip(mixture.names, stage.weights))}
+                        for stage in mixture.stages]}
+
+
+def mtp_values(args, lineage) -> dict:
+    return {"mtp_num_layers": args.mtp_num_layers}
+
+
+def lineage_values(args, lineage) -> dict:
+    return {"branch_of": lineage}
+
+
+GROUPS = (  # the lineage first: a checkpoint of another run is the one thing to say about it
+    KeyGroup("lineage", lineage_values, None, "the run would continue another run's checkpoint"),
+    KeyGroup("schedule", schedule_values, "override_schedule", "the lr would jump at this step",
+             BRANCH_OWN_KEYS),
+    KeyGroup("mixture", mixture_values, "override_mixture",
+             "the steps already trained would be read from another blend, and each source's token count recounted"),
+    KeyGroup("mtp", mtp_values, "override_mtp", "a trained prediction depth's weights would be dropped"),
+)
+
+
+def branch_lineage(branch) -> str | None:
+    """A cooldown branch's parent as `RUN@step-N`, with RUN an absolute path (or a URL), so that two spellings of
+    one folder compare equal; None for an ordinary run."""
+    if branch is None:
+        return None
+    return f"{folder_name(branch.run)}@step-{branch.step}"
+
+
+def recorded_keys(args, branch) -> dict:
+    """What a checkpoint of this run records: {group: {key: value}}, as JSON reads it back."""
+    lineage = branch_lineage(branch)
+    return json.loads(json.dumps({group.name: group.values(args, lineage) for group in GROUPS}, default=str))
+
+
+def saved_keys(state: dict) -> dict:
+    """The groups a checkpoint recorded (one written before the groups existed holds only its schedule)."""
+    if RECORD in state and state[RECORD] is not None:
+        return state[RECORD]
+    return {"schedule": state["schedule"]} if state.get("schedule") else {}
+
+
+def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bool) -> list[str]:
+    """Refuse, in one line naming every change, a resume (or a branch's start) whose keys differ from what
+    `checkpoint` recorded, unless the group's override key is set; returns the overridden changes (to log).
+    A branch's start is compared with its parent's checkpoint, less the keys the branch sets for itself."""
+    if checkpoint is None:
+        return []
+    saved, current = saved_keys(read_trainer_state(checkpoint)), recorded_keys(args, branch)
+    if saved.get("schedule", {}).get("cooldown_from"):  # written as given by checkpoints before the groups
+        saved["schedule"]["cooldown_from"] = folder_name(saved["schedule"]["cooldown_from"])
+    refused, accepted = [], []
+    for group in GROUPS:
+        if group.name not in saved or group.name == "lineage" and (starting_branch or branch is None):
+            continue  # a branch's start has no lineage yet; an ordinary run's resume of one is the schedule's
+        skip = group.branch_own if starting_branch else ()
+        changes = [f"{key} {_show(saved[group.name][key])} -> {_show(value)}"
+                   for key, value in current[group.name].items()
+                   if key not in skip and key in saved[group.name] and saved[group.name][key] != value]
+        if not changes:
+            continue
+        impossible = _impossible(group, saved, current)
+        if group.name == "lineage":
+            raise ConfigError(f"resuming from {checkpoint}: {impossible}")
+        if impossible is None and getattr(args, group.override):
+            accepted += changes
+            continue
+        refused.append(impossible or f"{', '.join(changes)} ({group.consequence}; set {group.override}: true to "
+                                     "accept)")
+    if refused:
+        what, keep = (f"the cooldown branch from {checkpoint}", "the parent's values (the checkpoint's config.yaml)") \
+            if starting_branch else (f"resuming from {checkpoint}", "the checkpoint's values (its config.yaml), or "
+                                     "start a new save_dir")
+        raise ConfigError(f"{what} would change the run's state: {'; '.join(refused)}. Keep {keep}")
+    return accepted
+
+
+def _impossible(group: KeyGroup, saved: dict, current: dict) -> str | None:
+    """A change no override key accepts, with why (None: the group's override key decides)."""
+    if group.name == "lineage":
+        theirs, ours = saved["lineage"]["branch_of"], current["lineage"]["branch_of"]
+        whose = f"a cooldown branch of {theirs}" if theirs else "a run that is no cooldown branch"
+        return (f"the checkpoint belongs to {whose}, not to this cooldown branch of {ours}; give a branch a "
+                "save_dir of its own (or the parent's: its branches go to RUN/branches/...) and no resume, which "
+                "cooldown_from replaces")
+    if group.name == "mtp" and current["mtp"]["mtp_num_layers"] > (before := saved["mtp"]["mtp_num_layers"]):
+        after = current["mtp"]["mtp_num_layers"]
+        return (f"mtp_num_layers {before} -> {after}: the checkpoint holds no weights for the added depths; resume "
+                f"with mtp_num_layers: {before}, or start a new run from its export")
+    return None
+
+
+def _show(value) -> str:
+    return repr(value) if not isinstance(value, (list, dict)) else json.dumps(value)
