@@ -151,8 +151,8 @@ def test_a_launch_starts_one_launcher_and_its_workers_only(configs, tmp_path):
 
 
 def watch(process: subprocess.Popen) -> tuple[str, bool, str, int]:
-    """A process's first stderr line, whether it was still running then (at least 2 s later), the rest of its
-    stderr, and its exit code."""
+    """A process's first stderr line, whether it was still running 2 s later (its timeout is 6 s: a loaded
+    machine's scheduling delay does not decide), the rest of its stderr, and its exit code."""
     first = process.stderr.readline()
     time.sleep(2)
     running = process.poll() is None
@@ -166,18 +166,18 @@ def test_a_rendezvous_says_what_it_waits_for_and_ends_with_one_line(configs, tmp
     path = write(tmp_path / "c.yaml", {**configs["dense"], "dp": 2})
     nodes = {rank: subprocess.Popen(
         [str(BIN / "pretrainer"), "train", str(path), "--nproc-per-node", "1", "--nnodes", "2", "--node-rank",
-         str(rank), "--rdzv-endpoint", f"127.0.0.1:{listening_port() + rank}", "--rdzv-timeout", "3"], cwd=REPO,
+         str(rank), "--rdzv-endpoint", f"127.0.0.1:{listening_port() + rank}", "--rdzv-timeout", "6"], cwd=REPO,
         env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)}
     waits_for = {0: "for node 1 to join the rendezvous this machine hosts at 127.0.0.1:",
                  1: "for node 0 at 127.0.0.1:"}
     with ThreadPoolExecutor(2) as pool:
         watched = dict(zip(nodes, pool.map(watch, nodes.values())))
     for rank, (first, told_while_waiting, rest, code) in watched.items():
-        assert first.startswith(f"pretrainer: node {rank} of 2: waiting up to 3 s (--rdzv-timeout) "
+        assert first.startswith(f"pretrainer: node {rank} of 2: waiting up to 6 s (--rdzv-timeout) "
                                 f"{waits_for[rank]}") and told_while_waiting, first
         assert code == 5 and rest.splitlines() == [rest.strip()] and rest.startswith(
             f"pretrainer: error: node {rank} of 2: the machines did not all meet at 127.0.0.1:"), rest
-        assert "within --rdzv-timeout 3 s" in rest and "Traceback" not in rest
+        assert "within --rdzv-timeout 6 s" in rest and "Traceback" not in rest
 
 
 def test_the_outcome_names_root_causes_first_and_crashed_ranks(capsys):
