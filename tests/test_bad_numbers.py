@@ -8,7 +8,6 @@ import json
 import random
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -114,11 +113,10 @@ def test_a_token_length_far_beyond_the_run_costs_no_walk(base_config):
     args = PreTrainingArguments(**{**base_config, "warmup_steps": None, "warmup_tokens": 1e15,
                                    "batch_size_schedule": [[0, 2], [512, 4]]})
     sizes = BatchSizes.of(args, 32, 1)
-    started = time.perf_counter()
     with pytest.raises(ConfigError, match=r"key 'warmup_tokens': warmup_tokens 1e\+15 is longer than the run "
                                           r"\(6 steps, 384 tokens\)"):
         schedule_settings(args, sizes)
-    assert time.perf_counter() - started < 1.0
+    # a walk would never end here (1e298 updates): the answer comes from the stages alone
     assert sizes.ramp.steps_for(1e300) == pytest.approx(1e300 / 128)  # at the full batch of 4 x 32 tokens
 
 
