@@ -53,6 +53,8 @@ INF = "is inf (YAML's .inf, or a number beyond ±1.8e+308), but a finite number 
     (["plugin_args={other_megatron_args: {lr: .nan}}"], f"plugin_args.other_megatron_args.lr {NAN}"),
     (["deepspeed={zero_optimization: {stage: .inf}}"], f"deepspeed.zero_optimization.stage {INF}"),
     (["lr=[1, 2"], "override 'lr=[1, 2': the value is not valid YAML"),
+    (["gradient_accumulation_steps=2", "batch_size_schedule=[[0, 2], [1.0e+30, 4]]"],
+     "batch_size_schedule[1] starts at token 1e+30, beyond what a run's 64-bit token counts reach"),
 ])
 def test_a_number_that_is_not_finite_is_refused_where_keys_are_typed(tmp_path, overrides, first_line):
     path = tmp_path / "c.yaml"
@@ -61,6 +63,8 @@ def test_a_number_that_is_not_finite_is_refused_where_keys_are_typed(tmp_path, o
         PreTrainingArguments.from_yaml(path, overrides)
     message = str(info.value)
     assert first_line in message and "\n" not in message, message
+    if "not valid YAML" not in first_line:  # the place named is the command line's, not the file's line
+        assert f"c.yaml, override {overrides[-1].split('=')[0]}=...: " in message, message
 
 
 def test_a_finite_config_with_numbers_everywhere_still_loads(tmp_path):
@@ -189,7 +193,7 @@ def test_the_console_refuses_numbers_that_are_not_numbers_in_one_line(base_confi
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps(base_config))  # JSON is YAML
     sources = f"[{{name: web, path: {base_config['train_data']}, weight: .nan}}]"
-    ramp = ["lr_decay_style=constant", "warmup_steps=null", "warmup_tokens=1.0e+15"]
+    ramp = ["lr_decay_style=constant", "warmup_steps=null", "warmup_tokens=1e15"]  # read as a number, no note
     cases = [(["train", config, "z_loss_coeff=.nan"], "key 'z_loss_coeff': z_loss_coeff is NaN"),
              (["plan", config, f"train_data={sources}"], "key 'train_data': train_data[0].weight is NaN"),
              (["train", config, *ramp, "batch_size_schedule=[[0, 2], [512, 4]]"], "warmup_tokens 1e+15 is longer"),
@@ -213,3 +217,16 @@ PEAK_MEMORY = textwrap.dedent("""
     print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     sys.exit(done.returncode)
 """)
+
+
+def test_a_ramp_stage_the_run_never_reaches_is_said_once(base_config, pretrainer_log):
+    """A shortened trial of a long run's config trains without the ramp's late stages: a warning, not an error."""
+    from pretrainer.run.resolve import warn_of_unreached_stages
+
+    args = PreTrainingArguments(**{**base_config, "batch_size_schedule": [[0, 2], [100_000, 4]]})
+    warn_of_unreached_stages(BatchSizes.of(args, 32, 1))
+    assert "the stage(s) from token 100,000 start after the run's last token (384 in 6 steps) and are never " \
+           "reached; the last step trains 2 sequences" in pretrainer_log.take()
+    warn_of_unreached_stages(BatchSizes.of(PreTrainingArguments(**{**base_config, "batch_size_schedule": [
+        [0, 2], [128, 4]]}), 32, 1))
+    assert not pretrainer_log.take()

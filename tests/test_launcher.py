@@ -81,7 +81,7 @@ def test_flags_are_not_abbreviated_and_the_launchers_flags_need_the_launcher(con
     nothing; a worker that a launcher started may not launch again."""
     path = write(tmp_path / "c.yaml", configs["dense"])
     cases = [(["--nproc", 1], "unrecognized arguments: --nproc; did you mean --nproc-per-node?"),
-             (["--nproc=1"], "unrecognized arguments: --nproc=1; did you mean --nproc-per-node?"),
+             (["--nproc=1"], "unrecognized arguments: --nproc; did you mean --nproc-per-node?"),
              (["--nproc-per-node", 1, "--nnode", 1], "unrecognized arguments: --nnode; did you mean --nnodes?"),
              (["--nnodes", 2], "--nnodes 2: only used with --nproc-per-node N"),
              (["--node-rank", 0], "--node-rank 0: only used with --nproc-per-node N"),
@@ -92,6 +92,9 @@ def test_flags_are_not_abbreviated_and_the_launchers_flags_need_the_launcher(con
     for flags, message in cases:
         code, stderr = cli_in_process(capsys, "train", path, *flags)
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, (flags, stderr)
+    # a command's unknown flag is named before a required one it leaves missing (`--inp` is not `--input`)
+    code, stderr = cli_in_process(capsys, "prepare", "--inp", "x", "--output-prefix", tmp_path / "p")
+    assert code == 2 and "unrecognized arguments: --inp; did you mean --input?" in stderr, stderr
     os.environ["TORCHELASTIC_RUN_ID"] = "outer"
     try:
         code, stderr = cli_in_process(capsys, "evaluate", tmp_path, "--nproc-per-node", 1)

@@ -268,6 +268,12 @@ def test_a_resume_onto_other_weights_is_refused_and_override_mixture_never_recou
                                           r"steps already trained would be read from another blend.*set "
                                           r"override_mixture: true to accept\)"):
         PreTrainer(PreTrainingArguments(**reweighted))
+    swapped = {**config, "exit_interval": None, "train_data": [
+        {"name": n, "path": str(sources[m]), "weight": w} for (n, w), m in zip(WEIGHTS.items(), ["news", "reviews",
+                                                                                                 "prose"])]}
+    with pytest.raises(ConfigError, match=r"would change the run's state: sources .*prose.*news\.jsonl.*set "
+                                          r"override_mixture: true"):
+        PreTrainer(PreTrainingArguments(**swapped))  # the same names and weights over other files
     PreTrainer(PreTrainingArguments(**{**reweighted, "override_mixture": True})).train()
     rows = {row["step"]: row for row in read_metrics(tmp_path / "run") if "loss" in row}
     counts = {step: {k: v for k, v in row.items() if k.startswith("source_tokens/")} for step, row in rows.items()}

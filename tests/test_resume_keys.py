@@ -99,3 +99,7 @@ def test_every_change_is_named_in_one_line_and_a_checkpoint_without_the_record_i
     with pytest.raises(ConfigError, match=r"lr 0\.001 -> 0\.002 .*set override_schedule") as refused:
         PreTrainer(PreTrainingArguments(**changed))
     assert "mtp" not in str(refused.value)  # not recorded there: not compared
+    state["run_keys"] = "garbage"  # a hand-edited file
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"step-3: its trainer_state\.json holds no readable 'run_keys'"):
+        PreTrainer(PreTrainingArguments(**changed))

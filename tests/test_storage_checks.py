@@ -33,6 +33,10 @@ URL_CASES = [
     ("data_cache_path", "S3://bucket/cache", "S3://bucket/cache is a URL (s3://)"),
     ("model_path", "gs:/models/llama", "gs:/models/llama is not a URL"),
     ("tokenizer_path", "s3://bucket/tok", "s3://bucket/tok is a URL"),
+    ("save_dir", "memory://b/run", "memory://b/run: memory:// holds objects only while this process lives"),
+    ("resume", "file:///data/run", "file:///data/run: a file:// URL is a local folder; give its path itself"),
+    ("save_dir", "file:/data/run", "file:/data/run is not a URL (file: needs three slashes); give the local path "
+     "/data/run itself"),
 ]
 
 
@@ -202,3 +206,12 @@ def test_a_resume_url_that_holds_no_checkpoint_is_refused_like_a_missing_folder(
     assert "\n" not in message and message.startswith("key 'resume': s3://bucket/missing holds no complete "
                                                       "checkpoint"), message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_refused_resume_from_the_bucket_names_the_checkpoint_s_url(s3_server, base_config, tmp_path):
+    """The checkpoint is downloaded to staging first; the message names it as the user knows it."""
+    config = s3_config(base_config, tmp_path, "s3://bucket/shown", num_training_steps=2, save_interval=2)
+    PreTrainer(PreTrainingArguments(**config)).train()
+    with pytest.raises(ConfigError, match=r"^resuming from s3://bucket/shown/checkpoints/step-2 would change the "
+                                          r"run's state: lr 0\.001 -> 0\.002"):
+        PreTrainer(PreTrainingArguments(**{**config, "lr": 2e-3}))

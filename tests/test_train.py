@@ -256,6 +256,11 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(base_config, tmp_path):
     with pytest.raises(ConfigError, match=r"step-3 does not fit this run's model and optimizer \(.*[Ss]ize mismatch"):
         PreTrainer(PreTrainingArguments(**{**base_config, "model_path": str(other), "num_training_steps": 4,
                                            "override_schedule": True})).train()
+    with pytest.raises(ConfigError, match=r"step-3 does not fit this run's model and optimizer \(RuntimeError: "
+                                          r"Missing key in checkpoint state_dict: optimizer\.state\.") as refused:
+        PreTrainer(PreTrainingArguments(**{**base_config, "optimizer": "muon", "num_training_steps": 4,
+                                           "override_schedule": True})).train()
+    assert "{fqn}" not in str(refused.value)  # the message, not the source line that raised it
 
 
 def test_a_misspelt_pretrainer_argument_is_an_error(base_config):

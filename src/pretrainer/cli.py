@@ -121,6 +121,12 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         # What is left over may be `key=value` overrides (main takes those); a flag is this parser's to name.
+        if self._subparsers is None:  # a command's own parser: an unknown flag is named before a missing one
+            flags = [item.split("=", 1)[0] for item in (sys.argv[1:] if args is None else args)]
+            unknown = next((flag for flag in flags if flag.startswith("--") and flag != "--"
+                            and flag not in self._option_string_actions), None)
+            if unknown is not None:
+                self.error(f"unrecognized arguments: {unknown}{self.suggestion(unknown)}")
         ns, extra = super().parse_known_args(args, namespace)
         unknown = next((item for item in extra if item.startswith("--") and item != "--"), None)
         if unknown is not None:

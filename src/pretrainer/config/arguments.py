@@ -46,7 +46,7 @@ from .mtp import DEFAULT_LOSS_COEFF, check_mtp_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .paths import staging_folder
-from .sizes import global_batch_size
+from .sizes import MAX_RUN_TOKENS, global_batch_size
 from .urls import is_url, parse_url
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,11 @@ DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
 URL_KEYS = ("save_dir", "resume", "cooldown_from", "train_data", "eval_data", "data_path", "downstream_evals")
 LOCAL_KEYS = ("data_cache_path", "staging_dir", "model_path", "tokenizer_path", "openmind_model_path")
 PATH_FIELDS = ("path", "eval_path")  # the path items of a mixture source or a task mapping
+# A run's folders (checkpoints written or read) may be object storage, but not a URL that is no such storage.
+RUN_FOLDER_KEYS = ("save_dir", "resume", "cooldown_from")
+NOT_RUN_FOLDERS = {"memory": "memory:// holds objects only while this process lives, so no checkpoint would "
+                             "outlive the run; give a local folder or an object-storage URL (s3://bucket/run)",
+                   "file": "a file:// URL is a local folder; give its path itself (e.g. /data/run)"}
 
 
 def _map_paths(value, read):
@@ -258,7 +263,11 @@ class PreTrainingArguments:
             apply_override(data, item, names)
         key_lines = key_lines or {}
 
-        def where(key: str) -> str:
+        given = {item.split("=", 1)[0].strip().split(".")[0]: item for item in overrides}
+
+        def where(key: str) -> str:  # an override is the command line's, whatever the file says of its key
+            if key in given:
+                return f"{source}, override {given[key].split('=', 1)[0].strip()}=..."
             return f"{source}, line {key_lines[key]}" if key in key_lines else source
 
         for key in data:
@@ -448,6 +457,8 @@ class PreTrainingArguments:
                     url = parse_url(text)
                 except ConfigError as exc:
                     raise key_error(key, str(exc)) from None
+                if url is not None and key in RUN_FOLDER_KEYS and url.split("://")[0] in NOT_RUN_FOLDERS:
+                    raise key_error(key, f"{text}: {NOT_RUN_FOLDERS[url.split('://')[0]]}")
                 if url is not None and key in LOCAL_KEYS:
                     raise key_error(key, f"{text} is a URL ({url.split('://')[0]}://); object storage is read for a "
                                     "run's data, tasks and folders (save_dir, resume, cooldown_from), not here: give "
@@ -571,6 +582,11 @@ class PreTrainingArguments:
         if any(seqs < 1 or seqs != int(seqs) for _, seqs in stages):
             raise key_error("batch_size_schedule", f"each stage's sequences per step must be a whole number >= 1, "
                             f"got {[seqs for _, seqs in stages]}")
+        unreachable = next((index for index, (start, _) in enumerate(stages) if start > MAX_RUN_TOKENS), None)
+        if unreachable is not None:
+            raise key_error("batch_size_schedule", f"batch_size_schedule[{unreachable}] starts at token "
+                            f"{stages[unreachable][0]:.3g}, beyond what a run's 64-bit token counts reach "
+                            f"({MAX_RUN_TOKENS:.3g}): it would never start; {example}")
         self.batch_size_schedule = [[int(start), int(seqs)] for start, seqs in stages]
 
     def _check_wsd(self) -> None:

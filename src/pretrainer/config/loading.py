@@ -33,6 +33,7 @@ def apply_override(data: dict, item: str, names: set[str]) -> None:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); write it as in the "
                           "config file, quoted for the shell (e.g. 'key=[1, 2]')") from None
+    value = coerce_scientific(value)  # `lr=1e-3`: YAML reads a string; on the command line it is plainly a number
     parts = key.split(".")
     if parts[0] not in names:
         raise ConfigError(f"override {item!r}: unknown key {parts[0]!r}{suggestion(parts[0], names)}")

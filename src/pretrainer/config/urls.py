@@ -31,6 +31,9 @@ def parse_url(text: str) -> str | None:
     if len(slashes) < 2:
         if scheme not in KNOWN_SCHEMES:
             return None  # e.g. a folder named `run:1`
+        if scheme == "file":
+            raise ConfigError(f"{text} is not a URL (file: needs three slashes); give the local path "
+                              f"/{rest.lstrip('/')} itself")
         fixed = f"{scheme}://{rest.lstrip('/') or 'bucket/path'}"
         raise ConfigError(f"{text} is not a URL ({scheme}: needs two slashes); write {fixed}")
     after = "/" * (len(slashes) - 2) + rest  # what follows `scheme://`

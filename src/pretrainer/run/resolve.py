@@ -227,6 +227,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
         sizes = sizes.with_steps(lr_schedule.total_steps, args.batch_size_schedule)
     check_batch_ramp(args, entry, dims)
+    warn_of_unreached_stages(sizes)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
@@ -303,3 +304,16 @@ def described_world_size(args) -> int:
 
 
 __all__ = ["ResolvedRun", "described_world_size", "launch_world", "resolve_run"]
+
+
+def warn_of_unreached_stages(sizes) -> None:
+    """A batch_size_schedule stage that starts after the run's last token never trains (a shortened trial of a
+    long run's config, say): said once, since the run then never reaches the config's global batch."""
+    if sizes.ramp is None:
+        return
+    end = sizes.ramp.tokens_before(sizes.num_training_steps)
+    late = [f"{start:,}" for start, _ in sizes.ramp.stages if start >= end]
+    if late:
+        logger.warning("batch_size_schedule: the stage(s) from token %s start after the run's last token (%s in %d "
+                       "steps) and are never reached; the last step trains %d sequences", ", ".join(late), f"{end:,}",
+                       sizes.num_training_steps, sizes.ramp.sequences(max(sizes.num_training_steps - 1, 0)))

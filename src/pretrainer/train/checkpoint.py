@@ -272,7 +272,10 @@ def _load_engine_state(path: Path, engine, model, optimizer) -> None:
             checkpoint_io.load_state(engine, path, model, optimizer)
     except (RuntimeError, ValueError, CheckpointException) as exc:
         signs = ("missing key", "size mismatch", "shape")
-        lines = [line.strip() for line in str(exc).splitlines() if any(s in line.lower() for s in signs)]
+        # DCP's exception carries each rank's traceback: its source lines (`raise RuntimeError(f"Missing key
+        # ...{fqn}")`) match too, so only the messages are read
+        lines = [line.strip() for line in str(exc).splitlines() if any(s in line.lower() for s in signs)
+                 and not line.strip().startswith(("raise ", "File "))]
         if not lines:
             raise
         reason = lines[0]

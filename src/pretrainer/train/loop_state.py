@@ -9,7 +9,9 @@ import logging
 from pathlib import Path
 
 from ..optim import realign_to_schedule
+from ..storage import is_url, join_url
 from . import checkpoint as ckpt
+from .checkpoint_files import STEP_DIR
 from .resume_keys import RECORD, check_resume_keys, recorded_keys
 from .run_state import RunState, rng_state, set_rng_state
 
@@ -45,9 +47,22 @@ def elect_start(world, args, branch) -> tuple[Path | None, bool]:
     starting_branch = branch is not None and checkpoint is None
     if starting_branch:
         checkpoint = ckpt.branch_checkpoint(world, args, branch.checkpoint)
-    for change in check_resume_keys(args, branch, checkpoint, starting_branch):
+    shown = downloaded_from(args, branch, checkpoint, starting_branch)
+    for change in check_resume_keys(args, branch, checkpoint, starting_branch, shown):
         logger.warning("resuming with a changed key, as its override_* key allows: %s", change)
     return checkpoint, starting_branch
+
+
+def downloaded_from(args, branch, checkpoint: Path | None, starting_branch: bool) -> str | None:
+    """The URL of a checkpoint downloaded from object storage (messages name it, not the local copy)."""
+    if checkpoint is None:
+        return None
+    if starting_branch:
+        return branch.checkpoint if is_url(branch.checkpoint) else None
+    url = args.resume if is_url(args.resume) else args.remote_save_dir if args.resume == "auto" else None
+    if url is None or STEP_DIR.match(url.rstrip("/").rsplit("/", 1)[-1]):
+        return url
+    return join_url(url, "checkpoints", checkpoint.name)
 
 
 def resume_run(trainer) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..storage import is_url
-from .checkpoint_files import read_trainer_state
+from .checkpoint_files import STATE_FILE, read_trainer_state
 
 # The keys that shape the learning rate (Megatron checks its optimizer-parameter scheduler the same way).
 SCHEDULE_KEYS = ("lr", "muon_lr", "min_lr", "lr_decay_style", "warmup_steps", "warmup_fraction", "warmup_tokens",
@@ -51,12 +51,14 @@ def folder_name(folder: str | None) -> str | None:
 
 
 def mixture_values(args, lineage) -> dict:
-    """The blend: each stage's normalised weights by source, and where it ends (None: plain files, no blend)."""
+    """The blend: each stage's normalised weights by source and where it ends, and each source's files (None:
+    plain files, no blend)."""
     mixture = args.mixture
     if mixture is None:
-        return {"mixture": None}
+        return {"mixture": None, "sources": None}
     return {"mixture": [{"until_tokens": stage.until_tokens, "weights": dict(zip(mixture.names, stage.weights))}
-                        for stage in mixture.stages]}
+                        for stage in mixture.stages],
+            "sources": {source.name: [folder_name(path) for path in source.paths] for source in mixture.sources}}
 
 
 def mtp_values(args, lineage) -> dict:
@@ -72,7 +74,8 @@ GROUPS = (  # the lineage first: a checkpoint of another run is the one thing to
     KeyGroup("schedule", schedule_values, "override_schedule", "the lr would jump at this step",
              BRANCH_OWN_KEYS),
     KeyGroup("mixture", mixture_values, "override_mixture",
-             "the steps already trained would be read from another blend, and each source's token count recounted"),
+             "the steps already trained would be read from another blend or other files, and each source's token "
+             "count recounted"),
     KeyGroup("mtp", mtp_values, "override_mtp", "a trained prediction depth's weights would be dropped"),
 )
 
@@ -91,20 +94,26 @@ def recorded_keys(args, branch) -> dict:
     return json.loads(json.dumps({group.name: group.values(args, lineage) for group in GROUPS}, default=str))
 
 
-def saved_keys(state: dict) -> dict:
+def saved_keys(state: dict, checkpoint) -> dict:
     """The groups a checkpoint recorded (one written before the groups existed holds only its schedule)."""
-    if RECORD in state and state[RECORD] is not None:
-        return state[RECORD]
-    return {"schedule": state["schedule"]} if state.get("schedule") else {}
+    saved = state.get(RECORD) if state.get(RECORD) is not None else (
+        {"schedule": state["schedule"]} if state.get("schedule") else {})
+    if not (isinstance(saved, dict) and all(isinstance(keys, dict) for keys in saved.values())):
+        raise ConfigError(f"{checkpoint}: its {STATE_FILE} holds no readable {RECORD!r} (a mapping of mappings, got "
+                          f"{str(saved)[:80]!r}); restore the file, resume from another checkpoint, or start a new "
+                          "save_dir")
+    return saved
 
 
-def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bool) -> list[str]:
+def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bool, shown: str | None = None) \
+        -> list[str]:
     """Refuse, in one line naming every change, a resume (or a branch's start) whose keys differ from what
     `checkpoint` recorded, unless the group's override key is set; returns the overridden changes (to log).
-    A branch's start is compared with its parent's checkpoint, less the keys the branch sets for itself."""
+    A branch's start is compared with its parent's checkpoint, less the keys the branch sets for itself.
+    `shown`: the checkpoint as the user knows it (its URL, for one downloaded from object storage)."""
     if checkpoint is None:
         return []
-    saved, current = saved_keys(read_trainer_state(checkpoint)), recorded_keys(args, branch)
+    saved, current = saved_keys(read_trainer_state(checkpoint), shown or checkpoint), recorded_keys(args, branch)
     if saved.get("schedule", {}).get("cooldown_from"):  # written as given by checkpoints before the groups
         saved["schedule"]["cooldown_from"] = folder_name(saved["schedule"]["cooldown_from"])
     refused, accepted = [], []
@@ -119,15 +128,16 @@ def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bo
             continue
         impossible = _impossible(group, saved, current)
         if group.name == "lineage":
-            raise ConfigError(f"resuming from {checkpoint}: {impossible}")
+            raise ConfigError(f"resuming from {shown or checkpoint}: {impossible}")
         if impossible is None and getattr(args, group.override):
             accepted += changes
             continue
         refused.append(impossible or f"{', '.join(changes)} ({group.consequence}; set {group.override}: true to "
                                      "accept)")
     if refused:
-        what, keep = (f"the cooldown branch from {checkpoint}", "the parent's values (the checkpoint's config.yaml)") \
-            if starting_branch else (f"resuming from {checkpoint}", "the checkpoint's values (its config.yaml), or "
+        where = shown or checkpoint
+        what, keep = (f"the cooldown branch from {where}", "the parent's values (the checkpoint's config.yaml)") \
+            if starting_branch else (f"resuming from {where}", "the checkpoint's values (its config.yaml), or "
                                      "start a new save_dir")
         raise ConfigError(f"{what} would change the run's state: {'; '.join(refused)}. Keep {keep}")
     return accepted
