@@ -58,7 +58,15 @@ def mixture_values(args, lineage) -> dict:
         return {"mixture": None, "sources": None}
     return {"mixture": [{"until_tokens": stage.until_tokens, "weights": dict(zip(mixture.names, stage.weights))}
                         for stage in mixture.stages],
-            "sources": {source.name: [folder_name(path) for path in source.paths] for source in mixture.sources}}
+            "sources": {source.name: list(source.paths) for source in mixture.sources}}
+
+
+def file_names(sources: dict | None) -> dict | None:
+    """Each source's files as compared: by their names, so that a corpus moved to another disk or machine with
+    the run is the same, and swapped or other files are not."""
+    if not isinstance(sources, dict):
+        return sources
+    return {name: [str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths] for name, paths in sources.items()}
 
 
 def mtp_values(args, lineage) -> dict:
@@ -116,6 +124,9 @@ def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bo
     saved, current = saved_keys(read_trainer_state(checkpoint), shown or checkpoint), recorded_keys(args, branch)
     if saved.get("schedule", {}).get("cooldown_from"):  # written as given by checkpoints before the groups
         saved["schedule"]["cooldown_from"] = folder_name(saved["schedule"]["cooldown_from"])
+    for keys in (saved.get("mixture"), current["mixture"]):
+        if keys and "sources" in keys:
+            keys["sources"] = file_names(keys["sources"])
     refused, accepted = [], []
     for group in GROUPS:
         if group.name not in saved or group.name == "lineage" and (starting_branch or branch is None):
