@@ -308,6 +308,25 @@ def test_a_checkpoint_written_before_saved_state_became_components_resumes_exact
     assert SAVED_AT == 3
 
 
+@pytest.mark.parametrize("name", ["dense", "moe", "mixture"])
+def test_a_checkpoint_written_before_the_engines_became_one_backend_resumes_exactly(name, tmp_path):
+    """tests/data/checkpoint-1544acc/NAME: step 3 of a 6-step run (dense, Qwen3-MoE with its balancing losses, a
+    two-source mixture) saved by main at 1544acc (tests/stored_checkpoint.py made them). Resumed now, steps 4-6
+    give the losses that code gave, and the mixture's source counts carry on from the checkpoint's."""
+    from stored_checkpoint import ONE_BACKEND, one_backend_run_config
+
+    config = one_backend_run_config(name, tmp_path, tmp_path / "resumed")
+    shutil.copytree(ONE_BACKEND / name / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    run(config)
+    resumed = train_losses(tmp_path / "resumed")
+    then = {int(step): loss for step, loss in json.loads((ONE_BACKEND / name / "resumed_losses.json").read_text())
+            .items()}
+    assert sorted(resumed) == [4, 5, 6] and resumed == pytest.approx(then, rel=1e-5)
+    if name == "mixture":
+        rows = [row for row in read_metrics(tmp_path / "resumed") if "loss" in row]
+        assert all(sum(v for k, v in row.items() if k.startswith("source_tokens/")) == row["tokens"] for row in rows)
+
+
 def test_optimizer_state_keyed_by_position_is_read_by_its_metadata(base_config, tmp_path):
     """Checkpoints from before pipeline ranks needed per-name optimizer groups keyed optimizer state by group
     position; the checkpoint's metadata says which layout it holds, and either loads."""
