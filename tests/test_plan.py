@@ -292,7 +292,7 @@ def test_overrides_may_follow_the_options(base_config, tmp_path, capsys):
     plan = plan_json(config, "--world-size", "2", "engine=fsdp", "micro_batch_size=1")
     assert plan["layout"][:3] == ["engine=fsdp", "dp=2", "micro_batch_size=1"]
     code, stderr = cli_in_process(capsys, "train", config, "device_memory=lots")  # train reads it at load too
-    assert code == 2 and "c.yaml: key 'device_memory': device_memory 'lots'" in stderr
+    assert code == 2 and "c.yaml, override device_memory=...: key 'device_memory': device_memory 'lots'" in stderr
 
 
 def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_the_formula(monkeypatch, caplog):
