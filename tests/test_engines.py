@@ -399,7 +399,3 @@ def test_sharded_accumulation_reduces_every_micro_batch_and_unsharded_waits(base
         trainer.engine.close()
 
 
-def test_accumulate_gradients_is_refused_where_gradients_are_whole(base_config):
-    with pytest.raises(ConfigError, match="key 'accumulate_gradients': accumulate_gradients: sharded is set but "
-                                          "engine single keeps whole gradients"):
-        PreTrainer(PreTrainingArguments(**{**base_config, "accumulate_gradients": "sharded"}))

@@ -539,20 +539,19 @@ def test_left_padded_batches_are_refused_with_the_fix(base, tmp_path):
 
 def test_a_seed_megatron_layout_is_refused_where_engine_auto_would_drop_it(tiny_model, caplog):
     """The seed's llama2-megatron YAML on one process: engine auto picks the one-process engine, which would train
-    without tp_degree 8 and the recompute settings; it is refused, naming the keys and both ways out. With the
-    engine chosen by the config the unused settings are named in a warning."""
+    without tp_degree 8 and the recompute settings; it is refused, naming the keys and both ways out. With another
+    engine chosen by the config, the settings it would not read are refused too (run/rules.py)."""
     from pretrainer.parallel import planned_world
     from pretrainer.run import resolve_run
 
     overrides = [f"openmind_model_path={tiny_model}", "seq_length=64"]
     args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml", overrides)
-    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree=8 splits the model over ranks, which only engine "
-                                          r"megatron does, but engine: auto picked single for 1 process\(es\); set "
-                                          "engine: megatron .* or set plugin_args.tp_degree=1"):
+    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree lays the model out for engine megatron .*set "
+                                          r"engine: megatron and launch dp x tp x pp processes, or remove it "
+                                          r"\(engine: auto chose single for 1 process\(es\)\)"):
         resolve_run(args, planned_world(1, 1, torch.device("cpu")))
     chosen = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml",
                                             [*overrides, "engine=single"])
-    with caplog.at_level("WARNING", logger="pretrainer"):
+    with pytest.raises(ConfigError, match="llama2-megatron.yaml, line 15: plugin_args.tp_degree lays the model out for "
+                                          "engine megatron"):
         resolve_run(chosen, planned_world(1, 1, torch.device("cpu")))
-    assert "plugin_args.tp_degree=8, plugin_args.sequence_parallelism, plugin_args.other_megatron_args." \
-           "recompute_granularity" in caplog.text and "unused by engine single" in caplog.text

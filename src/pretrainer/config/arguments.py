@@ -224,6 +224,10 @@ class PreTrainingArguments:
     accumulate_gradients: str = "auto"   # sharded | unsharded | auto (engines that shard gradients)
 
     def __post_init__(self) -> None:
+        # which keys the user set, and where (from_dict records the file's keys and lines; built directly, the
+        # keys that differ from their default count as set)
+        self.given_keys = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        self.key_origins: dict[str, str] = {}
         self._coerce_scientific_strings()
         self._check_types()
         apply_openmind_rules(self)
@@ -280,12 +284,21 @@ class PreTrainingArguments:
         try:
             args = PreTrainingArguments(**data)
             check_given_against_megatron(data, args)
-            return args
         except ConfigError as exc:
             key = getattr(exc, "key", None)
             if key is not None:
                 raise ConfigError(f"{where(key)}: {exc}") from None
             raise ConfigError(f"{source}: {exc}") from None
+        args.given_keys |= frozenset(data)
+        args.key_origins = {key: where(key) for key in data}
+        return args
+
+    def default_of(self, key: str):
+        return next(f.default for f in dataclasses.fields(self) if f.name == key)
+
+    def origin_of(self, key: str) -> str:
+        """Where the user set `key` (`FILE, line N`, `FILE, override KEY=...`), for messages after loading."""
+        return self.key_origins.get(key, "")
 
     # ------------------------------------------------------------ seed methods
     def get_mixed_precision(self) -> str:

@@ -69,6 +69,7 @@ class DeepSpeedEngine(DeepSpeedLayoutAnswers, DistributedEngine):
     checkpoint_format = "deepspeed"  # its own ZeRO shards, written by save_checkpoint
     checkpoint_needs_same_world_size = True
     supports_async_save = False
+    own_keys = (*DistributedEngine.own_keys, "deepspeed")
 
     def __init__(self, options, world, meshes):
         require_deepspeed()

@@ -22,6 +22,7 @@ class DistributedEngine(Engine):
     """An engine over the world's process group (one process is a group of one)."""
 
     joins_process_group = True
+    own_keys = ("distributed_timeout_minutes",)
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)

@@ -75,6 +75,8 @@ class Engine(LayoutAnswers, ABC):
     exports_tensor_by_tensor = True
     # Runs over the world's process group (joined before the run is resolved; one process is a group of one).
     joins_process_group = False
+    # Config keys only engines of this kind read (run/rules.py refuses or warns of them under other engines).
+    own_keys: tuple[str, ...] = ()
 
     def __init__(self, options: EngineOptions, world: World, meshes=None):
         self.options, self.world, self.meshes = options, world, meshes

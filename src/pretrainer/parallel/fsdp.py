@@ -29,6 +29,7 @@ class FSDPEngine(FSDPLayoutAnswers, DistributedEngine):
 
     name = "fsdp"
     shards_parameters = True
+    own_keys = (*DistributedEngine.own_keys, "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_shard_size")
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)

@@ -88,6 +88,7 @@ class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
     """The planner's answers for this engine are in megatron_plan.py."""
 
     name = "megatron"
+    own_keys = (*DistributedEngine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)

@@ -102,8 +102,9 @@ def select_engine(args, world_size: int | None = None) -> EngineEntry:
 
 def single_process_layout(defaults: dict) -> list[str]:
     """The overrides that put a run on one process (`defaults`: each config key's default value), as `key=value`
-    strings: the one-process engine, dp=1, and every engine's layout keys at their defaults."""
-    keys = dict.fromkeys(key for entry in ENGINES for key in entry.layout_keys)
+    strings: the one-process engine, dp=1, and every engine's layout and own keys at their defaults."""
+    keys = dict.fromkeys(key for entry in ENGINES for key in (*entry.layout_keys, *entry.cls.own_keys,
+                                                              "accumulate_gradients"))
     return [f"engine={ONE_PROCESS.name}", "dp=1",
             *(f"{key}={'null' if defaults[key] is None else defaults[key]}" for key in keys)]
 

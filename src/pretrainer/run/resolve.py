@@ -42,7 +42,7 @@ from ..parallel.activation_checkpoint import RecomputeSettings
 from ..parallel.registry import engines_that
 from .branch import read_branch_point
 from .device import resolve_device, resolve_dtype
-from .plugin_layout import check_plugin_layout
+from .rules import check_rules
 
 logger = logging.getLogger("pretrainer")
 
@@ -125,19 +125,6 @@ class ResolvedRun:
                 + (f" moe=({self.moe.describe()})" if self.moe is not None else ""))
 
 
-def optimizer_settings(args, entry: EngineEntry, dtype: str) -> OptimizerSettings:
-    rule = next((key for key in ("loss_spike_factor", "spike_zscore") if getattr(args, key)), None)
-    if rule and entry.cls.applies_every_update:
-        raise key_error(rule, f"{rule} is not available with engine {entry.name} ({entry.name} applies every "
-                        f"update it is given); remove it or use engine "
-                        f"{engines_that(lambda c: not c.applies_every_update)}")
-    if args.optimizer == "muon" and not entry.cls.trains_muon:
-        raise key_error("optimizer", f"optimizer: muon is not available with engine {entry.name}: "
-                         f"{entry.cls.muon_refusal} Use engine {engines_that(lambda c: c.trains_muon)}, which "
-                         "train Muon, or optimizer: adamw")
-    return OptimizerSettings.of(args, dtype)
-
-
 def check_experts_first(args, config, where: str) -> None:
     """What the model itself rules out, before any check of the layout: expert parallelism of a dense model, or
     of a degree that does not divide its experts (otherwise the advice of a layout message leads nowhere)."""
@@ -175,19 +162,12 @@ def moe_settings(args, entry: EngineEntry, config, where: str, dims: ParallelDim
 
 def accumulation_mode(args, entry: EngineEntry, settings, sizes: BatchSizes) -> tuple[str, str]:
     """`accumulate_gradients` for this engine: (mode, why). `auto` stays for the memory plan to decide where
-    micro-batches accumulate and the engine shards gradients; it is refused where the engine keeps whole
-    gradients (nothing to shard)."""
-    mode = args.accumulate_gradients
+    micro-batches accumulate and the engine shards gradients (rules.py refuses a mode where gradients are whole)."""
     if not entry.cls.shards_gradients(settings):
-        if mode != "auto":
-            raise key_error("accumulate_gradients", f"accumulate_gradients: {mode} is set but engine {entry.name} "
-                            "keeps whole gradients on every rank (nothing to shard); remove it, or use engine "
-                            f"{engines_that(lambda c: c.can_shard_gradients)} (megatron with "
-                            "use_distributed_optimizer)")
         return "unsharded", ""
-    if sizes.gradient_accumulation_steps == 1 and mode == "auto":
+    if sizes.gradient_accumulation_steps == 1 and args.accumulate_gradients == "auto":
         return "sharded", "one micro-batch per step"
-    return mode, ""
+    return args.accumulate_gradients, ""
 
 
 def launch_world(args) -> World:
@@ -207,13 +187,13 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
     the config's `dp` describes (`pretrainer plan --world-size`)."""
     entry = select_engine(args, world.size)
-    check_plugin_layout(args, entry, world.size)
     cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
     source = model_source(args, model_config) if check_model else None
     config = source.config if source is not None else model_config
     check_experts_first(args, config, source.config_source if source is not None else "the model's config")
     settings = cls.read_settings(args, config, world.size, dtype)
+    check_rules(args, entry, settings, world.size)
     dims = parallel_dims(args, entry, world.size, settings, check_dp)
     if source is not None:
         spec = preflight(args, source, vocab_multiple=dims.vocab_multiple)
@@ -226,7 +206,6 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     lr_schedule = schedule_settings(args, sizes, read_branch_point(args))
     if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
         sizes = sizes.with_steps(lr_schedule.total_steps, args.batch_size_schedule)
-    check_batch_ramp(args, entry, dims)
     warn_of_unreached_stages(sizes)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
@@ -241,7 +220,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
     return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
-                       optimizer_settings(args, entry, dtype), lr_schedule, reason,
+                       OptimizerSettings.of(args, dtype), lr_schedule, reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
                        custom_loss, moe, args.z_loss_coeff, mtp, args.host_malloc_reuse)
 
@@ -260,38 +239,16 @@ def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None
     return schedule
 
 
-def check_batch_ramp(args, entry: EngineEntry, dims: ParallelDims) -> None:
-    """A batch ramp changes the micro-batches per step, which DeepSpeed (its config's accumulation) and a
-    pipeline schedule (built for a number of micro-batches) cannot."""
-    if args.batch_size_schedule is None:
-        return
-    if entry.cls.applies_every_update or dims.pp > 1:
-        why = f"engine {entry.name} fixes" if dims.pp == 1 else "a pipeline schedule (pp > 1) is built for"
-        raise key_error("batch_size_schedule", f"batch_size_schedule is not available here: {why} the number of "
-                        "micro-batches per step; use engine ddp, fsdp or megatron without pipeline parallelism, or "
-                        "remove it")
-
-
 def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp: bool = True) -> ParallelDims:
     """The engine's dimensions for `world_size` processes, checked against `context_parallel_degree` and the
     config's `dp`."""
     cls, cp = entry.cls, args.context_parallel_degree
-    splitters = engines_that(lambda c: c.supports_context_parallel)
-    if cp > 1 and world_size == 1:
-        raise ConfigError(f"key 'context_parallel_degree': {cp} needs several processes and engine {splitters}")
-    if cp > 1 and not cls.supports_context_parallel:
-        raise ConfigError(f"key 'context_parallel_degree': engine {entry.name} does not split sequences over ranks; "
-                          f"use engine {splitters}")
     if cp > 1 and world_size % cp:
         raise ConfigError(f"key 'context_parallel_degree': {cp} does not divide the {world_size} processes; launch "
                           f"dp x {cp} processes")
     dims = cls.parallel_dims(world_size, cp, settings)
     ep = args.expert_parallel_degree
     if ep > 1:
-        if not cls.supports_expert_parallel:
-            raise ConfigError(f"key 'expert_parallel_degree': engine {entry.name} holds every expert on every rank; "
-                              f"use engine {engines_that(lambda c: c.supports_expert_parallel)} to split the experts "
-                              "over ranks, or expert_parallel_degree: 1")
         dims = dataclasses.replace(dims, ep=ep)
     if check_dp:
         dims.check_claimed_dp(args.dp)

@@ -1,0 +1,161 @@
+"""Every rule between a key and the engine it depends on, in one table evaluated once while the run is resolved.
+
+A row names the keys it governs, when they take effect on the chosen engine, what a value asks for (a key left at
+its default or set to a neutral value asks for nothing and never trips a row), and why not. Two kinds of row:
+
+- CANNOT: the engine cannot do what the value asks (split sequences on one process, skip an update DeepSpeed
+  applies): refused, whoever chose the engine.
+- NO_EFFECT: the key belongs to another engine (`fsdp_cpu_offload` under ddp): refused with one line naming the
+  key and the engine where the user chose the engine (the `engine` key or an `accelerate launch` config); where
+  `engine: auto` chose it, one warning says why the key has no effect, and the run goes on.
+
+Rows read what engine classes declare (their capabilities and `own_keys`), never an engine's name, so the table
+holds whatever engines the registry lists.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ConfigError, key_error
+from ..config.openmind import megatron_args
+from ..parallel import EngineEntry
+from ..parallel.registry import AUTO, ENGINES, engines_that, launcher_engine
+
+logger = logging.getLogger("pretrainer")
+
+CANNOT, NO_EFFECT = "cannot", "no effect"
+# Megatron's layout keys, as plugin_args (P.) or other_megatron_args (M.) names them: those that split the model
+# over ranks, switches, and settings that ask for something whenever they are there
+MEGATRON = "plugin_args.other_megatron_args."
+SPLITTING_KEYS = ("plugin_args.tp_degree", "plugin_args.pp_degree", f"{MEGATRON}tensor_model_parallel_size",
+                  f"{MEGATRON}pipeline_model_parallel_size")
+SWITCH_KEYS = ("plugin_args.sequence_parallelism", "plugin_args.use_distributed_optimizer",
+               "plugin_args.data_parallel_sharding_strategy", f"{MEGATRON}sequence_parallel",
+               f"{MEGATRON}use_distributed_optimizer", f"{MEGATRON}data_parallel_sharding_strategy")
+SETTING_KEYS = ("plugin_args.num_layers_per_virtual_pipeline_stage", "plugin_args.pipeline_layers",
+                f"{MEGATRON}num_layers_per_virtual_pipeline_stage", f"{MEGATRON}recompute_granularity",
+                f"{MEGATRON}recompute_method", f"{MEGATRON}recompute_num_layers")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a row is evaluated against: the chosen engine, its settings and the world it runs on."""
+    args: object
+    engine: EngineEntry
+    settings: object
+    world_size: int
+
+    @property
+    def cls(self):
+        return self.engine.cls
+
+    @property
+    def pipeline_stages(self) -> int:
+        return getattr(self.settings, "pp", 1)
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str                                  # a top-level key, or plugin_args.NAME / ...other_megatron_args.NAME
+    kind: str                                 # CANNOT | NO_EFFECT
+    holds: Callable[[Choice], bool]           # whether the key takes effect on this choice
+    why: Callable[[Choice], str]              # why not, naming what would make it take effect
+    asks: Callable[[object], bool] = lambda value: True  # whether a value asks for anything at all
+
+
+def _asks_for_more_than_one(value) -> bool:
+    return not (value is None or value is False or value == "no_shard" or (type(value) is int and value <= 1))
+
+
+def _readers(key: str) -> str:
+    return engines_that(lambda cls: key in cls.own_keys)
+
+
+def _own_key_rule(key: str) -> Rule:
+    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys,
+                lambda c: f"{key} is a setting of engine {_readers(key)}, which the run does not use; set engine: "
+                          f"{_readers(key)} to use it, or remove it")
+
+
+def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
+    return Rule(name, kind, lambda c: c.cls.reads_plugin_layout,
+                lambda c: f"{name} lays the model out for engine {engines_that(lambda k: k.reads_plugin_layout)} "
+                          f"(splits and settings of Megatron's layout; recomputation here is activation_checkpointing"
+                          f"={c.args.activation_checkpointing}); set engine: "
+                          f"{engines_that(lambda k: k.reads_plugin_layout)} and launch dp x tp x pp processes, or "
+                          f"remove it", asks)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("context_parallel_degree", CANNOT, lambda c: c.cls.supports_context_parallel and c.world_size > 1,
+         lambda c: f"{c.args.context_parallel_degree} splits each sequence over ranks, which needs several processes "
+                   f"and engine {engines_that(lambda k: k.supports_context_parallel)}", _asks_for_more_than_one),
+    Rule("expert_parallel_degree", CANNOT, lambda c: c.cls.supports_expert_parallel,
+         lambda c: f"engine {c.engine.name} holds every expert on every rank; use engine "
+                   f"{engines_that(lambda k: k.supports_expert_parallel)} to split the experts over ranks, or "
+                   "expert_parallel_degree: 1", _asks_for_more_than_one),
+    Rule("optimizer", CANNOT, lambda c: c.cls.trains_muon,
+         lambda c: f"optimizer: muon is not available with engine {c.engine.name}: {c.cls.muon_refusal} Use engine "
+                   f"{engines_that(lambda k: k.trains_muon)}, which train Muon, or optimizer: adamw",
+         lambda value: value == "muon"),
+    *(Rule(key, CANNOT, lambda c: not c.cls.applies_every_update,
+           lambda c, key=key: f"{key} is not available with engine {c.engine.name} ({c.engine.name} applies every "
+                              f"update it is given); remove it or use engine "
+                              f"{engines_that(lambda k: not k.applies_every_update)}")
+      for key in ("loss_spike_factor", "spike_zscore")),
+    Rule("batch_size_schedule", CANNOT, lambda c: not c.cls.applies_every_update and c.pipeline_stages == 1,
+         lambda c: "batch_size_schedule is not available here: " + (
+             f"engine {c.engine.name} fixes" if c.pipeline_stages == 1 else "a pipeline schedule (pp > 1) is built "
+             "for") + " the number of micro-batches per step; use engine ddp, fsdp or megatron without pipeline "
+             "parallelism, or remove it"),
+    *(_plugin_rule(key, CANNOT) for key in SPLITTING_KEYS),
+    *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
+    *(_plugin_rule(key, NO_EFFECT, lambda value: value is not None) for key in SETTING_KEYS),
+    Rule("accumulate_gradients", NO_EFFECT, lambda c: c.cls.shards_gradients(c.settings),
+         lambda c: f"accumulate_gradients: {c.args.accumulate_gradients} is set but engine {c.engine.name} keeps "
+                   f"whole gradients on every rank (nothing to shard); remove it, or use engine "
+                   f"{engines_that(lambda k: k.can_shard_gradients)} (megatron with use_distributed_optimizer)",
+         lambda value: value != "auto"),
+    *(_own_key_rule(key) for key in dict.fromkeys(key for entry in ENGINES for key in entry.cls.own_keys)),
+)
+
+
+def value_of(args, key: str):
+    """A row's key in the arguments: a top-level key, or a name inside plugin_args / its other_megatron_args."""
+    if key.startswith(MEGATRON):
+        return megatron_args(args.plugin_args).get(key.rsplit(".", 1)[1])
+    if key.startswith("plugin_args."):
+        return (args.plugin_args or {}).get(key.split(".", 1)[1])
+    return getattr(args, key)
+
+
+def set_by_user(args, key: str) -> bool:
+    """Whether the user set `key` to something other than its default (a nested key: whether it is there)."""
+    top = key.split(".", 1)[0]
+    if top not in args.given_keys:
+        return False
+    return "." in key or getattr(args, key) != args.default_of(key)
+
+
+def engine_chosen_by_user(args) -> bool:
+    return args.engine != AUTO or launcher_engine() is not None
+
+
+def check_rules(args, entry: EngineEntry, settings, world_size: int) -> None:
+    """Refuse (or, under `engine: auto`, warn of) every key the chosen engine cannot use or does not read."""
+    choice = Choice(args, entry, settings, world_size)
+    for rule in RULES:
+        if not set_by_user(args, rule.key) or not rule.asks(value_of(args, rule.key)) or rule.holds(choice):
+            continue
+        chosen = engine_chosen_by_user(args)
+        if rule.kind == CANNOT or chosen:
+            top, why = rule.key.split(".", 1)[0], rule.why(choice)
+            why += "" if chosen else f" (engine: auto chose {entry.name} for {world_size} process(es))"
+            error = key_error(top, why) if "." not in rule.key else ConfigError(why)
+            origin = args.origin_of(top)
+            raise ConfigError(f"{origin}: {error}") if origin else error
+        logger.warning("%s has no effect: engine: auto chose %s for %d process(es). %s", rule.key, entry.name,
+                       world_size, rule.why(choice))

@@ -1,0 +1,122 @@
+"""The rule table (run/rules.py): a key of an engine not in use is refused where the user chose the engine, and warned
+of once where `engine: auto` chose it; a layout an engine cannot give is refused either way. Resolved as `pretrainer
+plan` resolves a world (no processes are started)."""
+
+import pytest
+import torch
+import yaml
+
+from pretrainer.config import ConfigError, PreTrainingArguments
+from pretrainer.parallel import ENGINES, planned_world
+from pretrainer.run import resolve_run
+
+# Each engine-specific key, a value that asks for something, an engine that does not read it, and the world.
+OWN_KEYS = [
+    ("fsdp_reshard_after_forward", False, "ddp", 2),
+    ("fsdp_cpu_offload", True, "ddp", 2),
+    ("fsdp_cpu_offload", True, "megatron", 2),
+    ("fsdp_shard_size", 1, "ddp", 2),
+    ("distributed_timeout_minutes", 5.0, "single", 1),
+]
+PLUGIN_SETTINGS = [
+    ({"sequence_parallelism": True}, "plugin_args.sequence_parallelism"),
+    ({"use_distributed_optimizer": True}, "plugin_args.use_distributed_optimizer"),
+    ({"data_parallel_sharding_strategy": "optim_grads"}, "plugin_args.data_parallel_sharding_strategy"),
+    ({"pipeline_layers": [1, 1]}, "plugin_args.pipeline_layers"),
+    ({"num_layers_per_virtual_pipeline_stage": 1}, "plugin_args.num_layers_per_virtual_pipeline_stage"),
+    ({"other_megatron_args": {"recompute_granularity": "full"}},
+     "plugin_args.other_megatron_args.recompute_granularity"),
+    ({"other_megatron_args": {"recompute_method": "block"}}, "plugin_args.other_megatron_args.recompute_method"),
+    ({"other_megatron_args": {"recompute_num_layers": 1}}, "plugin_args.other_megatron_args.recompute_num_layers"),
+    ({"other_megatron_args": {"sequence_parallel": True}}, "plugin_args.other_megatron_args.sequence_parallel"),
+    ({"other_megatron_args": {"use_distributed_optimizer": True}},
+     "plugin_args.other_megatron_args.use_distributed_optimizer"),
+]
+
+
+def resolve(config: dict, world: int, **keys):
+    args = PreTrainingArguments(**{**config, "dp": world, **keys})
+    return resolve_run(args, planned_world(world, world, torch.device("cpu")))
+
+
+def test_every_engine_specific_key_is_tested():
+    owned = {key for entry in ENGINES for key in entry.cls.own_keys} - {"deepspeed"}  # selects its engine
+    assert owned == {key for key, *_ in OWN_KEYS}
+
+
+@pytest.mark.parametrize("key, value, engine, world", OWN_KEYS)
+def test_a_key_of_another_engine_is_refused_where_the_engine_was_chosen(base_config, key, value, engine, world):
+    with pytest.raises(ConfigError, match=rf"key '{key}': {key} is a setting of engine .*, which the run does not "
+                                          rf"use; set engine: .* to use it, or remove it"):
+        resolve(base_config, world, engine=engine, **{key: value})
+
+
+@pytest.mark.parametrize("key, value, engine, world", [case for case in OWN_KEYS if case[2] != "megatron"])
+def test_a_key_of_another_engine_is_warned_of_once_where_auto_chose(base_config, key, value, engine, world, caplog):
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        run = resolve(base_config, world, **{key: value})
+    assert run.engine.name == engine
+    lines = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"{key} has no effect: engine: auto chose {engine} for {world} "
+                                                   "process(es)"), lines
+
+
+def test_a_key_at_its_default_or_read_by_the_engine_passes(base_config, caplog):
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        resolve(base_config, 2, engine="ddp", fsdp_cpu_offload=False, distributed_timeout_minutes=5.0)
+        resolve(base_config, 2, engine="fsdp", fsdp_cpu_offload=True, fsdp_shard_size=2)
+    assert "has no effect" not in caplog.text
+
+
+@pytest.mark.parametrize("plugin, key", PLUGIN_SETTINGS)
+def test_a_megatron_setting_in_plugin_args_is_refused_on_another_chosen_engine(base_config, plugin, key, caplog):
+    with pytest.raises(ConfigError, match=rf"^{key} lays the model out for engine megatron"):
+        resolve(base_config, 2, engine="fsdp", plugin_args=plugin)
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        resolve(base_config, 2, plugin_args=plugin)
+    assert f"{key} has no effect: engine: auto chose ddp for 2 process(es)" in caplog.text
+
+
+@pytest.mark.parametrize("keys, world, message", [
+    ({"plugin_args": {"tp_degree": 2}}, 2, "plugin_args.tp_degree lays the model out for engine megatron"),
+    ({"plugin_args": {"pp_degree": 2}, "engine": "ddp"}, 2, "plugin_args.pp_degree lays the model out"),
+    ({"plugin_args": {"other_megatron_args": {"tensor_model_parallel_size": 2}}}, 2,
+     "plugin_args.other_megatron_args.tensor_model_parallel_size lays the model out"),
+    ({"context_parallel_degree": 2}, 1, "key 'context_parallel_degree': 2 splits each sequence over ranks, which "
+                                        "needs several processes and engine ddp, fsdp or megatron"),
+    ({"context_parallel_degree": 2, "engine": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 1}}}, 2,
+     "needs several processes and engine ddp, fsdp or megatron"),
+    ({"optimizer": "muon", "deepspeed": {"zero_optimization": {"stage": 1}}}, 2,
+     "key 'optimizer': optimizer: muon is not available with engine deepspeed"),
+    ({"spike_zscore": 6.0, "deepspeed": {"zero_optimization": {"stage": 1}}}, 2,
+     "key 'spike_zscore': spike_zscore is not available with engine deepspeed"),
+    ({"batch_size_schedule": [[0, 4], [64, 8]], "gradient_accumulation_steps": 4, "engine": "megatron",
+      "plugin_args": {"pp_degree": 2}}, 2, "a pipeline schedule \\(pp > 1\\) is built for the number of "
+                                           "micro-batches"),
+])
+def test_a_layout_the_engine_cannot_give_is_refused_whoever_chose_it(base_config, keys, world, message):
+    pytest.importorskip("deepspeed") if "deepspeed" in keys else None
+    with pytest.raises(ConfigError, match=message):
+        resolve(base_config, world, **keys)
+
+
+def test_accumulate_gradients_where_gradients_are_whole(base_config, caplog):
+    with pytest.raises(ConfigError, match="key 'accumulate_gradients': accumulate_gradients: sharded is set but "
+                                          "engine ddp keeps whole gradients"):
+        resolve(base_config, 2, engine="ddp", accumulate_gradients="sharded")
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        assert resolve(base_config, 1, accumulate_gradients="sharded").options.accumulate == "unsharded"
+    assert "accumulate_gradients has no effect: engine: auto chose single for 1 process(es)" in caplog.text
+
+
+def test_the_refusal_names_the_file_and_line_or_the_override(base_config, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**base_config, "dp": 2, "engine": "ddp"}, sort_keys=False)
+                    + "fsdp_cpu_offload: true\n")
+    line = len(path.read_text().splitlines())
+    world = planned_world(2, 2, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=rf"^{path}, line {line}: key 'fsdp_cpu_offload': "):
+        resolve_run(PreTrainingArguments.from_yaml(path), world)
+    with pytest.raises(ConfigError, match=rf"^{path}, override fsdp_reshard_after_forward=\.\.\.: "):
+        resolve_run(PreTrainingArguments.from_yaml(path, ["fsdp_cpu_offload=false",
+                                                          "fsdp_reshard_after_forward=false"]), world)
