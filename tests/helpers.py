@@ -165,9 +165,9 @@ def layout_check(trainer) -> dict:
     shape = model_shape(run.model_config, run.vocab_size)
     shares = rank_parts(layout, shape, run.trainable)
     share = shares[0] if 0 in getattr(engine, "stage_ids", [0]) else shares[-1]  # a pipeline's first or last stage
-    states = layout.engine_class.model_states(layout, shape, share, True)
+    states = layout.costs.model_states(layout, shape, share, True)
     planned = {"weights": states.weights, "optimizer": states.optimizer, "gradient_ranks": layout.dims.gradient_ranks,
-               "shard_ranks": layout.dims.shard, "autocasts": layout.engine_class.autocasts(layout),
+               "shard_ranks": layout.dims.shard, "autocasts": layout.costs.autocasts(layout),
                "expert_ranks": layout.dims.ep, "cpu_heap": layout.cpu_heap}
     held = {**dataclasses.asdict(engine.held_state(trainer.model, trainer.optimizer)), "cpu_heap": trainer.host_heap}
     return {"engine": run.engine.name, "dtype": run.dtype, "planned": planned, "held": held}

@@ -129,6 +129,19 @@ def test_engine_names_are_compared_only_by_the_registry_and_the_config():
     assert [bool(re.search(compared, s)) for s in samples] == [True, True, True, False]
 
 
+def test_no_engine_class_is_also_the_planners_cost_model():
+    """Each engine's cost model is a class of its own, registered beside it; the engine inherits only the traits the
+    cost model reads its dimensions from."""
+    from pretrainer.parallel import ENGINES
+    from pretrainer.parallel.layout import CostModel
+
+    for entry in ENGINES:
+        assert not issubclass(entry.cls, CostModel), entry.name
+        assert issubclass(entry.costs, CostModel) and issubclass(entry.cls, entry.costs.traits), entry.name
+        planner = {name for name in vars(CostModel) if not name.startswith("_") and name != "traits"}
+        assert not planner & set(dir(entry.cls)), (entry.name, planner & set(dir(entry.cls)))
+
+
 def test_meshes_and_process_groups_are_made_in_one_module():
     made = r"\b(init_device_mesh|new_group|DeviceMesh)\s*\("
     found = _matches(made, "parallel/meshes.py")

@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .context_parallel import context_parallel_degrees
 from .distributed import DistributedEngine
+from .layout import CostModel
 from .parallelize import parallelize
 
 
@@ -34,10 +35,16 @@ class DDPEngine(DistributedEngine):
     def measured_gradient_ranks(self, model: torch.nn.Module) -> int:
         return model.process_group.size()
 
-    # ---- the planner's questions ----
+
+
+class DDPCosts(CostModel):
+    """The ddp engine's cost model: a plain torch engine's answers, over every context-parallel degree."""
+
+    traits = DDPEngine
+
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
         if world_size == 1:
             return []
-        return [{"dims": cls.parallel_dims(world_size, cp, None)} for cp in context_parallel_degrees(world_size,
-                                                                                                     seq_length)]
+        return [{"dims": cls.traits.parallel_dims(world_size, cp, None)}
+                for cp in context_parallel_degrees(world_size, seq_length)]

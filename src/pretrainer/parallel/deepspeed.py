@@ -21,7 +21,7 @@ from ..config import ConfigError
 from ..config.names import parameter_name
 from ..models import has_meta_tensors, materialize
 from .deepspeed_config import DeepSpeedSettings, read_deepspeed_settings
-from .deepspeed_plan import DeepSpeedLayoutAnswers
+from .deepspeed_plan import DeepSpeedTraits
 from .distributed import DistributedEngine
 from .layout import HeldState, tensor_bytes
 from .parallelize import parallelize
@@ -60,8 +60,8 @@ def require_deepspeed() -> None:
             from None
 
 
-class DeepSpeedEngine(DeepSpeedLayoutAnswers, DistributedEngine):
-    """The planner's answers for this engine are in deepspeed_plan.py."""
+class DeepSpeedEngine(DeepSpeedTraits, DistributedEngine):
+    """Its traits and its cost model (the planner's answers) are in deepspeed_plan.py."""
 
     name = "deepspeed"
     shards_parameters = True

@@ -1,6 +1,6 @@
-"""What the deepspeed engine tells the planner (parallel/layout.py's questions), next to the engine that does it:
-ZeRO's model states as DeepSpeed's own estimators count them, its buckets, the collectives of a step, the heap
-ZeRO-3's gathers leave on a CPU, and the ZeRO stages and offloads it offers for a world."""
+"""The deepspeed engine's traits and its cost model (parallel/layout.py's questions), beside the engine: ZeRO's model
+states as DeepSpeed's own estimators count them, its buckets, the collectives of a step, the heap ZeRO-3's gathers
+leave on a CPU, and the ZeRO stages and offloads it offers for a world."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import importlib.util
 
 from ..config import ParallelDims
 from .deepspeed_config import DeepSpeedSettings
-from .layout import Collective, Layout, LayoutAnswers, ModelStates, RankShare, compute_bytes
+from .layout import Collective, CostModel, EngineTraits, Layout, ModelStates, RankShare, compute_bytes
 
 # On CPU, ZeRO-3's per-layer gathers leave the heap far above the live tensors (see fsdp.py): a multiple of
 # the model's fp32 bytes, with full recompute and without, measured on bench/plan_accuracy.py's 27M model.
 CPU_GATHER_RETENTION = {"full": 3.6, "other": 4.1}
 
 
-class DeepSpeedLayoutAnswers(LayoutAnswers):
-    baseline_engine = "deepspeed"  # DeepSpeed's own imports and buffers are part of every rank's runtime
-    baseline_overrides = {"deepspeed": {"zero_optimization": {"stage": 2}}}
+class DeepSpeedTraits(EngineTraits):
     trains_muon = False
     muon_refusal = ("ZeRO hands its optimizer flat fp32 partitions, not matrices, so Newton-Schulz cannot see a "
                     "matrix's shape (DeepSpeed's own Muon trains stage 0 as SGD and skips Muon on its bf16 path).")
@@ -30,6 +28,13 @@ class DeepSpeedLayoutAnswers(LayoutAnswers):
     @classmethod
     def reads_weight_slices(cls, settings: DeepSpeedSettings) -> bool:
         return settings.zero_stage == 3  # ZeRO-3 partitions module by module; stages 1-2 build the whole model
+
+
+
+class DeepSpeedCosts(CostModel):
+    traits = DeepSpeedTraits
+    baseline_engine = "deepspeed"  # DeepSpeed's own imports and buffers are part of every rank's runtime
+    baseline_overrides = {"deepspeed": {"zero_optimization": {"stage": 2}}}
 
     @classmethod
     def autocasts(cls, layout: Layout) -> bool:
@@ -102,7 +107,7 @@ class DeepSpeedLayoutAnswers(LayoutAnswers):
             return []
         settings = [DeepSpeedSettings.for_zero(stage, offload) for stage in (1, 2, 3) for offload in (False, True)]
         settings.append(DeepSpeedSettings.for_zero(3, True, True))
-        return [{"dims": cls.parallel_dims(world_size, 1, s), "settings": s} for s in settings]
+        return [{"dims": cls.traits.parallel_dims(world_size, 1, s), "settings": s} for s in settings]
 
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:

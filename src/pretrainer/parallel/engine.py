@@ -4,7 +4,8 @@ An engine owns the process groups it builds on the world, model wrapping, mixed 
 step and what goes into a checkpoint. The loop never branches on the engine's name: engines implement the
 same methods, and what differs between them is declared as capabilities (class attributes below) that the
 loop reads. An engine is built from its part of the resolved run (`EngineOptions`), never from the
-arguments; the planner asks the engine class about a layout (parallel/layout.py's `LayoutAnswers`).
+arguments. Its class inherits its traits (what it can do, parallel/layout.py's `EngineTraits`); what a layout
+costs on it is its cost model's answer, a class of its own registered beside it (parallel/registry.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..models import has_meta_tensors, materialize
 from .activation_checkpoint import RecomputeSettings
 from .expert_parallel import expert_ranks
 from .gradient_norm import clip_, global_norm
-from .layout import HeldState, LayoutAnswers, tensor_bytes
+from .layout import CostModel, EngineTraits, HeldState, tensor_bytes
 from .parallelize import Parallelism, parallelize
 from .precision import Precision
 from .world import World
@@ -56,7 +57,7 @@ class EngineOptions:
     accumulate_reason: str = ""         # why, when auto chose it
 
 
-class Engine(LayoutAnswers, ABC):
+class Engine(EngineTraits, ABC):
     name: str
 
     # ---- capabilities: what the loop and the checkpointer may rely on (subclasses override) ----
@@ -91,11 +92,6 @@ class Engine(LayoutAnswers, ABC):
         """The engine's own settings from the config, checked (`model_config`: the HF config, None when not
         known; `dtype`: the resolved compute dtype)."""
         return None
-
-    @classmethod
-    def parallel_dims(cls, world_size: int, cp: int, settings) -> ParallelDims:
-        """How `world_size` processes split for this engine (context_parallel_degree `cp`)."""
-        return ParallelDims(world_size, cp=cp)
 
     @classmethod
     def replica_ranks(cls, args) -> int:
@@ -367,6 +363,12 @@ class SingleEngine(Engine):
 
         return parallelize(model, self.parallelism(data_parallel=place))
 
+
+class SingleCosts(CostModel):
+    """The single engine's cost model: a plain torch engine's answers, on one process."""
+
+    traits = SingleEngine
+
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        return [{"dims": cls.parallel_dims(1, 1, None)}] if world_size == 1 else []
+        return [{"dims": cls.traits.parallel_dims(1, 1, None)}] if world_size == 1 else []

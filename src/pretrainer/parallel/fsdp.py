@@ -18,14 +18,14 @@ from ..config import ConfigError
 from .activation_checkpoint import decoder_layers
 from .distributed import DistributedEngine
 from .expert_parallel import shard_experts
-from .fsdp_plan import FSDPLayoutAnswers, FSDPSettings
+from .fsdp_plan import FSDPSettings, FSDPTraits
 from .parallelize import ExpertSharding, parallelize, shard_layers
 
 logger = logging.getLogger(__name__)
 
 
-class FSDPEngine(FSDPLayoutAnswers, DistributedEngine):
-    """The planner's answers for this engine are in fsdp_plan.py."""
+class FSDPEngine(FSDPTraits, DistributedEngine):
+    """Its traits and its cost model (the planner's answers) are in fsdp_plan.py."""
 
     name = "fsdp"
     shards_parameters = True

@@ -1,7 +1,7 @@
-"""What the fsdp engine tells the planner (parallel/layout.py's questions), next to the engine that does it: the
-bytes of model state a rank keeps (fp32 shards, the layers gathered in the compute dtype, gradients sharded or
-whole while micro-batches accumulate), the collectives of a step, the heap FSDP's gathers leave on a CPU, and
-the layouts of a world it offers (resharding, offload, ep, cp)."""
+"""The fsdp engine's traits (its dimensions: hybrid sharding) and its cost model (parallel/layout.py's questions),
+beside the engine that does it: the bytes of model state a rank keeps (fp32 shards, the layers gathered in the
+compute dtype, gradients sharded or whole while micro-batches accumulate), the collectives of a step, the heap
+FSDP's gathers leave on a CPU, and the layouts of a world it offers (resharding, offload, ep, cp)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from ..config import ConfigError, ParallelDims
 from .context_parallel import context_parallel_degrees
 from .layout import (
     Collective,
+    CostModel,
+    EngineTraits,
     Layout,
-    LayoutAnswers,
     ModelStates,
     RankShare,
     compute_bytes,
@@ -35,7 +36,7 @@ class FSDPSettings:
     shard_size: int | None = None   # ranks per shard group (hybrid sharding); None: all of them
 
 
-class FSDPLayoutAnswers(LayoutAnswers):
+class FSDPTraits(EngineTraits):
     supports_context_parallel = True
     supports_expert_parallel = True
     can_shard_gradients = True
@@ -55,6 +56,11 @@ class FSDPLayoutAnswers(LayoutAnswers):
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:
         return True
+
+
+
+class FSDPCosts(CostModel):
+    traits = FSDPTraits
 
     @classmethod
     def autocasts(cls, layout: Layout) -> bool:
@@ -133,15 +139,15 @@ class FSDPLayoutAnswers(LayoutAnswers):
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
         if world_size == 1:
             return []
-        whole = cls.parallel_dims(world_size, 1, FSDPSettings())
+        whole = cls.traits.parallel_dims(world_size, 1, FSDPSettings())
         variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
                     for reshard in (True, False) for offload in (False, True)]
         # an MoE model's experts split over ep of the ranks (each ep dividing the experts and the world)
         splits = [ep for ep in range(2, world_size + 1) if shape.experts % ep == 0 and world_size % ep == 0]
         variants += [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
                      for ep in (splits if shape.experts else [])]
-        return variants + [{"dims": cls.parallel_dims(world_size, cp, FSDPSettings()), "settings": FSDPSettings()}
-                           for cp in context_parallel_degrees(world_size, seq_length)[1:]]
+        return variants + [{"dims": cls.traits.parallel_dims(world_size, cp, FSDPSettings()),
+                            "settings": FSDPSettings()} for cp in context_parallel_degrees(world_size, seq_length)[1:]]
 
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:

@@ -1,13 +1,14 @@
-"""A layout: how a run spreads one model over its processes, and what each engine answers about a layout.
+"""A layout: how a run spreads one model over its processes; what an engine can do (`EngineTraits`), and what it
+costs there (`CostModel`).
 
-The planner (`pretrainer plan`, train's memory check) describes a run as a `Layout` and asks the engine
-class, never the engine's name, what it does there: the bytes of model state a rank holds (`model_states`),
-whether it autocasts, reads the checkpoint in slices, gathers layers, offloads to the host, which gradient
-collectives a step runs, which other layouts of the same world it could use, and the `key=value` overrides
-that select a layout. `LayoutAnswers` holds the answers of a plain torch engine (whole fp32 weights on every
-rank, autocast, AdamW's two moments); the engines override what they do differently, next to the code that
-does it, and `assert_layout_answers` (tests/helpers.py, run on real ranks by the engine tests) holds each
-answer to what the constructed engine really holds.
+The planner (`pretrainer plan`, train's memory check) describes a run as a `Layout` and asks the engine's cost
+model, never the engine's name, what it does there: the bytes of model state a rank holds (`model_states`),
+whether it autocasts, gathers layers, offloads to the host, which gradient collectives a step runs, which other
+layouts of the same world it could use, and the `key=value` overrides that select a layout. `CostModel` holds
+the answers of a plain torch engine (whole fp32 weights on every rank, autocast, AdamW's two moments); each
+engine's own cost model (registered beside it, parallel/registry.py) overrides what it does differently, and
+`assert_layout_answers` (tests/helpers.py, run on real ranks by the engine tests) holds each answer to what the
+constructed engine really holds. An engine class inherits only its traits: it is not its cost model.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Layout:
         return self.engine.cls
 
     @property
+    def costs(self) -> type["CostModel"]:
+        return self.engine.costs
+
+    @property
     def world_size(self) -> int:
         return self.dims.world_size
 
@@ -74,7 +79,7 @@ class Layout:
         parts = [f"engine={self.engine.name}", f"processes={self.world_size}", f"dp={self.dp}"]
         parts += [f"{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
                                                          ("ep", self.dims.ep)) if value > 1]
-        own = self.engine_class.describe_settings(self)
+        own = self.costs.describe_settings(self)
         parts += [own] if own else []
         parts += [f"micro_batch={self.micro_batch}", f"accumulation={self.accumulation}", f"seq={self.seq_length}",
                   f"recompute={self.recompute}", f"dtype={self.dtype}"]
@@ -91,7 +96,7 @@ class Layout:
     @property
     def cpu_heap(self) -> str:
         """On a CPU: what the heap does with freed blocks (perf/host_memory.py): reuse, return or system."""
-        return heap_policy(self.host_malloc, self.engine_class.returns_freed_blocks(self))
+        return heap_policy(self.host_malloc, self.costs.returns_freed_blocks(self))
 
     @property
     def accumulates_sharded(self) -> bool:
@@ -105,7 +110,7 @@ class Layout:
         cls = self.engine_class
         keys = [f"engine={self.engine.name}", f"dp={self.dp}", f"micro_batch_size={self.micro_batch}",
                 f"gradient_accumulation_steps={self.accumulation}", f"activation_checkpointing={self.recompute}"]
-        keys += cls.settings_overrides(self)
+        keys += self.costs.settings_overrides(self)
         if cls.supports_context_parallel:
             keys.append(f"context_parallel_degree={self.cp}")
         if cls.supports_expert_parallel:
@@ -198,13 +203,12 @@ def optimizer_note(layout: Layout, sharded: str = "") -> str:
     return f"{held} (fp32{', ' + sharded if sharded else ''})"
 
 
-class LayoutAnswers:
-    """The planner's questions, answered for a plain torch engine; engines override what differs."""
+class EngineTraits:
+    """What an engine can do, asked of its class before anything is built (the resolver, the rule table, the
+    planner's search); engines override what differs."""
 
     supports_context_parallel = False  # sequences can be split over ranks (context_parallel.py)
     supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
-    baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
-    baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
     muon_refusal = ""   # why not, where it does not
     trains_moe = True   # models with experts train here (each rank holds every expert: no expert parallelism)
@@ -224,6 +228,20 @@ class LayoutAnswers:
         """Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
         (models/hf_weights.py) instead of loading it whole in every process."""
         return False
+
+    @classmethod
+    def parallel_dims(cls, world_size: int, cp: int, settings) -> ParallelDims:
+        """How `world_size` processes split for this engine (context_parallel_degree `cp`)."""
+        return ParallelDims(world_size, cp=cp)
+
+
+class CostModel:
+    """The planner's questions about a layout, answered for a plain torch engine; each engine's cost model
+    overrides what differs. `traits`: the engine's traits (its dimensions, for the layouts it offers)."""
+
+    traits: type[EngineTraits] = EngineTraits
+    baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
+    baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
 
     @classmethod
     def autocasts(cls, layout: Layout) -> bool:

@@ -44,7 +44,7 @@ from .activation_checkpoint import RecomputeSettings
 from .distributed import DistributedEngine
 from .engine import to_device_async
 from .expert_parallel import shard_experts
-from .megatron_plan import MegatronLayoutAnswers
+from .megatron_plan import MegatronTraits
 from .megatron_settings import MegatronSettings, read_settings, unused_keys
 from .parallelize import ExpertSharding, parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, PipelineLoss, build_schedule, forward_in_order, split_layers, stages_of_rank
@@ -84,8 +84,8 @@ class MegatronModel(torch.nn.Module):
         return getattr(self, "lm_head", None)
 
 
-class MegatronEngine(MegatronLayoutAnswers, DistributedEngine):
-    """The planner's answers for this engine are in megatron_plan.py."""
+class MegatronEngine(MegatronTraits, DistributedEngine):
+    """Its traits and its cost model (the planner's answers) are in megatron_plan.py."""
 
     name = "megatron"
     own_keys = (*DistributedEngine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer

@@ -1,7 +1,7 @@
-"""What the megatron engine tells the planner (parallel/layout.py's questions), next to the engine that does it:
-which stages a pipeline rank holds, the bytes of model state a rank keeps (the distributed optimizer's FSDP2
-shards, or a torch engine's states over the stage's tp share), the collectives of a step, and the tp x pp (x cp,
-x ep) layouts of a world it offers."""
+"""The megatron engine's traits (its `dp x pp x cp x tp` dimensions) and its cost model (parallel/layout.py's
+questions), beside the engine: which stages a pipeline rank holds, the bytes of model state a rank keeps (the
+distributed optimizer's FSDP2 shards, or a torch engine's states over the stage's tp share), the collectives of a
+step, and the tp x pp (x cp, x ep) layouts of a world it offers."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from ..models.registry import pipeline_misfit, tensor_parallel_misfit
 from .context_parallel import context_parallel_degrees
 from .layout import (
     Collective,
+    CostModel,
+    EngineTraits,
     Layout,
-    LayoutAnswers,
     ModelStates,
     RankShare,
     compute_bytes,
@@ -25,7 +26,7 @@ from .megatron_settings import SHARDING_STRATEGIES, MegatronSettings
 from .pipeline import split_layers, stages_of_rank
 
 
-class MegatronLayoutAnswers(LayoutAnswers):
+class MegatronTraits(EngineTraits):
     supports_context_parallel = True
     supports_expert_parallel = True
     can_shard_gradients = True
@@ -36,16 +37,6 @@ class MegatronLayoutAnswers(LayoutAnswers):
         """The distributed optimizer reduce-scatters gradients (FSDP2 over dp x cp); without it they are all-reduced
         whole."""
         return settings.distributed_optimizer
-
-    @classmethod
-    def stages_per_rank(cls, layout: Layout) -> int:
-        return layout.settings.virtual_stages
-
-    @classmethod
-    def returns_freed_blocks(cls, layout: Layout) -> bool:
-        """Sharded data parallelism is FSDP2 over the data ranks: gradients reduce-scattered per layer (and
-        parameters gathered per layer under optim_grads_params)."""
-        return layout.dims.shard > 1
 
     @classmethod
     def parallel_dims(cls, world_size: int, cp: int, settings: MegatronSettings) -> ParallelDims:
@@ -60,6 +51,20 @@ class MegatronLayoutAnswers(LayoutAnswers):
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:
         return True
+
+
+class MegatronCosts(CostModel):
+    traits = MegatronTraits
+
+    @classmethod
+    def stages_per_rank(cls, layout: Layout) -> int:
+        return layout.settings.virtual_stages
+
+    @classmethod
+    def returns_freed_blocks(cls, layout: Layout) -> bool:
+        """Sharded data parallelism is FSDP2 over the data ranks: gradients reduce-scattered per layer (and
+        parameters gathered per layer under optim_grads_params)."""
+        return layout.dims.shard > 1
 
     @classmethod
     def pipeline_layers(cls, layout: Layout, num_layers: int) -> tuple[int, int]:
@@ -178,7 +183,7 @@ class MegatronLayoutAnswers(LayoutAnswers):
         level = SHARDING_STRATEGIES.index(strategy)  # no_shard, optim_grads, optim_grads_params
         settings = MegatronSettings(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=level >= 1,
                                     reshard_parameters=level == 2)
-        return {"dims": replace(cls.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
+        return {"dims": replace(cls.traits.parallel_dims(world_size, cp, settings), ep=ep), "settings": settings,
                 "sequence_parallel": settings.sequence_parallel}
 
     @classmethod

@@ -1,11 +1,10 @@
 """The engines, registered once: every place that lists engines, names one or chooses one reads this table.
 
-An entry holds the engine's name (the `engine` key's value), its class (which reads its own settings, builds
-its dimensions and answers the planner), the accelerate variable that selects it, the config key that selects
-it under `engine: auto`, and the config keys that lay a run out over processes for it (reset to their defaults
-when one process evaluates or exports a run). `select_engine` turns the config and the launch into an entry;
-an unknown name is refused here, with the nearest known one, before anything is built.
-"""
+An entry holds the engine's name (the `engine` key's value), its class (which reads its own settings and builds its
+dimensions), its cost model (the planner's answers: parallel/layout.py), the accelerate variable that selects it,
+the config key that selects it under `engine: auto`, and the config keys that lay a run out over processes for it
+(reset to their defaults when one process evaluates or exports a run). `select_engine` turns the config and the
+launch into an entry; an unknown name is refused here, with the nearest known one, before anything is built."""
 
 from __future__ import annotations
 
@@ -14,11 +13,15 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, key_error
 from ..config.loading import suggestion
-from .ddp import DDPEngine
+from .ddp import DDPCosts, DDPEngine
 from .deepspeed import DeepSpeedEngine
-from .engine import Engine, EngineOptions, SingleEngine
+from .deepspeed_plan import DeepSpeedCosts
+from .engine import Engine, EngineOptions, SingleCosts, SingleEngine
 from .fsdp import FSDPEngine
+from .fsdp_plan import FSDPCosts
+from .layout import CostModel
 from .megatron import MegatronEngine
+from .megatron_plan import MegatronCosts
 from .meshes import Meshes
 from .world import World, launch_world_size
 
@@ -29,6 +32,7 @@ AUTO = "auto"
 class EngineEntry:
     name: str
     cls: type[Engine]
+    costs: type[CostModel]                   # what a layout costs on it (the planner's answers)
     accelerate_flag: str | None = None       # the variable an `accelerate launch` config sets to "true" for it
     selecting_key: str | None = None         # a config key that, when set, selects it under `engine: auto`
     layout_keys: tuple[str, ...] = ()        # config keys that lay the run out over processes for it
@@ -38,13 +42,13 @@ class EngineEntry:
 
 
 ENGINES = (
-    EngineEntry("single", SingleEngine),
-    EngineEntry("ddp", DDPEngine, layout_keys=("context_parallel_degree",)),
-    EngineEntry("fsdp", FSDPEngine, "ACCELERATE_USE_FSDP",
+    EngineEntry("single", SingleEngine, SingleCosts),
+    EngineEntry("ddp", DDPEngine, DDPCosts, layout_keys=("context_parallel_degree",)),
+    EngineEntry("fsdp", FSDPEngine, FSDPCosts, "ACCELERATE_USE_FSDP",
                 layout_keys=("fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree")),
-    EngineEntry("deepspeed", DeepSpeedEngine, "ACCELERATE_USE_DEEPSPEED", selecting_key="deepspeed",
+    EngineEntry("deepspeed", DeepSpeedEngine, DeepSpeedCosts, "ACCELERATE_USE_DEEPSPEED", selecting_key="deepspeed",
                 layout_keys=("deepspeed",)),
-    EngineEntry("megatron", MegatronEngine, "ACCELERATE_USE_MEGATRON_LM",
+    EngineEntry("megatron", MegatronEngine, MegatronCosts, "ACCELERATE_USE_MEGATRON_LM",
                 layout_keys=("plugin_args", "fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree")),
 )
 ONE_PROCESS, MANY_PROCESSES = ENGINES[0], ENGINES[1]  # what `engine: auto` takes when nothing else asks

@@ -25,7 +25,7 @@ def tiny_run(folder: Path, engine: str) -> None:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     from ..config import PreTrainingArguments
-    from ..parallel import engine_class
+    from ..parallel import engine_entry
 
     lines = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 8
     corpus = folder / "corpus.jsonl"
@@ -42,7 +42,7 @@ def tiny_run(folder: Path, engine: str) -> None:
               "model_path": str(folder / "model"), "train_data": str(corpus), "eval_split": 0,
               "data_cache_path": str(folder / "cache"), "engine": engine, "preflight_memory_check": "off",
               "export_hf": False, "write_report": False, "warmup_steps": 0}
-    config.update(engine_class(engine).baseline_overrides)
+    config.update(engine_entry(engine).costs.baseline_overrides)
     train_steps(PreTrainingArguments.from_dict(config))
 
 

@@ -39,7 +39,7 @@ def _plan(args, world_size, devices_per_node, device_name, device_memory, host_m
     # The run as `train` resolves it on that world; a named GPU has bf16 (`dtype: auto`).
     planned = planned_world(world, per_node, torch.device("cpu" if on_cpu else "cuda"))
     run = resolve_run(args, planned, accelerator_bf16=None if on_cpu else True, check_dp=world_size is None)
-    device = device_spec(run.dtype, per_node, device_name, device_memory, run.engine_class.baseline_engine,
+    device = device_spec(run.dtype, per_node, device_name, device_memory, run.engine.costs.baseline_engine,
                          host_memory=host_memory, links=links)
     plan = make_plan(run, per_node, device)
     if run.tokenizer is not None:  # a mixture's plan of draws, where its sources are tokenized already

@@ -1,8 +1,8 @@
 """Per-rank memory and step time of one layout: the model the planner, `pretrainer plan` and `train`'s
 pre-launch check share.
 
-Memory per rank, in the engines' own terms: the engine class answers for its model states
-(`LayoutAnswers.model_states`, in each engine's module: fp32 master weights whole, sharded or split by stage
+Memory per rank, in the engines' own terms: the engine's cost model answers for its model states
+(`CostModel.model_states`, in each engine's plan module: fp32 master weights whole, sharded or split by stage
 and tp, the copies it makes to compute, gradients, optimizer state, its buffers); the rest is counted here
 from the layout's dimensions:
 - activations: the probed bytes (activations.py) x micro-batch x layers on the rank x micro-batches in flight
@@ -124,7 +124,7 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
     counted as 1F1B's first stage."""
     share = _trained_share(shape, trainable)
     muon = layout.optimizer == "muon"
-    held = functools.partial(layout.engine_class.held_parameters, layout, shape)
+    held = functools.partial(layout.costs.held_parameters, layout, shape)
 
     def part(stage, parameters, matmul, in_flight, head, layers):
         matrices = int(held(layers * shape.layer_matrix_parameters, layers) * share) if muon else 0
@@ -133,7 +133,7 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
 
     if layout.pp == 1:
         return [part("", shape.parameters, shape.matmul_parameters, 1, True, shape.layers)]
-    first_layers, last_layers = layout.engine_class.pipeline_layers(layout, shape.layers)
+    first_layers, last_layers = layout.costs.pipeline_layers(layout, shape.layers)
     first, last = first_layers * shape.layer_parameters, last_layers * shape.layer_parameters
     most = min(layout.pp, layout.accumulation)
     in_flight = {"gpipe": (layout.accumulation, layout.accumulation), "1f1b": (most, 1)}.get(
@@ -148,8 +148,7 @@ def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankS
 
 def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable, weights: str,
                    part: RankShare) -> Estimate:
-    engine = layout.engine_class
-    states = engine.model_states(layout, shape, part, device.kind == "cpu")
+    states = layout.costs.model_states(layout, shape, part, device.kind == "cpu")
     notes = dict(states.notes)
     if part.stage:
         notes["parameters"] = f"the {part.stage} pipeline stage's " + notes["parameters"]
@@ -160,7 +159,7 @@ def _estimate_rank(layout: Layout, shape: ModelShape, config, device: DeviceSpec
     communication = states.communication + _muon_buffers(layout, shape, part, notes)
     held = states.weights + states.gradients + states.optimizer
     traffic = None if device.kind == "cpu" else layer_traffic(
-        config, layout.seq_length // layout.cp, layout.dtype, layout.engine_class.autocasts(layout), layout.tp,
+        config, layout.seq_length // layout.cp, layout.dtype, layout.costs.autocasts(layout), layout.tp,
         layout.sequence_parallel)
     if traffic is not None:
         notes["elementwise"] = (f"element-wise kernels moving {traffic.total / 1024:,.0f} KiB per token and layer on "
@@ -186,7 +185,7 @@ def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes:
     """Bytes the CPU heap keeps of an engine's per-layer gathers (its `cpu_gather_retention`), where it keeps
     freed blocks for reuse."""
     keeps = device.kind == "cpu" and layout.cpu_heap != "return"
-    factor = layout.engine_class.cpu_gather_retention(layout) if keeps else 0.0
+    factor = layout.costs.cpu_gather_retention(layout) if keeps else 0.0
     if not factor:
         return 0
     notes["heap_retained"] = (f"freed per-layer gather and gradient buffers the CPU heap keeps ({factor:g} x the fp32 "
@@ -223,7 +222,7 @@ def _trained_share(shape: ModelShape, trainable) -> float:
 def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, notes: dict) -> tuple[int, int]:
     """(bytes saved for backward at the end of forward, bytes one layer's backward works with)."""
     seq = layout.seq_length // layout.cp
-    autocast = layout.engine_class.autocasts(layout)
+    autocast = layout.costs.autocasts(layout)
     profile = probe(config, seq, layout.dtype, autocast, layout.tp, layout.sequence_parallel, layout.compile)
     c = compute_bytes(layout.dtype)
     gathered_kv = 0

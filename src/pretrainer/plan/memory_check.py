@@ -42,7 +42,7 @@ def check_memory_before_build(args, run: ResolvedRun, world: World
         return run, None
     memory = None if args.device_memory is None else str(args.device_memory)
     device = device_spec(run.dtype, world.local_size, None if world.device.type != "cpu" else "cpu", memory,
-                         run.engine_class.baseline_engine, memory_key="key 'device_memory'")
+                         run.engine.costs.baseline_engine, memory_key="key 'device_memory'")
     plan = make_plan(run, world.local_size, device)
     if plan.accumulation is not None:
         run = run.with_accumulation(*plan.accumulation)

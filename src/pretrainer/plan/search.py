@@ -28,7 +28,7 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     variants = [{"engine": entry, **variant} for entry in ENGINES
                 if layout.optimizer != "muon" or entry.cls.trains_muon
                 if not shape.experts or entry.cls.trains_moe
-                for variant in entry.cls.layout_variants(layout.world_size, layout.devices_per_node, shape,
+                for variant in entry.costs.layout_variants(layout.world_size, layout.devices_per_node, shape,
                                                          layout.seq_length)
                 # an MoE model and multi-token prediction depths train whole sequences
                 if not (shape.experts or shape.mtp_depths) or variant["dims"].cp == 1]
@@ -82,7 +82,7 @@ def ranked(estimates: list[Estimate]) -> list[Estimate]:
 
 def _extra_dimensions(layout: Layout) -> int:
     extra = sum(d > 1 for d in (layout.tp, layout.pp, layout.cp, layout.dims.ep))
-    return extra + int(layout.engine_class.offloads_to_host(layout))
+    return extra + int(layout.costs.offloads_to_host(layout))
 
 
 def _ranked_seconds(e: Estimate) -> float:

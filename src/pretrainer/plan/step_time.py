@@ -64,7 +64,7 @@ def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankS
         return StepTime(_cpu_compute(layout, shape, device), sum(_collectives(layout, shape, device, part)))
     compute = _accelerator_compute(layout, shape, device, part, traffic)
     compute += 2 * state_bytes / (device.memory_bandwidth * MEMORY_EFFICIENCY)
-    if layout.engine_class.offloads_to_host(layout):
+    if layout.costs.offloads_to_host(layout):
         states = 16 * shape.parameters * trainable_share / layout.dp
         compute += states / HOST_ADAM_BYTES_PER_S + 2 * 2 * shape.parameters / layout.dp / OFFLOAD_BYTES_PER_S
     hideable, exposed = _collectives(layout, shape, device, part)
@@ -93,7 +93,7 @@ def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, 
                          traffic: LayerTraffic) -> float:
     seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul, traffic)
     if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, v times fewer with v interleaved stages per rank
-        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * layout.engine_class.stages_per_rank(layout))
+        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * layout.costs.stages_per_rank(layout))
     return seconds
 
 
@@ -135,11 +135,11 @@ def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: Ra
 
     micro = layout.accumulation
     hideable = exposed = 0.0
-    for x in layout.engine_class.gradient_traffic(layout, shape, part.trained):
+    for x in layout.costs.gradient_traffic(layout, shape, part.trained):
         seconds = ring(x.bytes, x.group, x.span) * (micro if x.per_micro_batch else 1)
         hideable, exposed = (hideable + seconds, exposed) if x.overlaps else (hideable, exposed + seconds)
     # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
-    exposed += ring(4 * part.muon * layout.tp, layout.engine_class.muon_gather_ranks(layout), 1)
+    exposed += ring(4 * part.muon * layout.tp, layout.costs.muon_gather_ranks(layout), 1)
     layers = -(-shape.layers // layout.pp) + shape.head_layers
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     activation = tokens * shape.hidden * c
