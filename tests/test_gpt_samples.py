@@ -125,16 +125,19 @@ def test_document_attention_masking_equals_separate_documents(tiny_model):
     positions reset alone, the second document still sees the first (different logits)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pretrainer.batch import forward_logits  # the training forward (no KV cache)
+    from pretrainer.batch import forward_head  # the training forward (no KV cache)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).eval()
     first, second = [0, 50, 60, 70, 1], [0, 80, 90, 1]
     window = torch.tensor([first + second])
     with torch.no_grad():
-        alone = [forward_logits(model, {"input_ids": torch.tensor([d])})[0] for d in (first, second)]
-        masked = forward_logits(model, DocumentMasking(1, attention=True).apply({"input_ids": window}))[0]
-        positions_only = forward_logits(model, DocumentMasking(1, attention=False).apply({"input_ids": window}))[0]
+        def logits(batch: dict) -> torch.Tensor:
+            return forward_head(model, batch, takes_call=False).logits[0]
+
+        alone = [logits({"input_ids": torch.tensor([d])}) for d in (first, second)]
+        masked = logits(DocumentMasking(1, attention=True).apply({"input_ids": window}))
+        positions_only = logits(DocumentMasking(1, attention=False).apply({"input_ids": window}))
     torch.testing.assert_close(masked, torch.cat(alone), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(positions_only[len(first):], alone[1], atol=1e-4)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import read_metrics, train_losses
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
-from pretrainer.batch import IGNORE, forward_logits, loss_sum
+from pretrainer.batch import IGNORE, forward_head, loss_sum
 from pretrainer.models.chunked_loss import LinearCrossEntropy, install_chunked_loss, resolve_chunk_size
 
 SCALINGS = {
@@ -85,9 +85,9 @@ def test_a_chunked_head_returns_the_loss_in_training_and_logits_elsewhere(tiny_m
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
     batch = {"input_ids": torch.randint(3, 4000, (2, 24)), "shift_labels": torch.randint(3, 4000, (2, 24))}
-    plain = loss_sum(forward_logits(model, batch), batch["shift_labels"])
+    plain = loss_sum(forward_head(model, batch, takes_call=False), batch["shift_labels"])
     assert install_chunked_loss(model, 10, explicit=True)
-    chunked = loss_sum(forward_logits(model, batch), batch["shift_labels"])
+    chunked = loss_sum(forward_head(model, batch, takes_call=True), batch["shift_labels"])
     assert chunked.dim() == 0 and chunked.item() == pytest.approx(plain.item(), rel=1e-6)
     assert model(input_ids=batch["input_ids"]).logits.shape == (2, 24, 4096)  # outside training: logits
     assert sorted(model.state_dict()) == sorted(AutoModelForCausalLM.from_config(model.config).state_dict())

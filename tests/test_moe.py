@@ -216,7 +216,7 @@ def test_padding_counts_nowhere_in_the_routing(tmp_path):
     from transformers import AutoModelForCausalLM
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from pretrainer.batch import forward_logits
+    from pretrainer.batch import forward_head
 
     folder = write_tiny_moe(tmp_path / "qwen", "qwen3_moe")
     torch.manual_seed(0)
@@ -228,7 +228,7 @@ def test_padding_counts_nowhere_in_the_routing(tmp_path):
     mask = torch.ones(3, 16, dtype=torch.long)
     mask[0, 11:] = 0
     mask[2, 7:] = 0
-    forward_logits(model, {"input_ids": ids, "attention_mask": mask})
+    forward_head(model, {"input_ids": ids, "attention_mask": mask}, takes_call=False)
     added = routing.take_losses()
     routing.end_step(lambda t: t, applied=True)
     row = routing.interval_row(lambda t: t)
@@ -266,7 +266,7 @@ def test_a_recomputed_router_uses_its_own_forwards_padding_when_other_forwards_r
     recomputation."""
     from transformers import AutoModelForCausalLM
 
-    from pretrainer.batch import forward_logits
+    from pretrainer.batch import forward_head
     from pretrainer.config.names import parameter_name
     from pretrainer.parallel.activation_checkpoint import RecomputeSettings, apply_activation_checkpointing
 
@@ -286,7 +286,7 @@ def test_a_recomputed_router_uses_its_own_forwards_padding_when_other_forwards_r
         routing.begin_step(1.0)
         losses = []
         for micro in range(2):
-            forward_logits(model, {"input_ids": ids[micro], "attention_mask": masks[micro]})
+            forward_head(model, {"input_ids": ids[micro], "attention_mask": masks[micro]}, takes_call=False)
             losses.append(routing.take_losses())
         for loss in losses:
             loss.backward()

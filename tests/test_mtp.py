@@ -15,7 +15,7 @@ from helpers import read_metrics, write_tiny_model, write_tiny_moe
 from launch import cli_in_process
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
-from pretrainer.batch import IGNORE, depth_targets, forwarding
+from pretrainer.batch import IGNORE, depth_targets, forward_head
 from pretrainer.models.init import materialize_modules
 from pretrainer.models.mtp import MtpForward, add_mtp_layers
 
@@ -75,8 +75,7 @@ def test_each_depth_loss_equals_the_formula_from_the_models_hidden_states_and_we
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 96, (2, 12), generator=generator)
     batch = {"input_ids": ids, "shift_labels": F.pad(ids[:, 1:], (0, 1), value=IGNORE)}
-    with forwarding(batch):
-        model(input_ids=ids, use_cache=False)
+    forward_head(model, batch, takes_call=True)
     (results,) = forward.take_results()
     assert len(results) == DEPTHS
     eps = model.config.rms_norm_eps
@@ -97,8 +96,7 @@ def test_each_depth_loss_equals_the_formula_from_the_models_hidden_states_and_we
                        for row in range(2) for i in range(12 - k - 1))
             assert results[k - 1].loss_sum.item() == pytest.approx(want.item(), rel=1e-6)
     model.eval()  # evaluation forwards run the main head only
-    with forwarding(batch):
-        model(input_ids=ids, use_cache=False)
+    forward_head(model, batch, takes_call=True)
     assert forward.take_results() == []
 
 

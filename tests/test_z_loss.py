@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import read_metrics, train_losses
 from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
-from pretrainer.batch import IGNORE
+from pretrainer.batch import IGNORE, HeadOutput
 from pretrainer.models.chunked_loss import LinearCrossEntropy
 from pretrainer.run.extensions import OutputZLoss
 
@@ -56,7 +56,7 @@ def test_on_plain_logits_the_z_term_adds_its_gradient_and_keeps_the_value():
     term = OutputZLoss(COEFF)
     term._sums = torch.zeros(2, dtype=torch.float64)
     summed = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    with_z = term.add_to_loss(summed, logits, targets)
+    with_z = term.add_to_loss(summed, HeadOutput(logits=logits), targets)
     term.end_step(applied=True)
     assert with_z.item() == summed.item()
     assert term._sums[0].item() == pytest.approx(z.item(), rel=1e-6)

@@ -1,5 +1,5 @@
-"""The batch contract shared by data, engines and the loop: targets, the ignore index, token counts, logits
-and the next-token loss, on either batch convention.
+"""The batch contract shared by data, engines and the loop: targets, the ignore index, token counts, and what a
+forward hands back (`HeadOutput`), on either batch convention.
 
 Packed batches carry `shift_labels` (target of position j is the next token).
 Batches from a user DataLoader follow the HF convention: `labels` aligned with
@@ -8,27 +8,118 @@ padding (attention_mask 0) are ignored too. The loss is returned as a sum with
 its target count, so accumulation and ranks can average over tokens exactly.
 
 An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never
-exist (`models/chunked_loss.py`): `forward_logits` hands it the batch's targets, and its "logits" are then
-`[summed loss, correct predictions]` (`is_head_loss`; a third entry with an output z-loss), which `loss_sum`
-and evaluation read; inside
-`per_token_losses()` (scoring, no backward) they are each token's loss instead, `[batch, seq]`.
+exist (`models/chunked_loss.py`). It is handed what it needs explicitly, as a `HeadCall` (the targets, whether
+each token's loss or each row's loss sum is wanted, the tokens and positions multi-token prediction's depths
+read), and the forward's result is typed: a `HeadOutput` holds either the logits or the head's own sums, and
+every reader (the loss, the z-loss, per-source losses, evaluation, scoring) asks it, never the tensor's shape.
 """
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 IGNORE = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 SOURCE = "source"  # a mixture's batches: each row's source (data/mixture.py), for per-source losses
-# The batch being forwarded, for an output head that computes the loss itself (its targets are derived
-# only when such a head asks: the common path pays nothing).
-_forwarded_batch: ContextVar[dict | None] = ContextVar("the batch in forward_logits", default=None)
-_token_losses_wanted: ContextVar[bool] = ContextVar("per-token losses from the head", default=False)
+
+
+@dataclass
+class HeadCall:
+    """What one forward asks of an output head that computes the loss itself (`lm_head(hidden, call=...)`), and
+    the row losses it hands back beside its output."""
+    targets: torch.Tensor
+    per_token: bool = False                   # each target's loss (scoring, no backward) instead of the sums
+    rows: bool = False                        # each row's loss sum too (a mixture's per-source losses)
+    input_ids: torch.Tensor | None = None     # the tokens and positions, for multi-token prediction's depths
+    position_ids: torch.Tensor | None = None
+    row_losses: torch.Tensor | None = None    # filled by the head when `rows`: each row's loss sum, no gradient
+
+    @classmethod
+    def of(cls, batch: dict, per_token: bool = False) -> "HeadCall":
+        return cls(batch_targets(batch), per_token, SOURCE in batch, batch["input_ids"], batch.get("position_ids"))
+
+
+@dataclass
+class HeadOutput:
+    """A forward's result: the logits, or the sums a head that computes the loss returned (`[loss sum, correct
+    predictions(, z sum)]`, the first carrying the gradient; or each target's loss under `per_token`)."""
+    logits: torch.Tensor | None = None
+    summed_loss: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    z_sum: torch.Tensor | None = None          # the head's output z-loss sum; its gradient rides on the loss's
+    token_losses: torch.Tensor | None = None
+    row_losses: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, output: torch.Tensor, head_computes_loss: bool, call: HeadCall | None = None) -> "HeadOutput":
+        """The typed result of a head's output tensor, where the caller knows which kind of head ran."""
+        if not head_computes_loss or call is None:
+            return cls(logits=output)
+        if call.per_token:
+            return cls(token_losses=output)
+        return cls(summed_loss=output[0], correct=output[1], z_sum=output[2] if len(output) > 2 else None,
+                   row_losses=call.row_losses)
+
+    def first_positions(self, length: int) -> "HeadOutput":
+        """This output for a batch's own `length` positions, where the forward ran a right-padded one."""
+        cut = {name: getattr(self, name)[:, :length] for name in ("logits", "token_losses")
+               if getattr(self, name) is not None}
+        return dataclasses.replace(self, **cut)
+
+    def whole(self) -> "HeadOutput":
+        """This output with every tensor-parallel field (a DTensor) gathered into a plain tensor."""
+        return HeadOutput(**{name: value.full_tensor() if hasattr(value, "full_tensor") else value
+                             for name, value in vars(self).items()})
+
+    def loss_sum(self, targets: torch.Tensor) -> torch.Tensor:
+        """The summed token loss (with its gradient)."""
+        if self.summed_loss is not None:
+            return self.summed_loss
+        logits = self.logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")
+
+    def correct_count(self, targets: torch.Tensor) -> torch.Tensor:
+        if self.correct is not None:
+            return self.correct
+        return ((self.logits.argmax(-1) == targets) & (targets != IGNORE)).sum()
+
+    def each_token_loss(self, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's negative log-likelihood, `[batch, seq]` in fp32 (0 where ignored)."""
+        if self.token_losses is not None:
+            return self.token_losses.float() * (targets != IGNORE)
+        logits = self.logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE,
+                               reduction="none").view(targets.shape)
+
+    def row_loss_sums(self, targets: torch.Tensor) -> torch.Tensor | None:
+        """Each row's loss sum (no gradient); None where the head ran without the rows (a pipeline's)."""
+        if self.row_losses is not None:
+            return self.row_losses
+        return self.each_token_loss(targets).detach().sum(-1) if self.logits is not None else None
+
+    @property
+    def z_in_gradient(self) -> bool:
+        """The head computed the z-loss with its gradient already inside the loss's."""
+        return self.z_sum is not None
+
+    def z_loss_sum(self, targets: torch.Tensor) -> torch.Tensor:
+        """The sum over valid targets of logsumexp(logits)^2 (PaLM's output z-loss, before its coefficient)."""
+        if self.z_sum is not None:
+            return self.z_sum
+        valid = (targets != IGNORE).reshape(-1)
+        log_norm = torch.logsumexp(self.logits.float().reshape(-1, self.logits.shape[-1]), dim=-1)
+        return (log_norm.square() * valid).sum()
+
+
+# A model's forward returns it through DDP, FSDP and DeepSpeed, which find the tensors of an output (to hook their
+# backward) by flattening it as a pytree.
+pytree.register_dataclass(HeadOutput)
 
 
 def batch_targets(batch: dict) -> torch.Tensor:
@@ -53,103 +144,18 @@ def count_inputs(batch: dict) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
-def forward_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The model's logits for a device batch, or its summed loss when its output head computes it."""
+def forward_head(model: torch.nn.Module, batch: dict, takes_call: bool, per_token: bool = False) -> HeadOutput:
+    """A device batch's forward: the logits, or, for a model whose forward hands its head a call
+    (`models.chunked_loss.install_head_call`), what the head returns for the batch's targets."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    with forwarding(batch):
-        return model(**inputs, use_cache=False).logits
+    if not takes_call:
+        return HeadOutput(logits=model(**inputs, use_cache=False).logits)
+    return model(**inputs, head_call=HeadCall.of(batch, per_token))
 
 
-@contextlib.contextmanager
-def _holding(variable: ContextVar, value):
-    """`variable` is `value` inside the block."""
-    token = variable.set(value)
-    try:
-        yield
-    finally:
-        variable.reset(token)
-
-
-def forwarding(batch: dict):
-    """`batch` is the one being forwarded (for an engine that runs the model's modules itself)."""
-    return _holding(_forwarded_batch, batch)
-
-
-def forwarded_attention_mask() -> torch.Tensor | None:
-    """The attention_mask of the batch being forwarded (1: a token, 0: padding); None without one."""
-    batch = _forwarded_batch.get()
-    return batch.get("attention_mask") if batch is not None else None
-
-
-class PipelinedMasks:
-    """The attention masks of the micro-batches a pipeline schedule is running, handed to each stage's forwards in
-    order (a stage runs its micro-batches in order). On a schedule's first step each stage first runs one
-    stand-in forward to infer shapes (torch.distributed.pipelining), which is no micro-batch."""
-
-    STAND_IN = "stand-in"
-
-    def __init__(self, masks: list[torch.Tensor], stand_in_first: bool):
-        self.masks = masks
-        self.stand_in_first = stand_in_first
-        self._taken: dict[int, int] = {}
-
-    def take(self, stage: torch.nn.Module) -> torch.Tensor | str:
-        """The mask of `stage`'s next micro-batch, or STAND_IN."""
-        index = self._taken.get(id(stage), -1 if self.stand_in_first else 0)
-        self._taken[id(stage)] = index + 1
-        return self.STAND_IN if index < 0 else self.masks[index]
-
-
-_pipelined_masks: ContextVar[PipelinedMasks | None] = ContextVar("the pipelined micro-batches", default=None)
-
-
-def pipelining(masks: PipelinedMasks):
-    """A pipeline schedule runs the micro-batches `masks` describes."""
-    return _holding(_pipelined_masks, masks)
-
-
-def pipelined_masks() -> PipelinedMasks | None:
-    return _pipelined_masks.get()
-
-
-def head_targets() -> torch.Tensor | None:
-    """The targets of the batch being forwarded (None outside `forward_logits`, e.g. in `generate`)."""
-    batch = _forwarded_batch.get()
-    return batch_targets(batch) if batch is not None else None
-
-
-def targets_for_head(targets: torch.Tensor):
-    """Hand `targets` to an output head that computes the loss itself, for an engine that runs the model's
-    modules without `forward_logits` (pipeline stages); the rows' sources, tokens and positions of the batch being
-    forwarded stay (per-source losses, multi-token prediction)."""
-    outer = _forwarded_batch.get() or {}
-    kept = {k: outer[k] for k in (SOURCE, "input_ids", "position_ids") if k in outer}
-    return _holding(_forwarded_batch, {"shift_labels": targets, **kept})
-
-
-_row_losses: list = [None]  # the last head forward's loss sum per row, where its batch carries SOURCE
-
-
-def forwarded_rows_wanted() -> bool:
-    """Whether the batch being forwarded asks for each row's loss sum (it carries each row's source)."""
-    batch = _forwarded_batch.get()
-    return batch is not None and SOURCE in batch
-
-
-def keep_row_losses(rows: torch.Tensor) -> None:
-    """An output head that computes the loss itself hands over each row's loss sum (no gradient)."""
-    _row_losses[0] = rows
-
-
-def take_row_losses() -> torch.Tensor | None:
-    """The row losses the last head forward kept (once)."""
-    rows, _row_losses[0] = _row_losses[0], None
-    return rows
-
-
-def forwarded_batch() -> dict | None:
-    """The batch being forwarded (None outside `forward_logits`)."""
-    return _forwarded_batch.get()
+def loss_sum(output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
+    """A forward's summed token loss: the loop's loss function where no extension or hook adds to it."""
+    return output.loss_sum(targets)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -180,53 +186,6 @@ def depth_targets(batch: dict, depth: int) -> torch.Tensor:
 def depth_inputs(input_ids: torch.Tensor, depth: int) -> torch.Tensor:
     """The tokens `depth` ahead of each position (0 past the window's end, where no target is kept)."""
     return F.pad(input_ids[:, depth:], (0, depth), value=0)
-
-
-def targets_of_depth(targets: torch.Tensor):
-    """Hand a multi-token prediction depth's `targets` to an output head that computes the loss itself (the rows'
-    sources stay out: the per-source losses are the main head's)."""
-    return _holding(_forwarded_batch, {"shift_labels": targets})
-
-
-def per_token_losses():
-    """Ask an output head that computes the loss itself for each token's loss rather than the sums."""
-    return _holding(_token_losses_wanted, True)
-
-
-def wants_token_losses() -> bool:
-    return _token_losses_wanted.get()
-
-
-def token_losses(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each target's negative log-likelihood, `[batch, seq]` in fp32 (0 where ignored), from a forward's
-    logits or from a head's own per-token losses (`per_token_losses`)."""
-    if output.dim() == targets.dim():  # the head computed them
-        return output.float() * (targets != IGNORE)
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1), ignore_index=IGNORE,
-                           reduction="none").view(targets.shape)
-
-
-def is_head_loss(output: torch.Tensor) -> bool:
-    """Whether a forward's output is an output head's own `[summed loss, correct predictions(, z sum)]`."""
-    return output.dim() == 1 and output.shape[0] in (2, 3)
-
-
-def z_loss_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The sum over valid targets of logsumexp(logits)^2 (PaLM's output z-loss, before its coefficient), from
-    logits or from a head that computed it (`[.., .., z sum]`; its gradient then rides on the loss's)."""
-    if is_head_loss(output):
-        return output[2]
-    valid = (targets != IGNORE).reshape(-1)
-    log_norm = torch.logsumexp(output.float().reshape(-1, output.shape[-1]), dim=-1)
-    return (log_norm.square() * valid).sum()
-
-
-def loss_sum(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed token loss of a forward's `output`: logits, or an output head's own `[summed loss, correct]`."""
-    if is_head_loss(output):  # the output head computed the summed loss itself (chunked)
-        return output[0]
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -21,8 +21,10 @@ cross-entropy, the gradient of the objective, as ce + c(z - sg(z)) has), so ever
 and the logged loss stays the cross-entropy.
 
 The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its
-forward changes, and outside `batch.forward_logits` (no targets: `generate`, a user's call) it returns
-ordinary logits.
+forward changes: handed a `batch.HeadCall` (`lm_head(hidden, call=...)`) it computes the loss for the call's
+targets; without one (`generate`, a user's call) it returns ordinary logits. `install_head_call` gives the model a
+forward that hands its head the call `batch.forward_head` makes for each batch (a pipeline stage hands it the
+call itself, parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE, forwarded_rows_wanted, head_targets, keep_row_losses, wants_token_losses
+from ..batch import IGNORE, HeadCall, HeadOutput
 from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool
     head.forward = types.MethodType(_chunked_forward, head)
     head.loss_chunk_size = chunk_size
     head.z_loss_coeff = z_loss_coeff
+    install_head_call(model)
     logger.info("loss: the output head and cross-entropy run in chunks of %d tokens (loss_chunk_size)", chunk_size)
     return True
 
@@ -104,22 +107,59 @@ def computes_loss(head: torch.nn.Module | None) -> bool:
     return bool(getattr(head, "loss_chunk_size", 0))
 
 
-def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    targets = head_targets()
-    if targets is None:
+def takes_head_call(model: torch.nn.Module) -> bool:
+    """Whether the model's forward hands its head a `HeadCall` (`install_head_call`)."""
+    return bool(getattr(model, "takes_head_call", False))
+
+
+def install_head_call(model: torch.nn.Module) -> None:
+    """Give the model a forward that runs its decoder, then hands the output head the call's targets (`head_call`,
+    made by `batch.forward_head`) and returns a `HeadOutput`; without a call it is the model's own forward. A head
+    that does not compute the loss takes the call too (multi-token prediction reads its tokens), and returns
+    logits."""
+    if takes_head_call(model):
+        return
+    head = model.get_output_embeddings()
+    if not computes_loss(head):
+        if not isinstance(head, torch.nn.Linear):
+            raise ConfigError(f"the model's output head is a {type(head).__name__}, not a Linear; multi-token "
+                              "prediction and the chunked loss need a Linear head")
+        head.forward = types.MethodType(_linear_forward, head)
+    model.forward = types.MethodType(_forward_with_call, model)
+    model.takes_head_call = True
+
+
+def _forward_with_call(self, input_ids=None, attention_mask=None, position_ids=None, head_call: HeadCall | None = None,
+                       **kwargs):
+    if head_call is None:  # generate, a user's call: the model's own forward
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  **kwargs)
+    inputs = {key: value for key, value in (("attention_mask", attention_mask), ("position_ids", position_ids))
+              if value is not None}
+    hidden = self.base_model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+    head = self.get_output_embeddings()
+    return HeadOutput.of(head(hidden, call=head_call), computes_loss(head), head_call)
+
+
+def _linear_forward(self: torch.nn.Linear, hidden: torch.Tensor, call: HeadCall | None = None) -> torch.Tensor:
+    return F.linear(hidden, self.weight, self.bias)
+
+
+def _chunked_forward(self: torch.nn.Linear, hidden: torch.Tensor, call: HeadCall | None = None) -> torch.Tensor:
+    if call is None:
         return F.linear(hidden, self.weight)
     from torch.distributed.tensor import DTensor
 
-    per_token = wants_token_losses()
     z_coeff = getattr(self, "z_loss_coeff", 0.0)
-    rows = [] if forwarded_rows_wanted() else None  # a mixture's batch: each row's loss, for its source
+    rows = [] if call.rows else None  # a mixture's batch: each row's loss, for its source
     if isinstance(self.weight, DTensor):
-        out = _vocab_parallel_loss(hidden, self.weight, targets, self.loss_chunk_size, per_token, z_coeff, rows)
+        out = _vocab_parallel_loss(hidden, self.weight, call.targets, self.loss_chunk_size, call.per_token, z_coeff,
+                                   rows)
     else:
-        out = LinearCrossEntropy.apply(hidden, self.weight, targets, self.loss_chunk_size, None, per_token, z_coeff,
-                                       rows)
+        out = LinearCrossEntropy.apply(hidden, self.weight, call.targets, self.loss_chunk_size, None, call.per_token,
+                                       z_coeff, rows)
     if rows:
-        keep_row_losses(rows[0])
+        call.row_losses = rows[0]
     return out
 
 

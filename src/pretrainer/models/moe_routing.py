@@ -17,7 +17,8 @@ engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
   rest get weight 0 (dropped: the token's residual stream passes that expert by) in training forwards;
 - routing counts per layer and expert are kept over the logging interval for the metrics.
 
-Padding (the forwarded batch's attention_mask 0, see `batch.forwarding`) is routed, as the model routes it,
+Padding (attention_mask 0 in the forward's own arguments: the HF model's, or a pipeline stage's, which the
+engine hands each micro-batch's mask) is routed, as the model routes it,
 but counts nowhere: not in the balancing losses (as HF's load_balancing_loss_func with an attention mask),
 the capacity, the bias updates or the metrics. Its outputs are ignored by the loss anyway, and how padding is
 attended to differs between engines (a padding mask, or the megatron engine's causal mask alone).
@@ -41,7 +42,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..batch import PipelinedMasks, forwarded_attention_mask, pipelined_masks
 from ..config import ConfigError, MoeSettings, key_error
 
 
@@ -127,13 +127,11 @@ class MoeRouting:
         self._rows = int(input_ids.shape[0]) if input_ids is not None else 1
         self._recording = module.training and torch.is_grad_enabled()
         self._pending = []
-        mask = forwarded_attention_mask()
-        pipelined = pipelined_masks() if self._recording else None
-        if pipelined is not None:  # a pipeline stage's next micro-batch
-            mask = pipelined.take(module)
-            if mask is PipelinedMasks.STAND_IN:  # the schedule inferring shapes: no tokens of the run
-                self._recording, self._valid, self._stand_in = False, None, True
-                return
+        if self._recording and getattr(module, "infers_shapes", False):  # a pipeline schedule's shape inference:
+            module.infers_shapes = False                                   # no tokens of the run
+            self._recording, self._valid, self._stand_in = False, None, True
+            return
+        mask = kwargs.get("attention_mask")
         if mask is not None and self._split > 1:  # this rank's part of each sequence (sequence parallelism)
             mask = mask.chunk(self._split, dim=1)[dist.get_rank(self._split_group)]
         self._valid = mask.reshape(-1) if mask is not None else None

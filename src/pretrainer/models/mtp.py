@@ -15,7 +15,9 @@ HF folders load into them and export writes them without a renaming, and every e
 layer: FSDP shards it as a unit, activation checkpointing and compile wrap it, MoE routing hooks its router.
 
 The depths run inside the main forward, when the output head has run on the final hidden states (a forward
-hook), only in training forwards that carry targets (not in evaluation, scoring or generation). They attend
+hook), only in training forwards whose head was handed a call with the batch's tokens (`batch.HeadCall`: the
+model's forward hands it one, `chunked_loss.install_head_call`, as a pipeline's last stage does), not in
+evaluation, scoring or generation. They attend
 as the main layers do: the masks and rotary embeddings the last main layer received are reused. Each
 depth's summed cross-entropy and correct predictions are kept for the loop's metrics (`take_results`),
 computed by the output head itself where it computes the loss in chunks (models/chunked_loss.py), so no
@@ -34,19 +36,11 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..batch import (
-    IGNORE,
-    depth_inputs,
-    depth_targets,
-    forwarded_batch,
-    is_head_loss,
-    targets_of_depth,
-    wants_token_losses,
-)
+from ..batch import HeadCall, HeadOutput, depth_inputs, depth_targets
 from ..config import ConfigError
 from ..config.names import parameter_name
+from .chunked_loss import computes_loss, install_head_call
 from .moe_routing import AddToBackward
 
 SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek-V3's files repeat these per depth
@@ -202,6 +196,7 @@ class MtpForward:
         # the container, read at each forward: an engine may replace its entries by wrappers (activation
         # checkpointing), which the depths must run through
         self._container = decoder_layer_list(model)
+        install_head_call(model)  # the head is handed each batch's tokens and targets
         self.embeddings = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
         self._layer_kwargs: dict | None = None
@@ -216,7 +211,7 @@ class MtpForward:
         # the head's input as the model hands it over, before an engine's hooks lay it out for the head (the
         # megatron engine's tensor parallelism gathers it): the depths take the layers' layout
         self.head.register_forward_pre_hook(self._keep_head_input)
-        self.head.register_forward_hook(self._after_head)
+        self.head.register_forward_hook(self._after_head, with_kwargs=True)
 
     def _keep_layer_kwargs(self, module, args, kwargs):
         self._layer_kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
@@ -225,17 +220,17 @@ class MtpForward:
         if not self._running:
             self._head_input = args[0]
 
-    def _wanted(self) -> bool:
-        return (self.head.training and torch.is_grad_enabled() and not self._running and not wants_token_losses()
-                and forwarded_batch() is not None and "input_ids" in forwarded_batch())
+    def _wanted(self, call: HeadCall | None) -> bool:
+        return (self.head.training and torch.is_grad_enabled() and not self._running and call is not None
+                and not call.per_token and call.input_ids is not None)
 
-    def _after_head(self, head, inputs, output):
-        if not self._wanted():
+    def _after_head(self, head, inputs, kwargs, output):
+        call = kwargs.get("call")
+        if not self._wanted(call):
             return None
-        batch = forwarded_batch()
         self._running = True
         try:
-            results = self._run_depths(self._head_input, batch)
+            results = self._run_depths(self._head_input, call)
         finally:
             self._running = False
             self._head_input = None
@@ -245,17 +240,18 @@ class MtpForward:
         weighted = (self.loss_weights * torch.stack([r.loss_sum for r in results]).double()).sum()
         return AddToBackward.apply(output, weighted.to(torch.float32))
 
-    def _run_depths(self, hidden: torch.Tensor, batch: dict) -> list[DepthResult]:
+    def _run_depths(self, hidden: torch.Tensor, call: HeadCall) -> list[DepthResult]:
         results = []
-        input_ids = batch["input_ids"]
+        input_ids = call.input_ids
+        batch = {"shift_labels": call.targets, **({"position_ids": call.position_ids}
+                                                  if call.position_ids is not None else {})}
         for k, index in enumerate(self._indices, start=1):
             layer = self._container[index]
             embeds = self.embeddings(depth_inputs(input_ids, k))
             hidden, normed = layer(hidden, mtp_embeds=embeds, **(self._layer_kwargs or {}))
-            targets = depth_targets(batch, k).to(input_ids.device)
-            with targets_of_depth(targets):
-                output = self.head(normed)
-            results.append(_depth_result(output, targets))
+            depth = HeadCall(depth_targets(batch, k).to(input_ids.device))  # per-source losses are the main head's
+            output = HeadOutput.of(self.head(normed, call=depth), computes_loss(self.head), depth)
+            results.append(_depth_result(output, depth.targets))
         return results
 
     def take_results(self) -> list[list[DepthResult]]:
@@ -265,15 +261,8 @@ class MtpForward:
         return results
 
 
-def _depth_result(output: torch.Tensor, targets: torch.Tensor) -> DepthResult:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(output, DTensor):  # a tensor-parallel head's replicated result
-        output = output.to_local()
-    if is_head_loss(output):  # the head computed [loss sum, correct(, z)] in chunks
-        return DepthResult(output[0], output[1].detach())
-    flat = output.float().reshape(-1, output.shape[-1])
-    labels = targets.reshape(-1)
-    loss = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="sum")
-    correct = ((flat.detach().argmax(dim=-1) == labels) & (labels != IGNORE)).sum()
-    return DepthResult(loss, correct)
+def _depth_result(output: HeadOutput, targets: torch.Tensor) -> DepthResult:
+    output = output.whole()  # a tensor-parallel head's replicated result
+    with torch.no_grad():
+        correct = output.correct_count(targets)
+    return DepthResult(output.loss_sum(targets), correct.detach())

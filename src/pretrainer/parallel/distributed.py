@@ -60,9 +60,9 @@ class DistributedEngine(Engine):
             self._window = batch["cp_length"]
         return self.context.active(self._window)
 
-    def forward(self, model: torch.nn.Module, batch: dict):
+    def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False):
         with self.sequence_layout(batch):
-            return super().forward(model, batch)
+            return super().forward(model, batch, per_token)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.sequence_layout():

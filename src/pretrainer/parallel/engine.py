@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from ..batch import batch_targets, forward_logits
+from ..batch import HeadOutput, batch_targets, forward_head
 from ..config import ParallelDims
 from ..config.names import parameter_name
-from ..models import has_meta_tensors, materialize
+from ..models import has_meta_tensors, materialize, takes_head_call
 from .activation_checkpoint import RecomputeSettings
 from .expert_parallel import expert_ranks
 from .gradient_norm import clip_, global_norm
@@ -161,17 +161,19 @@ class Engine(EngineTraits, ABC):
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
 
-    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a device batch (None on ranks that produce none, e.g. early pipeline stages)."""
-        return forward_logits(model, batch)
+    def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False) -> HeadOutput | None:
+        """A device batch's forward (None on ranks that produce none, e.g. early pipeline stages); `per_token`: a
+        head that computes the loss returns each target's loss (scoring)."""
+        return forward_head(model, batch, takes_head_call(self.unwrap(model)), per_token)
 
     def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
                          scale: float, extra_losses=None) -> torch.Tensor:
         """Forward and backward over one accumulation window; gradients of sum(loss_fn) * scale.
 
-        `loss_fn(logits, targets)` returns a micro-batch's summed token loss. `extra_losses()`, called after
-        each forward, returns what that forward adds to the backward as it is (already weighted; None: nothing),
-        e.g. an MoE model's balancing losses; it is not part of the returned loss. Returns this rank's summed
+        `loss_fn(output, targets)` returns a micro-batch's summed token loss from its forward's `HeadOutput`.
+        `extra_losses()`, called after each forward, returns what that forward adds to the backward as it is
+        (already weighted; None: nothing), e.g. an MoE model's balancing losses; it is not part of the returned
+        loss. Returns this rank's summed
         loss over the window (a device tensor). Only the last micro-batch communicates gradients.
         """
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -179,8 +181,8 @@ class Engine(EngineTraits, ABC):
             is_last = index == len(micro_batches) - 1
             with (contextlib.nullcontext() if is_last else self.no_sync(model)):
                 with self.autocast():
-                    logits = self.forward(model, batch)
-                summed = loss_fn(logits, batch_targets(batch))
+                    output = self.forward(model, batch)
+                summed = loss_fn(output, batch_targets(batch))
                 extra = extra_losses() if extra_losses is not None else None
                 self.backward(summed * scale if extra is None else summed * scale + extra)
             local += summed.detach().double()

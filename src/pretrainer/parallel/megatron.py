@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-from ..batch import IGNORE, SOURCE, PipelinedMasks, batch_targets, forwarding, is_head_loss, pipelining
+from ..batch import IGNORE, SOURCE, HeadCall, HeadOutput, batch_targets
 from ..config import ConfigError, expert_shape
 from ..models import materialize
 from ..models.chunked_loss import computes_loss
@@ -108,7 +108,6 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         self.loss_weight = 1.0
         self.pipeline_loss = PipelineLoss()
         self._padding_checked = False
-        self._schedule_ran = False  # its first step infers the stages' shapes with a stand-in forward each
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
         self._has_depths = False  # multi-token prediction depths follow the head (on the last stage)
 
@@ -205,7 +204,10 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         if is_meta:
             self._materialize(view)
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
+        self.pipeline_loss.head_computes_loss = self._head_loss
         if s.pp > 1:
+            for stage in self.stages:  # the schedule's first step infers each stage's shapes with a forward
+                stage.infers_shapes = True
             self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
                                            s.num_micro_batches, self.pipeline_loss, self.device,
                                            self.mesh.get_group("pp"))
@@ -321,34 +323,30 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
             raise ConfigError("engine megatron needs right-padded batches (attention_mask 1...1 0...0 per row); "
                               "this batch has padding before tokens: set the tokenizer's padding_side='right'")
 
-    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor | None:
-        """Logits of a batch, or the head's loss sum (see chunked_loss.py), on the rank holding the last
-        stage; None elsewhere when pipelined."""
+    def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False) -> HeadOutput | None:
+        """What the head returns for a batch (logits, or its loss sums, see chunked_loss.py) on the rank holding
+        the last stage; None elsewhere when pipelined."""
         self._check_padding_side(batch)
         length = batch["input_ids"].shape[1]
         input_ids = _pad(batch["input_ids"], self.padded_length(length), 0)
-        targets = _pad(batch_targets(batch), input_ids.shape[1], IGNORE) if self._head_loss else None
+        padded = input_ids.shape[1]
+        position_ids = batch.get("position_ids")
+        if position_ids is not None:
+            position_ids = _pad(position_ids, padded, 0)
+        # a head that computes the loss, or multi-token prediction's depths after it, are handed the batch
+        call = HeadCall(_pad(batch_targets(batch), padded, IGNORE), per_token, SOURCE in batch, input_ids,
+                        position_ids) if self._head_loss or self._has_depths else None
         with self.sequence_layout(batch):
             if self.settings.pp == 1:
-                position_ids = batch.get("position_ids")
-                if position_ids is not None:
-                    position_ids = _pad(position_ids, input_ids.shape[1], 0)
                 # an MoE model's routing reads the padding (the batch's and this engine's own)
-                padding = {"attention_mask": _pad(_attention_mask(batch), input_ids.shape[1], 0)} \
-                    if self._routes_tokens else {}
-                sources = {SOURCE: batch[SOURCE]} if SOURCE in batch else {}  # a mixture's, for per-source losses
-                # the tokens, targets and positions, for multi-token prediction's depths (models/mtp.py)
-                tokens = {"input_ids": input_ids,
-                          "shift_labels": _pad(batch_targets(batch), input_ids.shape[1], IGNORE),
-                          **({"position_ids": position_ids} if position_ids is not None else {})} \
-                    if self._has_depths else {}
-                with forwarding({**padding, **sources, **tokens}):
-                    output = self.stages[0](input_ids, position_ids, targets)
+                mask = _pad(_attention_mask(batch), padded, 0) if self._routes_tokens else None
+                output = self.stages[0](input_ids, position_ids, attention_mask=mask, call=call)
             else:
                 output = forward_in_order(self.stage_ids, self.stages, self.settings.num_stages,
-                                          self.mesh.get_group("pp"), input_ids.to(self.device), targets,
-                                          self.autocast)
-        return output if output is None or is_head_loss(output) else output[:, :length]
+                                          self.mesh.get_group("pp"), input_ids.to(self.device), call, self.autocast)
+        if output is None:
+            return None
+        return HeadOutput.of(output, self._head_loss, call).first_positions(length)
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float,
                          extra_losses=None) -> torch.Tensor:
@@ -369,18 +367,17 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states, and
         # multi-token prediction depths after the head the tokens as well
-        head_targets = {"targets": targets} if (self._head_loss or self._has_depths) and last in self.stage_ids else {}
+        stage_inputs = {"targets": targets} if (self._head_loss or self._has_depths) and last in self.stage_ids else {}
         if self._has_depths and last in self.stage_ids:
-            head_targets["mtp_tokens"] = inputs
-        # an MoE model's routing reads each micro-batch's padding, after the shapes' stand-in forward
-        masks = PipelinedMasks([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0) for b in micro_batches],
-                               stand_in_first=not self._schedule_ran) if self._routes_tokens else None
-        self._schedule_ran = True
+            stage_inputs["mtp_tokens"] = inputs
+        if self._routes_tokens:  # an MoE model's routing reads each micro-batch's padding (every stage is handed it)
+            stage_inputs["attention_mask"] = torch.cat([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0)
+                                                        for b in micro_batches])
         # return_outputs=False: the schedule would otherwise keep every micro-batch's logits until the next step
-        with self.autocast(), self.sequence_layout(micro_batches[0]), pipelining(masks):
+        with self.autocast(), self.sequence_layout(micro_batches[0]):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
                                target=targets if last in self.stage_ids else None, return_outputs=False,
-                               **head_targets)
+                               **stage_inputs)
         return self.pipeline_loss.window_sum(self.settings.num_micro_batches, self.device)
 
     def release(self) -> None:

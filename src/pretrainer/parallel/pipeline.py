@@ -12,15 +12,13 @@ per rank, rank r holds stages r, r+pp, r+2pp, ...
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask
 
-from ..batch import forwarding, targets_for_head
+from ..batch import HeadCall, HeadOutput
 from ..config import ConfigError
 from ..models.registry import pipeline_misfit
 from . import context_parallel
@@ -70,6 +68,9 @@ class DecoderStage(torch.nn.Module):
         self.tied = tied
         self._no_split_modules = no_split_modules  # how activation checkpointing finds the layers
         self.sequence_shards = 1  # tp size under sequence parallelism: hidden states hold seq/tp positions
+        # the next training forward is a pipeline schedule's shape inference, no micro-batch of the run (set when
+        # the schedule is built; an MoE model's routing takes it, models/moe_routing.py)
+        self.infers_shapes = False
         self.recompute_groups: list[tuple[list[str], bool]] = [(main, False)]
 
     def set_recompute(self, method: str, num_layers: int | None) -> None:
@@ -87,11 +88,13 @@ class DecoderStage(torch.nn.Module):
             self.layers[name] = checkpoint_wrapper(self.layers[name])
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states (token ids on the first stage) to the next stage's hidden states, or, on the last,
-        logits, or with `targets` and a head that computes the loss (`loss_chunk_size`) its loss sum. The last
-        stage of a pipeline is handed the tokens too (`mtp_tokens`) where multi-token prediction depths follow
-        its head (models/mtp.py)."""
+                targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, call: HeadCall | None = None) -> torch.Tensor:
+        """Hidden states (token ids on the first stage) to the next stage's hidden states, or, on the last, what
+        its head returns for `call` (logits, or, from a head that computes the loss, its sums). A pipeline
+        schedule hands the last stage each micro-batch's `targets` (and its tokens, `mtp_tokens`, where
+        multi-token prediction depths follow the head, models/mtp.py), which become its head's call.
+        `attention_mask` (padding) is read by an MoE model's routing hooks only: stages attend causally."""
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
@@ -114,9 +117,9 @@ class DecoderStage(torch.nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:
-            with forwarding({"input_ids": mtp_tokens}) if mtp_tokens is not None else contextlib.nullcontext(), \
-                    targets_for_head(targets) if targets is not None else contextlib.nullcontext():
-                hidden = self.lm_head(hidden)
+            if call is None and targets is not None:
+                call = HeadCall(targets, input_ids=mtp_tokens)
+            hidden = self.lm_head(hidden, call=call) if call is not None else self.lm_head(hidden)
         return hidden
 
     def _run_layers(self, names, hidden, mask, position_embeddings, position_ids):
@@ -143,17 +146,20 @@ def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_
 
 class PipelineLoss:
     """The loss a pipeline schedule calls on the last stage for each micro-batch: the loop's summed token loss,
-    scaled for the backward, with each micro-batch's sum kept for the step's loss."""
+    scaled for the backward, with each micro-batch's sum kept for the step's loss. `head_computes_loss`: the last
+    stage's output is its head's own sums, not logits (set when the stages are built)."""
 
     def __init__(self) -> None:
         self.loss_fn, self.scale, self.sums = None, 1.0, []
+        self.head_computes_loss = False
 
     def begin(self, loss_fn, scale) -> None:
-        """A new accumulation window: `loss_fn(logits, targets)` sums a micro-batch's token losses."""
+        """A new accumulation window: `loss_fn(output, targets)` sums a micro-batch's token losses."""
         self.loss_fn, self.scale, self.sums = loss_fn, scale, []
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        summed = self.loss_fn(logits, targets)
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        call = HeadCall(targets) if self.head_computes_loss else None
+        summed = self.loss_fn(HeadOutput.of(output, self.head_computes_loss, call), targets)
         self.sums.append(summed.detach())
         return summed * self.scale
 
@@ -167,8 +173,8 @@ class PipelineLoss:
 
 
 @torch.no_grad()
-def forward_in_order(stage_ids: list[int], stages: list[DecoderStage], num_stages: int, group, input_ids, targets,
-                     autocast) -> torch.Tensor | None:
+def forward_in_order(stage_ids: list[int], stages: list[DecoderStage], num_stages: int, group, input_ids,
+                     call: HeadCall | None, autocast) -> torch.Tensor | None:
     """Run every stage in order without a schedule, sending hidden states between pipeline ranks (evaluation):
     the last stage's output on the rank holding it, None elsewhere. `group`: the pipeline ranks."""
     pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -185,6 +191,6 @@ def forward_in_order(stage_ids: list[int], stages: list[DecoderStage], num_stage
                 dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
         if pp_rank == owner:
             with autocast():
-                hidden = by_id[index](input_ids if index == 0 else hidden, None,
-                                      targets if index == num_stages - 1 else None)
+                hidden = by_id[index](input_ids if index == 0 else hidden,
+                                      call=call if index == num_stages - 1 else None)
     return hidden if num_stages - 1 in stage_ids else None

@@ -9,16 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import (
-    IGNORE,
-    SOURCE,
-    batch_targets,
-    depth_targets,
-    is_head_loss,
-    take_row_losses,
-    token_losses,
-    z_loss_sum,
-)
+from ..batch import IGNORE, SOURCE, HeadOutput, batch_targets, depth_targets
 from ..models import MoeRouting
 from ..models.mtp import MtpForward
 from ..parallel.engine import to_device_async
@@ -41,7 +32,7 @@ class StepExtension:
         """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
         return None
 
-    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def add_to_loss(self, summed: torch.Tensor, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed loss with this feature's term (from the forward's `output`: logits or the
         head's own sums); its value stays the cross-entropy's, for the log."""
         return summed
@@ -141,10 +132,10 @@ class OutputZLoss(StepExtension):
             self._sums[0] += z
         self._window = []
 
-    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        z = z_loss_sum(output, targets)
+    def add_to_loss(self, summed: torch.Tensor, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
+        z = output.z_loss_sum(targets)
         self._window.append(z.detach().double())
-        if is_head_loss(output):  # the chunked head's gradient already holds the z-loss's
+        if output.z_in_gradient:  # the chunked head's gradient already holds the z-loss's
             return summed
         return summed + self.coeff * (z - z.detach())
 
@@ -190,9 +181,8 @@ class SourceAccounting(StepExtension):
             if sources is not None:
                 self._targets.index_add_(0, sources, (batch_targets(batch) != IGNORE).sum(-1).double())
 
-    def add_to_loss(self, summed: torch.Tensor, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        rows = take_row_losses() if is_head_loss(output) else token_losses(output.detach(), targets).sum(-1)
-        self._window.append(rows)
+    def add_to_loss(self, summed: torch.Tensor, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
+        self._window.append(output.row_loss_sums(targets))
         return summed
 
     def end_step(self, applied: bool) -> None:
@@ -319,7 +309,7 @@ def combined_loss(loss_fn, extensions: list[StepExtension]):
     if not extensions:
         return loss_fn
 
-    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         summed = loss_fn(output, targets)
         for extension in extensions:
             summed = extension.add_to_loss(summed, output, targets)

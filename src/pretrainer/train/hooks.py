@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..batch import IGNORE, loss_sum
+from ..batch import IGNORE, HeadOutput
 from ..config import HOOK_KEYS, ConfigError
 
 
@@ -58,11 +58,11 @@ class Hooks:
             return next(stream)
         return _as_batch(self.get_batch_fn(stream))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss."""
         if self.loss_function is None:
-            return loss_sum(logits, targets)
-        per_token = F.cross_entropy(logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
+            return output.loss_sum(targets)
+        per_token = F.cross_entropy(output.logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
         loss_mask = (targets != IGNORE).float()
         result = self.loss_function(loss_mask, per_token)
         loss = result[0] if isinstance(result, (tuple, list)) else result

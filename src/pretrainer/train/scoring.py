@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..batch import IGNORE, batch_targets, per_token_losses, to_device, token_losses
+from ..batch import IGNORE, batch_targets, to_device
 
 
 @dataclass(frozen=True)
@@ -106,18 +106,19 @@ def score_requests(model: torch.nn.Module, engine, requests: list[Request], batc
         position = number * replicas + mine
         indices = batches[position] if position < len(batches) else None
         batch = to_device(engine.shard_batch(make_batch(requests, indices) if indices else STAND_IN), engine.device)
-        with engine.autocast(), per_token_losses():
-            output = engine.forward(model, batch)
+        with engine.autocast():
+            output = engine.forward(model, batch, per_token=True)
         if output is None or indices is None:  # a pipeline rank without the last stage, or a stand-in
             continue
-        output = output.full_tensor() if hasattr(output, "full_tensor") else output
+        output = output.whole()
+        logits = output.logits
         targets = batch_targets(batch)
         rows = torch.tensor(indices, device=engine.device)
-        sums[0, rows] -= token_losses(output, targets).double().sum(dim=1)
+        sums[0, rows] -= output.each_token_loss(targets).double().sum(dim=1)
         if greedy:
-            if output.dim() == targets.dim():
+            if logits is None:
                 raise ValueError("greedy matches need the model's logits: set loss_chunk_size=0")
-            missed = (output.argmax(dim=-1) != targets) & (targets != IGNORE)
+            missed = (logits.argmax(dim=-1) != targets) & (targets != IGNORE)
             sums[1, rows] += missed.sum(dim=1).double()
     model.train(was_training)
     totals = engine.reduce_sum(sums).cpu().numpy()

@@ -7,7 +7,7 @@ from itertools import islice
 
 import torch
 
-from ..batch import IGNORE, batch_targets, is_head_loss, loss_sum, to_device
+from ..batch import IGNORE, batch_targets, to_device
 
 
 @torch.no_grad()
@@ -21,16 +21,12 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
         batch = to_device(engine.shard_batch(batch), engine.device)
         targets = batch_targets(batch)
         with engine.autocast():
-            logits = engine.forward(model, batch)
-        if logits is None:  # a pipeline rank without the last stage
+            output = engine.forward(model, batch)
+        if output is None:  # a pipeline rank without the last stage
             continue
-        valid = targets != IGNORE
-        total_loss += loss_sum(logits, targets).double()
-        if is_head_loss(logits):  # the output head counted its correct predictions itself
-            total_correct += logits[1].double()
-        else:
-            total_correct += ((logits.argmax(-1) == targets) & valid).sum()
-        total_tokens += valid.sum()
+        total_loss += output.loss_sum(targets).double()
+        total_correct += output.correct_count(targets).double()
+        total_tokens += (targets != IGNORE).sum()
     model.train(was_training)
     totals = engine.reduce_sum(torch.stack([total_loss, total_correct, total_tokens]))
     tokens = max(totals[2].item(), 1.0)
