@@ -28,8 +28,8 @@ VARIANTS = {
     "no checkpoints": {"save_interval": 0},
     "local disk": {},
     "local disk, async_checkpoint": {"async_checkpoint": True},
-    "s3, upload at once": {"save_dir": "s3://bench/run"},
-    "s3, background upload": {"save_dir": "s3://bench/run", "async_checkpoint": True},
+    "s3, upload at once": {"save_dir": "s3://bench"},
+    "s3, background upload": {"save_dir": "s3://bench", "async_checkpoint": True},
 }
 QUIET = {"downstream_evals": None, "export_hf": False, "write_report": False, "eval_interval": 0,
          "log_interval": 1000}
@@ -42,7 +42,8 @@ def one(variant: str, steps: int, every: int, work: Path) -> float:
     args = PreTrainingArguments.from_yaml(REPO / "examples" / "quickstart.yaml")
     settings = {**QUIET, "num_training_steps": steps, "save_interval": every, "save_dir": str(work / "run"),
                 "resume": "none", **VARIANTS[variant]}
-    if settings["save_dir"].startswith("s3://"):
+    if settings["save_dir"].startswith("s3://"):  # each run its own folder in the bucket
+        settings["save_dir"] += f"/{work.name}"
         settings["staging_dir"] = str(work / "staging")
     args = PreTrainingArguments.from_dict({**args.to_dict(), **settings})
     with PreTrainer(args) as trainer:

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import read_metrics, train_losses
 from multi_run import launch_cases
-from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 from pretrainer.train.errors import CheckpointError
 
 URL = "s3://bucket/{}"
@@ -151,6 +151,9 @@ def test_export_evaluate_and_report_read_a_run_from_its_url(s3_server, base_conf
 
     code, _ = cli_in_process(capsys, "report", URL.format("offline"))  # drawn from the bucket's metrics
     assert code == 0 and "report/report.html" in objects(s3_server, "offline")
+    with pytest.raises(ConfigError, match=r"key 'resume': none starts the run afresh, but save_dir holds an earlier "
+                                          r"run's checkpoint \(s3://bucket/offline/checkpoints/step-6\)"):
+        PreTrainer(PreTrainingArguments(**{**config, "resume": "none"}))
 
 
 def test_a_cooldown_branch_from_a_checkpoint_in_the_bucket_writes_under_its_parent_url(

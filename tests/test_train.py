@@ -268,6 +268,22 @@ def test_a_misspelt_pretrainer_argument_is_an_error(base_config):
         PreTrainer(PreTrainingArguments(**base_config), train_dataloder=None)
 
 
+def test_resume_none_refuses_a_save_dir_holding_an_earlier_runs_checkpoints(base_config, tmp_path):
+    """Starting afresh in a folder of checkpoints would overwrite them step by step: refused, naming the newest, and
+    nothing in the folder changes; a new save_dir starts."""
+    config = {**base_config, "num_training_steps": 3, "eval_interval": 0, "export_hf": False}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    root = Path(config["save_dir"]) / "checkpoints"
+    before = {path: path.stat().st_mtime_ns for path in root.rglob("*")}
+    with pytest.raises(ConfigError, match=rf"key 'resume': none starts the run afresh, but save_dir holds an earlier "
+                                          rf"run's checkpoint \({root / 'step-3'}\), .* give a new save_dir"):
+        PreTrainer(PreTrainingArguments(**{**config, "resume": "none"}))
+    assert {path: path.stat().st_mtime_ns for path in root.rglob("*")} == before
+    fresh = PreTrainer(PreTrainingArguments(**{**config, "resume": "none", "save_dir": str(tmp_path / "new")}))
+    assert fresh.resume_from is None
+    fresh.engine.close()
+
+
 def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_config, tmp_path):
     """The capabilities an engine declares decide: a DeepSpeed checkpoint (also one written before the format
     was recorded) is refused by a DCP engine; a DCP checkpoint of 2 ranks is resharded."""

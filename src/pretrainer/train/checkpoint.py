@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import ConfigError, extra_state_file, staging_folder, write_text_whole
 from ..parallel.registry import BY_NAME
-from ..storage import RemoteFolder, is_url
+from ..storage import RemoteFolder, StorageError, is_url
 from . import checkpoint_io
 from .checkpoint_files import (
     MANIFEST,
@@ -43,7 +43,7 @@ from .checkpoint_files import (
 )
 from .checkpoint_io import DCP
 from .errors import CheckpointError
-from .remote_checkpoints import CheckpointUploads, RemoteCheckpoints, fetch_checkpoint
+from .remote_checkpoints import CheckpointUploads, RemoteCheckpoints, fetch_checkpoint, locate_remote, step_folder
 from .run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ def _load_engine_state(path: Path, engine, model, optimizer) -> None:
         reason = lines[0]
         raise ConfigError(f"{path} does not fit this run's model and optimizer ({reason[:300]}); it was written "
                           "for another model or layout. Resume it with the config it was written with (its "
-                          "config.yaml), start a new save_dir, or set resume: none") from None
+                          "config.yaml), or start a new save_dir") from None
 
 
 def load_model_weights(path: str | Path, model) -> None:
@@ -302,13 +302,32 @@ def elect_resume(world, args) -> Path | None:
     outcome = None
     if world.is_main:
         try:
+            if args.resume == "none":
+                refuse_to_overwrite(args)
             outcome = ("path", resolve_resume(args.resume, args.save_dir))
-        except ConfigError as exc:
+        except (ConfigError, StorageError) as exc:
             outcome = ("error", str(exc))
     kind, value = world.broadcast_object(outcome)
     if kind == "error":
         raise ConfigError(value)
     return value
+
+
+def refuse_to_overwrite(args) -> None:
+    """`resume: none` starts afresh: refused where save_dir (a folder or a URL) already holds an earlier run's
+    checkpoints, which the new run's would replace step by step (and its retention delete)."""
+    if not args.save_dir:
+        return
+    if args.remote_save_dir:
+        remote, step = locate_remote(args.remote_save_dir, args.storage_retries)
+        held = f"{remote.url}/{step_folder(step)}" if step is not None else None
+    else:
+        latest = find_latest(args.save_dir, verify=False)
+        held = str(latest) if latest is not None else None
+    if held:
+        raise ConfigError(f"key 'resume': none starts the run afresh, but save_dir holds an earlier run's checkpoint "
+                          f"({held}), which this run's checkpoints would overwrite or delete; give a new save_dir, "
+                          "move that run's checkpoints away, or set resume: auto to continue it")
 
 
 def branch_checkpoint(world, args, checkpoint: str) -> Path:
