@@ -69,6 +69,10 @@ TWO_RANK = {
     "muon-pp2": ({"optimizer": "muon", "plugin_args": {"pp_degree": 2}}, "one-muon"),
     "muon-dp2-distributed-optimizer": ({"optimizer": "muon", "dp": 2,
                                         "plugin_args": {"use_distributed_optimizer": True}}, "one-muon-mbs4"),
+    # the engine names are defaults of one backend: fsdp and ddp split the model too
+    "fsdp-tp2-sequence-parallel": ({"engine": "fsdp", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
+                                   "one"),
+    "ddp-pp2": ({"engine": "ddp", "plugin_args": {"pp_degree": 2}}, "one"),
 }
 FOUR_RANK = {
     "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
@@ -252,6 +256,17 @@ def assert_same_losses(got: Path, expected: Path) -> None:
 def test_two_rank_mesh_matches_one_process(two_rank, references, name):
     assert_same_losses(two_rank / name, references[TWO_RANK[name][1]])
     assert_layout_answers(two_rank / name, 2)  # each rank holds what the engine class told the planner
+
+
+def test_fsdp_splits_the_model_under_the_launcher(base, references, tmp_path):
+    """`pretrainer train --nproc-per-node 2` with engine=fsdp and tensor parallelism: FSDP's name lays out the
+    split model (no refusal, no other engine named), with one process's per-step losses."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**base, "engine": "fsdp", "save_dir": str(tmp_path / "run"),
+                                      "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}))
+    done = run_ok(pretrainer("train", config, "--nproc-per-node", 2))
+    assert "engine=fsdp world_size=2" in done.stdout + done.stderr
+    assert_same_losses(tmp_path / "run", references["one"])
 
 
 @pytest.mark.parametrize("name", FOUR_RANK)
@@ -535,7 +550,7 @@ def test_left_padded_batches_are_refused_with_the_fix(base, tmp_path):
     args = PreTrainingArguments(**{**base, "train_data": None, "eval_interval": 0, "save_dir": str(tmp_path)})
     trainer = PreTrainer(args, train_dataloader=torch.utils.data.DataLoader([batch], batch_size=None))
     try:
-        with pytest.raises(ConfigError, match="needs right-padded batches.*padding_side='right'"):
+        with pytest.raises(ConfigError, match="need right-padded batches.*padding_side='right'"):
             trainer.train()
     finally:
         trainer.engine.close()  # the engine started a process group of one in this process: end it
@@ -550,12 +565,13 @@ def test_a_seed_megatron_layout_is_refused_where_engine_auto_would_drop_it(tiny_
 
     overrides = [f"openmind_model_path={tiny_model}", "seq_length=64"]
     args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml", overrides)
-    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree lays the model out for engine megatron .*set "
-                                          r"engine: megatron and launch dp x tp x pp processes, or remove it "
+    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree lays out a model split over ranks: .*set "
+                                          r"engine: megatron, ddp or fsdp and launch dp x tp x pp processes, or "
+                                          r"remove it "
                                           r"\(engine: auto chose single for 1 process\(es\)\)"):
         resolve_run(args, planned_world(1, 1, torch.device("cpu")))
     chosen = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml",
                                             [*overrides, "engine=single"])
-    with pytest.raises(ConfigError, match="llama2-megatron.yaml, line 15: plugin_args.tp_degree lays the model out for "
-                                          "engine megatron"):
+    with pytest.raises(ConfigError, match="llama2-megatron.yaml, line 15: plugin_args.tp_degree lays out a model split "
+                                          "over ranks"):
         resolve_run(chosen, planned_world(1, 1, torch.device("cpu")))

@@ -616,8 +616,8 @@ def test_key_checks_refuse_bad_values_before_any_model_is_read():
 
 
 def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
-    """expert_parallel_degree that does not divide the experts or the data-parallel ranks, on a dense model, on an
-    engine that holds every expert, or with hybrid sharding; megatron's tp without sequence parallelism for an MoE
+    """expert_parallel_degree that does not divide the experts or the data-parallel ranks, on a dense model, or
+    with hybrid sharding; megatron's tp without sequence parallelism for an MoE
     model: refused while the run is resolved (before any process group or model), one line from the command
     line."""
     from pretrainer.parallel import planned_world
@@ -632,10 +632,12 @@ def test_bad_expert_parallel_input_names_the_key(tmp_path, capsys):
         return resolve_run(args, planned_world(world, world, torch.device("cpu")))
 
     assert resolve(qwen, 4, expert_parallel_degree=2).dims.ep == 2
+    replicated = resolve(qwen, 2, expert_parallel_degree=2, engine="ddp")  # ddp's stages split the experts too
+    assert replicated.dims.ep == 2 and replicated.engine.name == "ddp"
+    assert replicated.engine.cls.supports_expert_parallel
     cases = [(qwen, 6, {"expert_parallel_degree": 3}, "3 does not divide the 8 experts"),
              (qwen, 3, {"expert_parallel_degree": 2}, "2 does not divide the 3 data-parallel rank"),
              (dense, 2, {"expert_parallel_degree": 2}, "describes a dense model \\(no experts to split\\)"),
-             (qwen, 2, {"expert_parallel_degree": 2, "engine": "ddp"}, "engine ddp holds every expert"),
              (qwen, 4, {"expert_parallel_degree": 2, "fsdp_shard_size": 2}, "hybrid sharding with expert_parallel"),
              (qwen, 4, {"engine": "megatron", "plugin_args": {"tp_degree": 2}}, "needs sequence parallelism"),
              (qwen, 4, {"engine": "megatron", "expert_parallel_degree": 4,

@@ -69,19 +69,34 @@ def test_a_key_at_its_default_or_read_by_the_engine_passes(base_config, caplog):
 
 
 @pytest.mark.parametrize("plugin, key", PLUGIN_SETTINGS)
-def test_a_megatron_setting_in_plugin_args_is_refused_on_another_chosen_engine(base_config, plugin, key, caplog):
-    with pytest.raises(ConfigError, match=rf"^{key} lays the model out for engine megatron"):
+def test_a_megatron_setting_in_plugin_args_is_refused_where_nothing_splits_the_model(base_config, plugin, key, caplog):
+    with pytest.raises(ConfigError, match=rf"^{key} lays out a model split over ranks: engine megatron reads it, and "
+                                          "engines ddp and fsdp where tp_degree or pp_degree is above 1"):
         resolve(base_config, 2, engine="fsdp", plugin_args=plugin)
     with caplog.at_level("WARNING", logger="pretrainer"):
         resolve(base_config, 2, plugin_args=plugin)
     assert f"{key} has no effect: engine: auto chose ddp for 2 process(es)" in caplog.text
 
 
+@pytest.mark.parametrize("keys", [{"plugin_args": {"tp_degree": 2}}, {"engine": "ddp", "plugin_args": {"pp_degree": 2}},
+                                  {"plugin_args": {"other_megatron_args": {"tensor_model_parallel_size": 2}}},
+                                  {"engine": "fsdp", "plugin_args": {"tp_degree": 2}}])
+def test_every_engine_name_splits_the_model_as_the_config_asks(base_config, keys):
+    """The names are defaults of one backend: ddp (the data ranks replicate the stages) and fsdp (they shard them,
+    resharding after forward) lay a split model out as megatron does; nothing is refused or dropped."""
+    run = resolve(base_config, 2, dp=1, **keys)
+    assert run.dims.tp * run.dims.pp == 2 and run.engine.cls.reads_plugin_layout
+    assert run.engine.name == keys.get("engine", "ddp")
+    assert run.options.settings.sharding_strategy == ("optim_grads_params" if run.engine.name == "fsdp" else "no_shard")
+    off = resolve(base_config, 2, dp=1, engine="fsdp", fsdp_reshard_after_forward=False, plugin_args={"tp_degree": 2})
+    assert off.options.settings.sharding_strategy == "optim_grads"
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload is not available with engine fsdp splitting the model"):
+        resolve(base_config, 2, dp=1, engine="fsdp", fsdp_cpu_offload=True, plugin_args={"tp_degree": 2})
+
+
 @pytest.mark.parametrize("keys, world, message", [
-    ({"plugin_args": {"tp_degree": 2}}, 2, "plugin_args.tp_degree lays the model out for engine megatron"),
-    ({"plugin_args": {"pp_degree": 2}, "engine": "ddp"}, 2, "plugin_args.pp_degree lays the model out"),
-    ({"plugin_args": {"other_megatron_args": {"tensor_model_parallel_size": 2}}}, 2,
-     "plugin_args.other_megatron_args.tensor_model_parallel_size lays the model out"),
+    ({"plugin_args": {"tp_degree": 2}}, 1, "plugin_args.tp_degree lays out a model split over ranks"),
+    ({"plugin_args": {"pp_degree": 2}, "engine": "single"}, 1, "plugin_args.pp_degree lays out a model split"),
     ({"context_parallel_degree": 2}, 1, "key 'context_parallel_degree': 2 splits each sequence over ranks, which "
                                         "needs several processes and engine ddp, fsdp or megatron"),
     ({"context_parallel_degree": 2, "engine": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 1}}}, 2,

@@ -38,6 +38,7 @@ class HeadCall:
     input_ids: torch.Tensor | None = None     # the tokens and positions, for multi-token prediction's depths
     position_ids: torch.Tensor | None = None
     row_losses: torch.Tensor | None = None    # filled by the head when `rows`: each row's loss sum, no gradient
+    shapes_only: bool = False                 # a pipeline schedule's shape inference, no micro-batch of the run
 
     @classmethod
     def of(cls, batch: dict, per_token: bool = False) -> "HeadCall":

@@ -128,7 +128,6 @@ class MoeRouting:
         self._recording = module.training and torch.is_grad_enabled()
         self._pending = []
         if self._recording and getattr(module, "infers_shapes", False):  # a pipeline schedule's shape inference:
-            module.infers_shapes = False                                   # no tokens of the run
             self._recording, self._valid, self._stand_in = False, None, True
             return
         mask = kwargs.get("attention_mask")

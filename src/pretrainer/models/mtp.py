@@ -222,7 +222,7 @@ class MtpForward:
 
     def _wanted(self, call: HeadCall | None) -> bool:
         return (self.head.training and torch.is_grad_enabled() and not self._running and call is not None
-                and not call.per_token and call.input_ids is not None)
+                and not call.per_token and not call.shapes_only and call.input_ids is not None)
 
     def _after_head(self, head, inputs, kwargs, output):
         call = kwargs.get("call")

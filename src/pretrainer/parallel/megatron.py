@@ -127,9 +127,9 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
     def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
         """plugin_args (and other_megatron_args) read and checked against what this engine can run."""
         if dtype == "fp16":
-            raise ConfigError("dtype fp16 is not available with engine megatron (no loss scaler across pipeline "
-                              "stages); use bf16 (or fp32)")
-        settings = read_settings(args, getattr(model_config, "num_hidden_layers", None))
+            raise ConfigError(f"dtype fp16 is not available with engine {cls.name}'s pipeline stages (no loss scaler "
+                              "across them); use bf16 (or fp32)")
+        settings = read_settings(args, getattr(model_config, "num_hidden_layers", None), cls.default_strategy(args))
         settings = replace(settings, notices=tuple(unused_keys(args, model_config, settings)))
         if model_config is not None and expert_shape(model_config, "the model's config") is not None:
             if settings.tp > 1 and not settings.sequence_parallel:
@@ -144,6 +144,11 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
                               "redistributions through compiled layers fails in this torch version; compile "
                               "works with pp_degree and dp, or set compile: false")
         return settings
+
+    @classmethod
+    def default_strategy(cls, args) -> str:
+        """The data-parallel sharding where the config names none (Megatron-Core's default: replicate)."""
+        return "no_shard"
 
     @classmethod
     def replica_ranks(cls, args) -> int:
@@ -206,13 +211,13 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
         self.pipeline_loss.head_computes_loss = self._head_loss
         if s.pp > 1:
-            for stage in self.stages:  # the schedule's first step infers each stage's shapes with a forward
-                stage.infers_shapes = True
+            for part in (*self.stages, self.pipeline_loss):  # the schedule's first step infers shapes, with a
+                part.infers_shapes = True                       # forward of each stage and a loss call
             self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
                                            s.num_micro_batches, self.pipeline_loss, self.device,
                                            self.mesh.get_group("pp"))
-        logger.info("megatron engine: %s; this rank (dp %d, pp %d, tp %d) holds stage(s) %s with layers %s",
-                    s.describe(), self.dp_rank, self.pp_rank, self.tp_rank, self.stage_ids,
+        logger.info("%s engine: %s; this rank (dp %d, pp %d, tp %d) holds stage(s) %s with layers %s",
+                    self.name, s.describe(), self.dp_rank, self.pp_rank, self.tp_rank, self.stage_ids,
                     [f"{ranges[i].start}-{ranges[i].stop - 1}" for i in self.stage_ids])
         return view
 
@@ -320,8 +325,9 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
             return
         self._padding_checked = True
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
-            raise ConfigError("engine megatron needs right-padded batches (attention_mask 1...1 0...0 per row); "
-                              "this batch has padding before tokens: set the tokenizer's padding_side='right'")
+            raise ConfigError(f"engine {self.name}'s pipeline stages need right-padded batches (attention_mask "
+                              "1...1 0...0 per row); this batch has padding before tokens: set the tokenizer's "
+                              "padding_side='right'")
 
     def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False) -> HeadOutput | None:
         """What the head returns for a batch (logits, or its loss sums, see chunked_loss.py) on the rank holding
@@ -378,7 +384,7 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
             self.schedule.step(*([inputs] if 0 in self.stage_ids else []),
                                target=targets if last in self.stage_ids else None, return_outputs=False,
                                **stage_inputs)
-        return self.pipeline_loss.window_sum(self.settings.num_micro_batches, self.device)
+        return self.pipeline_loss.window_sum(self.device)
 
     def release(self) -> None:
         super().release()
@@ -487,6 +493,27 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         cp = f" x cp={self.context.degree}" if self.context else ""
         return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
+
+
+class ReplicatedStagesEngine(MegatronEngine):
+    """`engine: ddp` with the model split over ranks (tp or pp above 1): the stages replicated over the data ranks,
+    their gradients all-reduced, as DDP's are."""
+
+    name = "ddp"
+    own_keys = DistributedEngine.own_keys
+
+
+class ShardedStagesEngine(MegatronEngine):
+    """`engine: fsdp` with the model split over ranks (tp or pp above 1): each stage FSDP2 over the data ranks
+    (`fsdp_reshard_after_forward` false: parameters kept gathered from forward to backward, optim_grads;
+    `fsdp_shard_size`: hybrid sharding)."""
+
+    name = "fsdp"
+    own_keys = (*DistributedEngine.own_keys, "fsdp_reshard_after_forward", "fsdp_shard_size")
+
+    @classmethod
+    def default_strategy(cls, args) -> str:
+        return "optim_grads_params" if args.fsdp_reshard_after_forward else "optim_grads"
 
 
 def _run_depths_as_laid_out(model: torch.nn.Module, stages: list[DecoderStage]) -> None:

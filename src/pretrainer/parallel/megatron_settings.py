@@ -107,10 +107,9 @@ class MegatronSettings:
         return " ".join(parts)
 
 
-def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
-    """The engine settings from `args.plugin_args` (seed names) and the native keys, checked."""
-    plugin = dict(args.plugin_args or {})
-    megatron = args.megatron_args
+def _picker(args):
+    """A reader of one setting by its plugin_args name or its other_megatron_args name (both set: they agree)."""
+    plugin, megatron = dict(args.plugin_args or {}), args.megatron_args
 
     def pick(plugin_key: str, megatron_key: str, default):
         values = {k: v for k, v in ((f"plugin_args.{plugin_key}", plugin.get(plugin_key)),
@@ -120,6 +119,22 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
             raise ConfigError(" and ".join(f"{k}={v!r}" for k, v in values.items()) + " disagree; set one of them")
         return next(iter(values.values()), default)
 
+    return pick
+
+
+def splits_model(args) -> bool:
+    """Whether the config splits the model over ranks (tensor or pipeline parallelism above 1)."""
+    pick = _picker(args)
+    return any(_positive(key, pick(key, name, 1)) > 1 for key, name in (("tp_degree", "tensor_model_parallel_size"),
+                                                                        ("pp_degree", "pipeline_model_parallel_size")))
+
+
+def read_settings(args, num_layers: int | None = None, default_strategy: str = "no_shard") -> MegatronSettings:
+    """The engine settings from `args.plugin_args` (seed names) and the native keys, checked; `default_strategy`:
+    the data-parallel sharding where neither use_distributed_optimizer nor data_parallel_sharding_strategy is set
+    (the engine name's default: no_shard for megatron and ddp, optim_grads_params for fsdp)."""
+    plugin, megatron = dict(args.plugin_args or {}), args.megatron_args
+    pick = _picker(args)
     tp = _positive("tp_degree", pick("tp_degree", "tensor_model_parallel_size", 1))
     micro = plugin.get("num_micro_batches")
     if micro is not None and micro != args.gradient_accumulation_steps:
@@ -133,7 +148,8 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
         # nothing to split with tp 1
         sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)) and tp > 1,
         **_read_sharding(pick("use_distributed_optimizer", "use_distributed_optimizer", None),
-                         pick("data_parallel_sharding_strategy", "data_parallel_sharding_strategy", None)),
+                         pick("data_parallel_sharding_strategy", "data_parallel_sharding_strategy", None),
+                         default_strategy),
         layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
                                       "num_layers_per_virtual_pipeline_stage", None),
         pipeline_layers=plugin.get("pipeline_layers"),
@@ -149,8 +165,10 @@ def read_settings(args, num_layers: int | None = None) -> MegatronSettings:
     return replace(settings, **_read_pipeline(settings, plugin, num_layers))
 
 
-def _read_sharding(distributed_optimizer, strategy) -> dict:
+def _read_sharding(distributed_optimizer, strategy, default_strategy: str = "no_shard") -> dict:
     """`data_parallel_sharding_strategy` (Megatron-Core's names), or `use_distributed_optimizer` (optim_grads)."""
+    if strategy is None and distributed_optimizer is None:
+        strategy = default_strategy
     if strategy is None:
         return {"distributed_optimizer": bool(distributed_optimizer)}
     if strategy == "optim":

@@ -69,7 +69,8 @@ class DecoderStage(torch.nn.Module):
         self._no_split_modules = no_split_modules  # how activation checkpointing finds the layers
         self.sequence_shards = 1  # tp size under sequence parallelism: hidden states hold seq/tp positions
         # the next training forward is a pipeline schedule's shape inference, no micro-batch of the run (set when
-        # the schedule is built; an MoE model's routing takes it, models/moe_routing.py)
+        # the schedule is built): an MoE model's routing records nothing of it, models/moe_routing.py, and the
+        # head's call says so, for multi-token prediction's depths
         self.infers_shapes = False
         self.recompute_groups: list[tuple[list[str], bool]] = [(main, False)]
 
@@ -118,8 +119,10 @@ class DecoderStage(torch.nn.Module):
             hidden = self.norm(hidden)
         if self.lm_head is not None:
             if call is None and targets is not None:
-                call = HeadCall(targets, input_ids=mtp_tokens)
+                call = HeadCall(targets, input_ids=mtp_tokens, shapes_only=self.infers_shapes)
             hidden = self.lm_head(hidden, call=call) if call is not None else self.lm_head(hidden)
+        if self.training and torch.is_grad_enabled():
+            self.infers_shapes = False
         return hidden
 
     def _run_layers(self, names, hidden, mask, position_embeddings, position_ids):
@@ -147,11 +150,13 @@ def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_
 class PipelineLoss:
     """The loss a pipeline schedule calls on the last stage for each micro-batch: the loop's summed token loss,
     scaled for the backward, with each micro-batch's sum kept for the step's loss. `head_computes_loss`: the last
-    stage's output is its head's own sums, not logits (set when the stages are built)."""
+    stage's output is its head's own sums, not logits (set when the stages are built). `infers_shapes`: the next
+    call is the schedule's shape inference on its stand-in output (its first step), which gets a zero loss of the
+    output's shape and never reaches the loop's loss function (nor the extensions that add to it)."""
 
     def __init__(self) -> None:
         self.loss_fn, self.scale, self.sums = None, 1.0, []
-        self.head_computes_loss = False
+        self.head_computes_loss = self.infers_shapes = False
 
     def begin(self, loss_fn, scale) -> None:
         """A new accumulation window: `loss_fn(output, targets)` sums a micro-batch's token losses."""
@@ -159,15 +164,18 @@ class PipelineLoss:
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         call = HeadCall(targets) if self.head_computes_loss else None
-        summed = self.loss_fn(HeadOutput.of(output, self.head_computes_loss, call), targets)
+        typed = HeadOutput.of(output, self.head_computes_loss, call)
+        if self.infers_shapes:
+            self.infers_shapes = False
+            return typed.loss_sum(targets) * 0
+        summed = self.loss_fn(typed, targets)
         self.sums.append(summed.detach())
         return summed * self.scale
 
-    def window_sum(self, micro_batches: int, device: torch.device) -> torch.Tensor:
-        """This rank's summed loss over the window (zero off the last stage). The first step also calls the loss
-        once on stand-in outputs (the schedule infers shapes): the micro-batches' own losses are the last ones."""
+    def window_sum(self, device: torch.device) -> torch.Tensor:
+        """This rank's summed loss over the window (zero off the last stage)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for summed in self.sums[len(self.sums) - micro_batches:]:
+        for summed in self.sums:
             total += summed.double()
         return total
 

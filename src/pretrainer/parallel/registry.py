@@ -8,6 +8,7 @@ launch into an entry; an unknown name is refused here, with the nearest known on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -20,8 +21,9 @@ from .engine import Engine, EngineOptions, SingleCosts, SingleEngine
 from .fsdp import FSDPEngine
 from .fsdp_plan import FSDPCosts
 from .layout import CostModel
-from .megatron import MegatronEngine
+from .megatron import MegatronEngine, ReplicatedStagesEngine, ShardedStagesEngine
 from .megatron_plan import MegatronCosts
+from .megatron_settings import splits_model
 from .meshes import Meshes
 from .world import World, launch_world_size
 
@@ -36,6 +38,16 @@ class EngineEntry:
     accelerate_flag: str | None = None       # the variable an `accelerate launch` config sets to "true" for it
     selecting_key: str | None = None         # a config key that, when set, selects it under `engine: auto`
     layout_keys: tuple[str, ...] = ()        # config keys that lay the run out over processes for it
+    split: type[Engine] | None = None        # its class where the config splits the model (tp or pp above 1)
+
+    def for_layout(self, args) -> "EngineEntry":
+        """This entry as the config lays the model out: its `split` class (with the stages' cost model) where
+        tensor or pipeline parallelism splits the model, or expert parallelism its experts and its own class cannot;
+        itself otherwise."""
+        experts = args.expert_parallel_degree > 1 and not self.cls.supports_expert_parallel
+        if self.split is None or not (splits_model(args) or experts):
+            return self
+        return dataclasses.replace(self, cls=self.split, costs=MegatronCosts, split=None)
 
     def __repr__(self) -> str:  # the planner prints layouts; the name is what a user wrote
         return self.name
@@ -43,9 +55,11 @@ class EngineEntry:
 
 ENGINES = (
     EngineEntry("single", SingleEngine, SingleCosts),
-    EngineEntry("ddp", DDPEngine, DDPCosts, layout_keys=("context_parallel_degree",)),
+    EngineEntry("ddp", DDPEngine, DDPCosts, layout_keys=("plugin_args", "context_parallel_degree"),
+                split=ReplicatedStagesEngine),
     EngineEntry("fsdp", FSDPEngine, FSDPCosts, "ACCELERATE_USE_FSDP",
-                layout_keys=("fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree")),
+                layout_keys=("plugin_args", "fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree"),
+                split=ShardedStagesEngine),
     EngineEntry("deepspeed", DeepSpeedEngine, DeepSpeedCosts, "ACCELERATE_USE_DEEPSPEED", selecting_key="deepspeed",
                 layout_keys=("deepspeed",)),
     EngineEntry("megatron", MegatronEngine, MegatronCosts, "ACCELERATE_USE_MEGATRON_LM",
@@ -101,7 +115,7 @@ def select_engine(args, world_size: int | None = None) -> EngineEntry:
         many = [e.name for e in ENGINES if e.cls.joins_process_group and not e.selecting_key][:2]
         raise ConfigError(f"engine: {chosen.name} runs one process, but {started}; use engine: {' or '.join(many)}, "
                           f"or {'--world-size 1' if planned else 'launch one process'}")
-    return chosen
+    return chosen.for_layout(args)
 
 
 def single_process_layout(defaults: dict) -> list[str]:

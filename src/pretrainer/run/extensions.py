@@ -112,7 +112,7 @@ class OutputZLoss(StepExtension):
     logsumexp^2, before the coefficient."""
 
     def __init__(self, coeff: float):
-        self.coeff, self.micro_batches = coeff, 1
+        self.coeff = coeff
         self.engine = None
         self._sums = None  # [z sum, targets] of the interval, on the device
         self._window: list[torch.Tensor] = []  # this step's z sums, one per loss call
@@ -123,12 +123,10 @@ class OutputZLoss(StepExtension):
 
     def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
         self._sums[1] += counts[0]  # the global targets: the z sums are added over ranks when logged
-        self._window, self.micro_batches = [], len(batches)
+        self._window = []
 
     def end_step(self, applied: bool) -> None:
-        # A pipeline schedule's first step also calls the loss once on stand-in outputs (it infers shapes):
-        # the micro-batches' own calls are the last ones.
-        for z in self._window[-self.micro_batches:]:
+        for z in self._window:
             self._sums[0] += z
         self._window = []
 
@@ -186,8 +184,8 @@ class SourceAccounting(StepExtension):
         return summed
 
     def end_step(self, applied: bool) -> None:
-        # as the z-loss's: a pipeline's stand-in call comes first, the micro-batches' own are the last ones
-        for rows, sources in zip(self._window[-len(self._sources):], self._sources):
+        # one loss call per micro-batch; none on a pipeline rank without the last stage, which computes no loss
+        for rows, sources in zip(self._window, self._sources, strict=bool(self._window)):
             if sources is not None and rows is None:  # the head ran without the rows' sources (pipelined)
                 self._without_rows = True
             elif sources is not None:
@@ -241,7 +239,7 @@ class MultiTokenPrediction(StepExtension):
     def __init__(self, model: torch.nn.Module, settings):
         self.settings = settings
         self.forward = MtpForward(model)  # hooks the head, before an engine wraps the model
-        self.engine, self._sums, self._window, self._micro_batches = None, None, [], 1
+        self.engine, self._sums, self._window = None, None, []
         self._targets = torch.zeros(settings.depths, dtype=torch.float64)  # of the interval, summed over ranks
 
     def attach(self, engine, model: torch.nn.Module) -> None:
@@ -258,7 +256,7 @@ class MultiTokenPrediction(StepExtension):
         self._targets += depth_counts
         per_depth = self.settings.loss_coeff / self.settings.depths * self.engine.dims.gradient_ranks
         self.forward.loss_weights = per_depth / depth_counts.clamp(min=1).double()
-        self._window, self._micro_batches = [], len(batches)
+        self._window = []
 
     def extra_losses(self) -> None:
         """After each forward: its depths' sums, for the metrics (their loss is already in the backward)."""
@@ -272,7 +270,7 @@ class MultiTokenPrediction(StepExtension):
 
     def end_step(self, applied: bool) -> None:
         self._take()  # a pipeline schedule's forwards, which no extra_losses call follows
-        for sums in self._window[-self._micro_batches:]:
+        for sums in self._window:
             self._sums += sums
         self._window = []
 

@@ -75,18 +75,22 @@ def _readers(key: str) -> str:
 
 
 def _own_key_rule(key: str) -> Rule:
-    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys,
-                lambda c: f"{key} is a setting of engine {_readers(key)}, which the run does not use; set engine: "
-                          f"{_readers(key)} to use it, or remove it")
+    def why(c: Choice) -> str:
+        if key in c.engine.cls.own_keys or c.engine.name not in _readers(key).replace(",", "").split():
+            return (f"{key} is a setting of engine {_readers(key)}, which the run does not use; set engine: "
+                    f"{_readers(key)} to use it, or remove it")
+        return f"{key} is not available with engine {c.engine.name} splitting the model over ranks (tp_degree or " \
+               "pp_degree above 1); remove it, or train without the split"
+
+    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys, why)
 
 
 def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
     return Rule(name, kind, lambda c: c.cls.reads_plugin_layout,
-                lambda c: f"{name} lays the model out for engine {engines_that(lambda k: k.reads_plugin_layout)} "
-                          f"(splits and settings of Megatron's layout; recomputation here is activation_checkpointing"
-                          f"={c.args.activation_checkpointing}); set engine: "
-                          f"{engines_that(lambda k: k.reads_plugin_layout)} and launch dp x tp x pp processes, or "
-                          f"remove it", asks)
+                lambda c: f"{name} lays out a model split over ranks: engine megatron reads it, and engines ddp and "
+                          f"fsdp where tp_degree or pp_degree is above 1 (recomputation here is "
+                          f"activation_checkpointing={c.args.activation_checkpointing}); set engine: megatron, ddp "
+                          "or fsdp and launch dp x tp x pp processes, or remove it", asks)
 
 
 RULES: tuple[Rule, ...] = (
