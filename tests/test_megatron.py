@@ -565,9 +565,9 @@ def test_a_seed_megatron_layout_is_refused_where_engine_auto_would_drop_it(tiny_
 
     overrides = [f"openmind_model_path={tiny_model}", "seq_length=64"]
     args = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml", overrides)
-    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree lays out a model split over ranks: .*set "
-                                          r"engine: megatron, ddp or fsdp and launch dp x tp x pp processes, or "
-                                          r"remove it "
+    with pytest.raises(ConfigError, match=r"plugin_args.tp_degree lays out a model split over ranks, which engine "
+                                          r"single does not do; use engine megatron, ddp or fsdp and launch dp x tp x "
+                                          r"pp processes, or remove it "
                                           r"\(engine: auto chose single for 1 process\(es\)\)"):
         resolve_run(args, planned_world(1, 1, torch.device("cpu")))
     chosen = PreTrainingArguments.from_yaml(EXAMPLES / "seed_configs" / "llama2-megatron.yaml",

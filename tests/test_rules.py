@@ -46,8 +46,8 @@ def test_every_engine_specific_key_is_tested():
 
 @pytest.mark.parametrize("key, value, engine, world", OWN_KEYS)
 def test_a_key_of_another_engine_is_refused_where_the_engine_was_chosen(base_config, key, value, engine, world):
-    with pytest.raises(ConfigError, match=rf"key '{key}': {key} is a setting of engine .*, which the run does not "
-                                          rf"use; set engine: .* to use it, or remove it"):
+    with pytest.raises(ConfigError, match=rf"key '{key}': {key} is a setting of engine .*, not of engine {engine}, "
+                                          rf"which the run uses; set engine: .* to use it, or remove it"):
         resolve(base_config, world, engine=engine, **{key: value})
 
 
@@ -70,9 +70,12 @@ def test_a_key_at_its_default_or_read_by_the_engine_passes(base_config, caplog):
 
 @pytest.mark.parametrize("plugin, key", PLUGIN_SETTINGS)
 def test_a_megatron_setting_in_plugin_args_is_refused_where_nothing_splits_the_model(base_config, plugin, key, caplog):
-    with pytest.raises(ConfigError, match=rf"^{key} lays out a model split over ranks: engine megatron reads it, and "
-                                          "engines ddp and fsdp where tp_degree or pp_degree is above 1"):
+    with pytest.raises(ConfigError, match=rf"^{key} lays out a model split over ranks, which this engine fsdp run "
+                                          rf"does not split \(plugin_args.tp_degree and pp_degree are 1\)"):
         resolve(base_config, 2, engine="fsdp", plugin_args=plugin)
+    with pytest.raises(ConfigError, match=rf"^{key} lays out a model split over ranks, which engine single does not "
+                                          "do"):
+        resolve(base_config, 1, engine="single", plugin_args=plugin)
     with caplog.at_level("WARNING", logger="pretrainer"):
         resolve(base_config, 2, plugin_args=plugin)
     assert f"{key} has no effect: engine: auto chose ddp for 2 process(es)" in caplog.text
@@ -113,6 +116,29 @@ def test_a_layout_the_engine_cannot_give_is_refused_whoever_chose_it(base_config
     pytest.importorskip("deepspeed") if "deepspeed" in keys else None
     with pytest.raises(ConfigError, match=message):
         resolve(base_config, world, **keys)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"plugin_args": {"tp_degree": 0}}, "plugin_args.tp_degree must be a whole number >= 1, got 0"),
+    ({"plugin_args": {"other_megatron_args": {"pipeline_model_parallel_size": 2.5}}},
+     "plugin_args.other_megatron_args.pipeline_model_parallel_size must be a whole number >= 1, got 2.5"),
+])
+def test_a_degree_that_is_no_whole_number_is_refused_on_every_engine(base_config, keys, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(**{**base_config, **keys})
+
+
+def test_keys_set_inside_plugin_args_or_without_a_pipeline_are_held_to_the_same_rules(base_config):
+    with pytest.raises(ConfigError, match="key 'distributed_timeout_minutes': distributed_timeout_minutes is a "
+                                          "setting of engine ddp, fsdp, deepspeed or megatron, not of engine single"):
+        resolve(base_config, 1, engine="single",
+                plugin_args={"other_megatron_args": {"distributed_timeout_minutes": 5}})
+    with pytest.raises(ConfigError, match="plugin_args.pipeline_layers cuts the model into pipeline stages and needs "
+                                          "pp_degree > 1"):
+        resolve(base_config, 1, engine="megatron", plugin_args={"pipeline_layers": [1, 1]})
+    with pytest.raises(ConfigError, match="^plugin_args.pipeline_schedule lays out a model split over ranks, which "
+                                          "engine single does not do"):
+        resolve(base_config, 1, engine="single", plugin_args={"pipeline_schedule": "gpipe"})
 
 
 def test_accumulate_gradients_where_gradients_are_whole(base_config, caplog):

@@ -282,6 +282,20 @@ def test_resume_none_refuses_a_save_dir_holding_an_earlier_runs_checkpoints(base
     fresh = PreTrainer(PreTrainingArguments(**{**config, "resume": "none", "save_dir": str(tmp_path / "new")}))
     assert fresh.resume_from is None
     fresh.engine.close()
+    shutil.rmtree(tmp_path / "new" / "checkpoints", ignore_errors=True)  # a run that never saved: its metrics stay
+    (tmp_path / "new" / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    with pytest.raises(ConfigError, match=r"none starts the run afresh, but save_dir holds an earlier run's metrics"):
+        PreTrainer(PreTrainingArguments(**{**config, "resume": "none", "save_dir": str(tmp_path / "new")}))
+
+
+def test_a_resume_names_the_keys_that_changed_and_not_how_it_was_started(base_config, caplog):
+    config = {**base_config, "num_training_steps": 3, "eval_interval": 0, "export_hf": False, "resume": "none"}
+    PreTrainer(PreTrainingArguments(**config)).train()
+    with caplog.at_level("WARNING", logger="pretrainer"):
+        PreTrainer(PreTrainingArguments(**{**config, "resume": "auto"})).train()
+        assert "differs" not in caplog.text
+        PreTrainer(PreTrainingArguments(**{**config, "resume": "auto", "log_interval": 2})).train()
+    assert "whose config (its config.yaml) differs from this run's in: log_interval" in caplog.text
 
 
 def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_config, tmp_path):

@@ -231,7 +231,8 @@ class PreTrainingArguments:
         self._coerce_scientific_strings()
         self._check_types()
         apply_openmind_rules(self)
-        merge_megatron_values(self)
+        self.from_plugin_args = merge_megatron_values(self)
+        self.given_keys |= self.from_plugin_args
         self._check_types()
         self._check_values()
 
@@ -291,6 +292,8 @@ class PreTrainingArguments:
             raise ConfigError(f"{source}: {exc}") from None
         args.given_keys |= frozenset(data)
         args.key_origins = {key: where(key) for key in data}
+        for key in args.from_plugin_args - set(data):  # read from plugin_args.other_megatron_args
+            args.key_origins[key] = where("plugin_args")
         return args
 
     def default_of(self, key: str):

@@ -76,10 +76,24 @@ def check_plugin_keys(plugin_args: dict | None) -> None:
                             f"field of accelerate's MegatronLMPlugin{suggestion(str(key), known)}")
 
 
+# plugin_args / other_megatron_args degrees: positive whole numbers whatever the engine
+DEGREE_KEYS = (("tp_degree", "tensor_model_parallel_size"), ("pp_degree", "pipeline_model_parallel_size"),
+               ("cp_degree", "context_parallel_size"))
+
+
+def check_degrees(plugin_args: dict | None) -> None:
+    plugin, megatron = plugin_args or {}, megatron_args(plugin_args)
+    for where, value in [(f"plugin_args.{k}", plugin.get(k)) for k, _ in DEGREE_KEYS] + \
+            [(f"plugin_args.other_megatron_args.{m}", megatron.get(m)) for _, m in DEGREE_KEYS]:
+        if value is not None and (type(value) is not int or value < 1):
+            raise key_error("plugin_args", f"{where} must be a whole number >= 1, got {value!r}")
+
+
 def apply_openmind_rules(args) -> None:
     """The seed's checks on its own keys: data_path needs megatron_dataset_flag, dtype names, the model alias,
-    plugin_args names."""
+    plugin_args names and degrees."""
     check_plugin_keys(args.plugin_args)
+    check_degrees(args.plugin_args)
     if args.data_path is not None and args.megatron_dataset_flag is None:
         raise key_error("data_path", "data_path is set but megatron_dataset_flag is not: add "
                         "`megatron_dataset_flag: false` for JSON/CSV/text files, `true` for Megatron .bin/.idx "
@@ -93,8 +107,9 @@ def apply_openmind_rules(args) -> None:
                         f"({args.openmind_model_path}) disagree; keep one of them")
 
 
-def merge_megatron_values(args) -> None:
-    """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine."""
+def merge_megatron_values(args) -> set[str]:
+    """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine; returns the
+    keys it set."""
     plugin = args.plugin_args or {}
     megatron = megatron_args(plugin)
     if "gradient_clipping" in plugin and "clip_grad" not in megatron:
@@ -102,9 +117,11 @@ def merge_megatron_values(args) -> None:
     if "cp_degree" in plugin and "context_parallel_size" not in megatron:
         megatron["context_parallel_size"] = plugin["cp_degree"]
     defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    merged = set()
     for key, name in MEGATRON_KEY_TO_FIELD.items():
         if key not in megatron:
             continue
+        merged.add(name)
         value = megatron[key]
         if name == "lr_decay_style" and isinstance(value, str):
             value = value.lower()
@@ -113,6 +130,7 @@ def merge_megatron_values(args) -> None:
             raise key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
                             f"{value!r}; set the value in one place only")
         setattr(args, name, value)
+    return merged
 
 
 def check_given_against_megatron(given: dict, args) -> None:

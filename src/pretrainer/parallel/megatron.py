@@ -152,7 +152,7 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
 
     @classmethod
     def replica_ranks(cls, args) -> int:
-        settings = read_settings(args)
+        settings = read_settings(args, default_strategy=cls.default_strategy(args))
         return settings.tp * settings.pp * args.context_parallel_degree
 
     @classmethod

@@ -156,7 +156,7 @@ def read_settings(args, num_layers: int | None = None, default_strategy: str = "
     )
     if args.fsdp_shard_size is not None:
         if not settings.distributed_optimizer:
-            raise ConfigError("key 'fsdp_shard_size': the megatron engine shards its data-parallel state only with a "
+            raise ConfigError("key 'fsdp_shard_size': the data-parallel ranks shard their state only with a "
                               "sharding strategy; set plugin_args.data_parallel_sharding_strategy: optim_grads or "
                               "optim_grads_params (hybrid sharding: replicate across groups of this many ranks), or "
                               "remove fsdp_shard_size")
@@ -226,6 +226,9 @@ def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | N
             virtual_stages = per_rank // settings.layers_per_virtual_stage
     if settings.pipeline_layers is not None:
         layers = settings.pipeline_layers
+        if settings.pp == 1:
+            raise ConfigError("plugin_args.pipeline_layers cuts the model into pipeline stages and needs pp_degree > 1 "
+                              "(one rank runs one stage of the whole model); remove it or set plugin_args.pp_degree")
         if not isinstance(layers, list) or not all(isinstance(n, int) and n >= 1 for n in layers):
             raise ConfigError(f"plugin_args.pipeline_layers must be a list of positive layer counts, got {layers!r}")
         if len(layers) % settings.pp:

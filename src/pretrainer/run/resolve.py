@@ -180,12 +180,13 @@ def launch_world(args) -> World:
 
 
 def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | None = None,
-                check_model: bool = True, check_dp: bool = True) -> ResolvedRun:
+                check_model: bool = True, check_dp: bool = True, warn: bool = True) -> ResolvedRun:
     """The run `args` describes on `world`. `model_config`: the config of a model built by the caller (a
     custom_model_provider_function, or a model passed to PreTrainer); `check_model` False: the caller brings
     its own model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: for
     a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
-    the config's `dp` describes (`pretrainer plan --world-size`)."""
+    the config's `dp` describes (`pretrainer plan --world-size`). `warn` False: its warnings are left to the
+    workers that will resolve it again (the launcher's check before it starts them)."""
     entry = select_engine(args, world.size)
     cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
@@ -193,7 +194,8 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     config = source.config if source is not None else model_config
     check_experts_first(args, config, source.config_source if source is not None else "the model's config")
     settings = cls.read_settings(args, config, world.size, dtype)
-    check_rules(args, entry, settings, world.size)
+    warn = warn and world.rank == 0  # a warning about the config is said once, by the main rank
+    check_rules(args, entry, settings, world.size, warn)
     dims = parallel_dims(args, entry, world.size, settings, check_dp)
     if source is not None:
         spec = preflight(args, source, vocab_multiple=dims.vocab_multiple)
@@ -206,7 +208,8 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     lr_schedule = schedule_settings(args, sizes, read_branch_point(args))
     if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
         sizes = sizes.with_steps(lr_schedule.total_steps, args.batch_size_schedule)
-    warn_of_unreached_stages(sizes)
+    if warn:
+        warn_of_unreached_stages(sizes)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,

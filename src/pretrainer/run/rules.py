@@ -36,6 +36,7 @@ SWITCH_KEYS = ("plugin_args.sequence_parallelism", "plugin_args.use_distributed_
                "plugin_args.data_parallel_sharding_strategy", f"{MEGATRON}sequence_parallel",
                f"{MEGATRON}use_distributed_optimizer", f"{MEGATRON}data_parallel_sharding_strategy")
 SETTING_KEYS = ("plugin_args.num_layers_per_virtual_pipeline_stage", "plugin_args.pipeline_layers",
+                "plugin_args.pipeline_schedule",
                 f"{MEGATRON}num_layers_per_virtual_pipeline_stage", f"{MEGATRON}recompute_granularity",
                 f"{MEGATRON}recompute_method", f"{MEGATRON}recompute_num_layers")
 
@@ -77,8 +78,8 @@ def _readers(key: str) -> str:
 def _own_key_rule(key: str) -> Rule:
     def why(c: Choice) -> str:
         if key in c.engine.cls.own_keys or c.engine.name not in _readers(key).replace(",", "").split():
-            return (f"{key} is a setting of engine {_readers(key)}, which the run does not use; set engine: "
-                    f"{_readers(key)} to use it, or remove it")
+            return (f"{key} is a setting of engine {_readers(key)}, not of engine {c.engine.name}, which the run "
+                    f"uses; set engine: {_readers(key)} to use it, or remove it")
         return f"{key} is not available with engine {c.engine.name} splitting the model over ranks (tp_degree or " \
                "pp_degree above 1); remove it, or train without the split"
 
@@ -86,11 +87,16 @@ def _own_key_rule(key: str) -> Rule:
 
 
 def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
-    return Rule(name, kind, lambda c: c.cls.reads_plugin_layout,
-                lambda c: f"{name} lays out a model split over ranks: engine megatron reads it, and engines ddp and "
-                          f"fsdp where tp_degree or pp_degree is above 1 (recomputation here is "
-                          f"activation_checkpointing={c.args.activation_checkpointing}); set engine: megatron, ddp "
-                          "or fsdp and launch dp x tp x pp processes, or remove it", asks)
+    def why(c: Choice) -> str:
+        recompute = f" (recomputation here is activation_checkpointing={c.args.activation_checkpointing})" \
+            if "recompute" in name else ""
+        if c.engine.split is not None:  # ddp or fsdp over a whole model: the split would read it
+            return (f"{name} lays out a model split over ranks, which this engine {c.engine.name} run does not split "
+                    f"(plugin_args.tp_degree and pp_degree are 1){recompute}; split it, or remove {name}")
+        return (f"{name} lays out a model split over ranks, which engine {c.engine.name} does not do{recompute}; use "
+                "engine megatron, ddp or fsdp and launch dp x tp x pp processes, or remove it")
+
+    return Rule(name, kind, lambda c: c.cls.reads_plugin_layout, why, asks)
 
 
 RULES: tuple[Rule, ...] = (
@@ -123,6 +129,9 @@ RULES: tuple[Rule, ...] = (
                    f"whole gradients on every rank (nothing to shard); remove it, or use engine "
                    f"{engines_that(lambda k: k.can_shard_gradients)} (megatron with use_distributed_optimizer)",
          lambda value: value != "auto"),
+    Rule("async_checkpoint", NO_EFFECT, lambda c: c.cls.supports_async_save,
+         lambda c: f"async_checkpoint: engine {c.engine.name} writes its checkpoints synchronously (its own format); "
+                   "remove it", lambda value: value is True),
     *(_own_key_rule(key) for key in dict.fromkeys(key for entry in ENGINES for key in entry.cls.own_keys)),
 )
 
@@ -148,8 +157,9 @@ def engine_chosen_by_user(args) -> bool:
     return args.engine != AUTO or launcher_engine() is not None
 
 
-def check_rules(args, entry: EngineEntry, settings, world_size: int) -> None:
-    """Refuse (or, under `engine: auto`, warn of) every key the chosen engine cannot use or does not read."""
+def check_rules(args, entry: EngineEntry, settings, world_size: int, warn: bool = True) -> None:
+    """Refuse (or, under `engine: auto`, warn of, where `warn`) every key the chosen engine cannot use or does
+    not read."""
     choice = Choice(args, entry, settings, world_size)
     for rule in RULES:
         if not set_by_user(args, rule.key) or not rule.asks(value_of(args, rule.key)) or rule.holds(choice):
@@ -161,5 +171,6 @@ def check_rules(args, entry: EngineEntry, settings, world_size: int) -> None:
             error = key_error(top, why) if "." not in rule.key else ConfigError(why)
             origin = args.origin_of(top)
             raise ConfigError(f"{origin}: {error}") if origin else error
-        logger.warning("%s has no effect: engine: auto chose %s for %d process(es). %s", rule.key, entry.name,
-                       world_size, rule.why(choice))
+        if warn:
+            logger.warning("%s has no effect: engine: auto chose %s for %d process(es). %s", rule.key, entry.name,
+                           world_size, rule.why(choice))

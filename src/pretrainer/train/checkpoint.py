@@ -315,19 +315,23 @@ def elect_resume(world, args) -> Path | None:
 
 def refuse_to_overwrite(args) -> None:
     """`resume: none` starts afresh: refused where save_dir (a folder or a URL) already holds an earlier run's
-    checkpoints, which the new run's would replace step by step (and its retention delete)."""
+    checkpoints, which the new run's would replace step by step (and its retention delete), or its metrics, which
+    the new run's would be appended to."""
     if not args.save_dir:
         return
     if args.remote_save_dir:
         remote, step = locate_remote(args.remote_save_dir, args.storage_retries)
-        held = f"{remote.url}/{step_folder(step)}" if step is not None else None
+        held = f"checkpoint ({remote.url}/{step_folder(step)})" if step is not None else None
     else:
         latest = find_latest(args.save_dir, verify=False)
-        held = str(latest) if latest is not None else None
+        metrics = Path(args.save_dir) / "metrics.jsonl"
+        held = f"checkpoint ({latest})" if latest is not None else f"metrics ({metrics})" if metrics.is_file() \
+            else None
     if held:
-        raise ConfigError(f"key 'resume': none starts the run afresh, but save_dir holds an earlier run's checkpoint "
-                          f"({held}), which this run's checkpoints would overwrite or delete; give a new save_dir, "
-                          "move that run's checkpoints away, or set resume: auto to continue it")
+        origin = args.origin_of("resume")
+        raise ConfigError(f"{origin + ': ' if origin else ''}key 'resume': none starts the run afresh, but save_dir "
+                          f"holds an earlier run's {held}, which this run's would overwrite or join; give a new "
+                          "save_dir, move that run's files away, or set resume: auto to continue it")
 
 
 def branch_checkpoint(world, args, checkpoint: str) -> Path:

@@ -132,7 +132,7 @@ def check_before_launch(args, world_size: int, local_size: int) -> None:
     if (args.plugin_args or {}).get("custom_model_provider_function"):
         return
     world = planned_world(world_size, local_size, resolve_device(args.device))
-    check_memory_before_build(args, resolve_run(args, world), world)
+    check_memory_before_build(args, resolve_run(args, world, warn=False), world)
 
 
 def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-m", "pretrainer.cli")) -> int:

@@ -5,8 +5,11 @@ component (run_state.py); and the resume that loads them."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+
+import yaml
 
 from ..optim import realign_to_schedule
 from ..storage import is_url, join_url
@@ -65,6 +68,24 @@ def downloaded_from(args, branch, checkpoint: Path | None, starting_branch: bool
     return join_url(url, "checkpoints", checkpoint.name)
 
 
+# How a run was started, not what it trains: a resume changes it freely (after `resume: none`, or from a path).
+NOT_COMPARED = ("resume",)
+
+
+def changed_keys(path: Path, args) -> list[str]:
+    """The keys whose values differ from those in the checkpoint's config.yaml (none where it has none)."""
+    written = path / "config.yaml"
+    if not written.is_file():
+        return []
+    saved = yaml.safe_load(written.read_text()) or {}
+
+    def plain(value) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    return [key for key, value in args.to_dict().items()
+            if key not in NOT_COMPARED and key in saved and plain(saved[key]) != plain(value)]
+
+
 def resume_run(trainer) -> None:
     """Load the checkpoint the trainer elected, if any: model, optimizer and every state component; a cooldown
     branch's first start (or override_schedule) then puts the lr on this run's schedule at that step."""
@@ -74,8 +95,10 @@ def resume_run(trainer) -> None:
     peaks = list(getattr(trainer.lr_scheduler, "base_lrs", []))  # this run's, before the checkpoint's replace them
     saved = ckpt.load_checkpoint(path, engine=trainer.engine, model=trainer.model, optimizer=trainer.optimizer,
                                  state=trainer.state)
-    if saved.get("config_hash") != trainer.pretrain_args.config_hash():
-        logger.warning("resuming from %s, whose config differs from this run's (see its config.yaml)", path)
+    changed = changed_keys(path, trainer.pretrain_args)
+    if changed:
+        logger.warning("resuming from %s, whose config (its config.yaml) differs from this run's in: %s", path,
+                       ", ".join(changed))
     trainer.completed_steps = int(saved["step"])
     if trainer.starting_branch or trainer.pretrain_args.override_schedule:  # the new schedule from this step on
         realign_to_schedule(trainer.lr_scheduler, peaks)
