@@ -417,8 +417,8 @@ def test_seed_megatron_yaml_maps_to_engine_settings_and_reports_what_it_ignores(
     ({"data_parallel_sharding_strategy": "full"}, {}, "'full' is not one of no_shard, optim_grads, optim_grads_params"),
     ({"data_parallel_sharding_strategy": "optim_grads", "use_distributed_optimizer": False}, {},
      "use_distributed_optimizer=False and data_parallel_sharding_strategy=optim_grads disagree"),
-    ({}, {"fsdp_shard_size": 2}, "key 'fsdp_shard_size': the megatron engine shards its data-parallel state only "
-                                 "with a sharding strategy"),
+    ({}, {"fsdp_shard_size": 2}, "key 'fsdp_shard_size': the data-parallel ranks shard their state only with a "
+                                 "sharding strategy"),
 ])
 def test_bad_plugin_args_are_clear_errors(plugin, extra, message):
     from pretrainer.parallel.megatron_settings import read_settings
