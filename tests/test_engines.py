@@ -257,26 +257,19 @@ def test_one_process_holds_what_the_planner_counts(setup):
     assert muon["held"]["optimizer"] < check["held"]["optimizer"]
 
 
-def test_ddp_accumulation_communicates_once_per_update(base_config):
-    """Accumulation micro-batches run under no_sync: gradient all-reduces happen only on the last one."""
-    import torch.distributed as dist
-
-    calls = {}
-    for ga in (1, 3):
-        trainer = PreTrainer(PreTrainingArguments(**{**base_config, "engine": "ddp", "num_training_steps": 2,
-                                                      "gradient_accumulation_steps": ga, "save_dir": None,
-                                                      "eval_interval": 0}))
-        count = [0]
-
-        def counting_allreduce(state, bucket, count=count):
-            count[0] += 1
-            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-
-        trainer.model.register_comm_hook(None, counting_allreduce)
-        trainer.train()
-        calls[ga] = count[0]
-        trainer.engine.close()
-    assert calls[1] > 0 and calls[3] == calls[1]  # 3 micro-batches per update, same number of all-reduces
+def test_accumulation_micro_batches_hold_their_gradients_back_unless_sharded(base_config, tmp_path):
+    """Under no_sync (a micro-batch that is not its step's last) ddp and fsdp's `unsharded` hold the gradient
+    back (no all-reduce or reduce-scatter has put it in any parameter's .grad); fsdp's `sharded` has reduce-scattered
+    it into every shard. The step's last micro-batch reduces everything."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**base_config, "dp": 2, "save_dir": None, "eval_interval": 0}))
+    out = tmp_path / "seen.json"
+    run_ok(torchrun(2, REPO / "tests" / "accumulation_run.py", config, out), env=environment())
+    seen = json.loads(out.read_text())
+    for name in ("ddp", "fsdp-unsharded"):
+        assert not any(seen[name]["after_no_sync"]), name
+    assert all(seen["fsdp-sharded"]["after_no_sync"])
+    assert all(all(case["after_last"]) for case in seen.values()), seen
 
 
 def test_two_ranks_share_one_tokenization_of_train_data(setup, tmp_path):
@@ -378,24 +371,5 @@ def test_prepared_blend_on_two_ranks_matches_one_process_and_resumes_on_one(setu
                                                    f"save_dir={tmp_path / 'moved'}"])
     PreTrainer(args).train()
     assert_same_run(tmp_path / "moved", tmp_path / "single", rel=1e-5)
-
-
-@pytest.mark.parametrize("mode", ["sharded", "unsharded"])
-def test_sharded_accumulation_reduces_every_micro_batch_and_unsharded_waits(base_config, mode):
-    """accumulate_gradients: after a micro-batch that is not the step's last, `sharded` has reduce-scattered its
-    gradient into each parameter's shard; `unsharded` holds it whole inside FSDP (no shard gradient yet)."""
-    from pretrainer.batch import batch_targets, loss_sum, to_device
-
-    trainer = PreTrainer(PreTrainingArguments(**{**base_config, "engine": "fsdp", "accumulate_gradients": mode}))
-    try:
-        engine, model = trainer.engine, trainer.model
-        assert f"accumulate_gradients={mode}" in engine.describe()
-        batch = to_device(next(trainer.train_stream), engine.device)
-        with engine.no_sync(model):
-            loss_sum(engine.forward(model, batch), batch_targets(batch)).backward()
-        reduced = [p.grad is not None for p in model.parameters()]
-        assert all(reduced) if mode == "sharded" else not any(reduced)
-    finally:
-        trainer.engine.close()
 
 

@@ -430,8 +430,8 @@ def test_bad_plugin_args_are_clear_errors(plugin, extra, message):
 
 
 def test_sharding_strategies_read_into_settings():
-    from pretrainer.parallel.megatron_plan import MegatronTraits
     from pretrainer.parallel.megatron_settings import read_settings
+    from pretrainer.parallel.torch_plan import TorchTraits
 
     def settings(plugin, **extra):
         return read_settings(PreTrainingArguments(num_training_steps=4, micro_batch_size=1, dp=4,
@@ -441,10 +441,10 @@ def test_sharding_strategies_read_into_settings():
     assert settings({"use_distributed_optimizer": True}).sharding_strategy == "optim_grads"
     ogp = settings({"data_parallel_sharding_strategy": "optim_grads_params"}, fsdp_shard_size=2)
     assert (ogp.distributed_optimizer, ogp.reshard_parameters, ogp.shard_size) == (True, True, 2)
-    dims = MegatronTraits.parallel_dims(8, 1, ogp)
+    dims = TorchTraits.parallel_dims(8, 1, ogp)
     assert (dims.dp, dims.shard, dims.replicate) == (8, 2, 4)
     with pytest.raises(ConfigError, match="key 'fsdp_shard_size': 3 does not divide the 8 ranks"):
-        MegatronTraits.parallel_dims(8, 1, settings({"use_distributed_optimizer": True}, fsdp_shard_size=3))
+        TorchTraits.parallel_dims(8, 1, settings({"use_distributed_optimizer": True}, fsdp_shard_size=3))
 
 
 def test_model_config_parser_registry(tiny_model):

@@ -348,11 +348,11 @@ def test_the_planner_offers_only_layouts_that_run_the_depths():
 
     from helpers import QUICKSTART_MODEL
     from pretrainer.parallel import Layout, engine_entry
-    from pretrainer.parallel.fsdp_plan import FSDPSettings
+    from pretrainer.parallel.fsdp_plan import sharded
     from pretrainer.plan import model_shape
     from pretrainer.plan.search import candidate_layouts
 
-    settings = FSDPSettings()
+    settings = sharded()
     layout = Layout(engine_entry("fsdp"), engine_entry("fsdp").cls.parallel_dims(8, 1, settings), 1, 8, 8192,
                     "fp32", 8, settings=settings)  # long enough for the search to split sequences
     config = AutoConfig.from_pretrained(QUICKSTART_MODEL)

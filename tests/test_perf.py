@@ -214,19 +214,19 @@ def test_the_heap_policy_follows_the_layout_and_host_malloc_reuse():
     layer-sized buffers every micro-batch (their heap would otherwise keep what sharding saves) and reuses them
     elsewhere."""
     from pretrainer.parallel.deepspeed_config import DeepSpeedSettings
-    from pretrainer.parallel.fsdp_plan import FSDPSettings
+    from pretrainer.parallel.fsdp_plan import sharded
     from pretrainer.parallel.megatron_settings import MegatronSettings
     from pretrainer.perf.host_memory import heap_policy
     from test_plan import layout_of
 
     assert [heap_policy(s, frees) for s in ("auto", "on", "off") for frees in (True, False)] == \
         ["return", "reuse", "reuse", "reuse", "system", "system"]
-    sharded = MegatronSettings(tp=1, pp=1, distributed_optimizer=True)
+    optim_grads = MegatronSettings(tp=1, pp=1, distributed_optimizer=True)
     cases = [
-        ("single", None, "reuse"), ("ddp", None, "reuse"), ("fsdp", FSDPSettings(), "return"),
+        ("single", None, "reuse"), ("ddp", MegatronSettings(), "reuse"), ("fsdp", sharded(), "return"),
         ("deepspeed", DeepSpeedSettings.for_zero(2, False, False), "reuse"),
         ("deepspeed", DeepSpeedSettings.for_zero(3, False, False), "reuse"),  # see deepspeed_plan.py
-        ("megatron", sharded, "return"), ("megatron", MegatronSettings(tp=2, pp=1), "reuse"),
+        ("megatron", optim_grads, "return"), ("megatron", MegatronSettings(tp=2, pp=1), "reuse"),
     ]
     for engine, settings, policy in cases:
         world = 1 if engine == "single" else 2 * (settings.tp if isinstance(settings, MegatronSettings) else 1)

@@ -27,9 +27,12 @@ def layout_of(engine: str, world: int, per_node: int, micro: int, accumulation: 
               settings=None, cp: int = 1, **fields):
     """A planner layout of `engine` with its `settings` on `world` processes, as the engine splits them."""
     from pretrainer.parallel import Layout, engine_entry
+    from pretrainer.parallel.megatron_settings import MegatronSettings
 
     entry = engine_entry(engine)
     cls = entry.cls
+    if settings is None and engine == "ddp":  # the torch backend's defaults under that name
+        settings = MegatronSettings()
     sequence_parallel, schedule = cls.parallel_style(settings)
     return Layout(entry, cls.parallel_dims(world, cp, settings), micro, accumulation, seq, dtype, per_node,
                   settings=settings, sequence_parallel=sequence_parallel, pipeline_schedule=schedule, **fields)
@@ -332,7 +335,7 @@ def test_loading_counts_one_tensor_where_the_engine_reads_slices_and_the_whole_m
 
     assert loading("engine=fsdp", "dp=2") == 4 * largest
     assert loading("engine=megatron", "dp=1", "plugin_args.tp_degree=2") == 4 * largest
-    assert loading("engine=ddp", "dp=2") == 4 * parameters
+    assert loading("engine=ddp", "dp=2") == 4 * largest  # replicated: built on meta, filled tensor by tensor
     assert loading("engine=fsdp", "dp=2", "sliced_weight_loading=false") == 4 * parameters
 
 
@@ -488,7 +491,7 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     from transformers import AutoConfig
 
     from helpers import small_corpus_file, write_tiny_moe
-    from pretrainer.parallel.fsdp_plan import FSDPSettings
+    from pretrainer.parallel.fsdp_plan import sharded
     from pretrainer.plan import estimate, model_shape
     from pretrainer.plan.device_spec import device_spec
     from pretrainer.plan.estimate import rank_parts
@@ -504,14 +507,14 @@ def test_expert_parallel_layouts_gather_only_their_experts_and_pay_the_exchange(
     assert "expert_parallel_degree=2" in plan["layout"]
     hf = AutoConfig.from_pretrained(folder)
     shape = model_shape(hf)
-    candidates = candidate_layouts(layout_of("fsdp", 4, 2, 1, 1, 32, "fp32", FSDPSettings()), shape, lambda micro: 0)
+    candidates = candidate_layouts(layout_of("fsdp", 4, 2, 1, 1, 32, "fp32", sharded()), shape, lambda micro: 0)
     offered = {(c.engine.name, c.tp, c.dims.ep) for c in candidates}
     assert {("fsdp", 1, 2), ("fsdp", 1, 4), ("megatron", 1, 2), ("megatron", 1, 4), ("megatron", 2, 2)} <= offered
     assert not [c for c in candidates if c.cp > 1]  # whole sequences
     assert ("megatron", 2, 2) in {(c.engine.name, c.pp, c.dims.ep) for c in candidates}
     assert "engine=megatron" in {layout["overrides"][0] for layout in plan["layouts"]}
     assert shape.expert_layers == 2 and shape.expert_parameters == 2 * 3 * 8 * 64 * 64
-    ep2 = layout_of("fsdp", 4, 1, 1, 2, 32, "fp32", FSDPSettings(reshard_after_forward=False))
+    ep2 = layout_of("fsdp", 4, 1, 1, 2, 32, "fp32", sharded(reshard_after_forward=False))
     ep2 = dataclasses.replace(ep2, dims=dataclasses.replace(ep2.dims, ep=2))
     ep1 = dataclasses.replace(ep2, dims=dataclasses.replace(ep2.dims, ep=1))
     device = device_spec("fp32", 4, "cpu")
@@ -678,12 +681,12 @@ def test_the_search_offers_sharded_data_parallelism_with_tp_and_sharded_accumula
     sharded or whole."""
     from transformers import AutoConfig
 
-    from pretrainer.parallel.fsdp_plan import FSDPSettings
+    from pretrainer.parallel.fsdp_plan import sharded
     from pretrainer.plan import model_shape
     from pretrainer.plan.search import candidate_layouts
 
     shape = model_shape(AutoConfig.from_pretrained(QUICKSTART_MODEL))
-    candidates = candidate_layouts(layout_of("fsdp", 8, 8, 1, 4, 256, "bf16", FSDPSettings()), shape, lambda m: 0)
+    candidates = candidate_layouts(layout_of("fsdp", 8, 8, 1, 4, 256, "bf16", sharded()), shape, lambda m: 0)
     megatron = {(c.tp, c.settings.sharding_strategy) for c in candidates if c.engine.name == "megatron"}
     assert {(2, "no_shard"), (2, "optim_grads"), (2, "optim_grads_params")} <= megatron
     fsdp = {c.accumulate for c in candidates if c.engine.name == "fsdp" and c.accumulation > 1}

@@ -10,7 +10,7 @@ from ..config import ParallelDims
 from .deepspeed_config import DeepSpeedSettings
 from .layout import Collective, CostModel, EngineTraits, Layout, ModelStates, RankShare, compute_bytes
 
-# On CPU, ZeRO-3's per-layer gathers leave the heap far above the live tensors (see fsdp.py): a multiple of
+# On CPU, ZeRO-3's per-layer gathers leave the heap far above the live tensors (see fsdp_plan.py): a multiple of
 # the model's fp32 bytes, with full recompute and without, measured on bench/plan_accuracy.py's 27M model.
 CPU_GATHER_RETENTION = {"full": 3.6, "other": 4.1}
 

@@ -47,7 +47,7 @@ class EngineOptions:
     """An engine's part of the resolved run."""
     dims: ParallelDims
     dtype: str                          # compute dtype: bf16 | fp16 | fp32
-    settings: object = None             # the engine's own (FSDPSettings, DeepSpeedSettings, MegatronSettings)
+    settings: object = None             # the engine's own (DeepSpeedSettings, MegatronSettings)
     recompute: RecomputeSettings = RecomputeSettings()
     compile: bool = False
     seed: int = 0                       # the init of a model built on the meta device

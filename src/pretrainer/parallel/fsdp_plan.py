@@ -1,19 +1,16 @@
-"""The fsdp engine's traits (its dimensions: hybrid sharding) and its cost model (parallel/layout.py's questions),
-beside the engine that does it: the bytes of model state a rank keeps (fp32 shards, the layers gathered in the
+"""The cost model (parallel/layout.py's questions) of a whole model under fsdp (the torch backend's FSDP2 over every
+rank, torch_backend.py): the bytes of model state a rank keeps (fp32 shards, the layers gathered in the
 compute dtype, gradients sharded or whole while micro-batches accumulate), the collectives of a step, the heap
 FSDP's gathers leave on a CPU, and the layouts of a world it offers (resharding, offload, ep, cp)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from ..config import ConfigError, ParallelDims
 from .context_parallel import context_parallel_degrees
 from .layout import (
     Collective,
     CostModel,
-    EngineTraits,
     Layout,
     ModelStates,
     RankShare,
@@ -21,6 +18,8 @@ from .layout import (
     optimizer_bytes,
     optimizer_note,
 )
+from .megatron_settings import MegatronSettings
+from .torch_plan import TorchTraits
 
 # On CPU, FSDP's per-layer gathers leave the heap far above the live tensors: activations are carved out of
 # the freed layer-sized buffers, so the next gather cannot reuse them and glibc's heap grows until a rank
@@ -29,38 +28,15 @@ from .layout import (
 CPU_GATHER_RETENTION = {"full": 2.9, "other": 1.6}
 
 
-@dataclass(frozen=True)
-class FSDPSettings:
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    shard_size: int | None = None   # ranks per shard group (hybrid sharding); None: all of them
-
-
-class FSDPTraits(EngineTraits):
-    supports_context_parallel = True
-    supports_expert_parallel = True
-    can_shard_gradients = True
-
-    @classmethod
-    def shards_gradients(cls, settings) -> bool:
-        return True
-
-    @classmethod
-    def parallel_dims(cls, world_size: int, cp: int, settings: FSDPSettings) -> ParallelDims:
-        """1-D: shard over all ranks. 2-D (hybrid): replicate across groups of `shard_size`, shard within."""
-        shard = settings.shard_size or world_size
-        if world_size % shard:
-            raise ConfigError(f"key 'fsdp_shard_size': {shard} does not divide the {world_size} processes")
-        return ParallelDims(world_size, cp=cp, shard=shard)
-
-    @classmethod
-    def reads_weight_slices(cls, settings) -> bool:
-        return True
-
+def sharded(reshard_after_forward: bool = True, cpu_offload: bool = False) -> MegatronSettings:
+    """fsdp's settings: every state sharded over the data ranks (parameters resharded after forward or not)."""
+    return MegatronSettings(distributed_optimizer=True, reshard_parameters=reshard_after_forward,
+                            cpu_offload=cpu_offload)
 
 
 class FSDPCosts(CostModel):
-    traits = FSDPTraits
+    traits = TorchTraits
+    models_expert_parallel = True
 
     @classmethod
     def autocasts(cls, layout: Layout) -> bool:
@@ -78,7 +54,7 @@ class FSDPCosts(CostModel):
         layer = shape.layer_parameters - _not_held_experts(layout, shape.layer_expert_parameters)
         whole = n - _not_held_experts(layout, shape.expert_parameters)
         notes = {"optimizer": optimizer_note(layout, "sharded")}
-        if settings.reshard_after_forward:
+        if settings.reshard_parameters:
             gathered = c * max(2 * layer, root + layer)
             notes["parameters"] = "fp32 shards + the gathered layers being computed"
         else:
@@ -106,7 +82,7 @@ class FSDPCosts(CostModel):
         reduce-scattered once a step, or every micro-batch when they accumulate sharded. FSDP prefetches the next
         layer's gather and reduce-scatters beside backward: all of it overlaps compute."""
         shards, c = layout.dims.shard, compute_bytes(layout.dtype)
-        gathers = 2 if layout.settings.reshard_after_forward else 1
+        gathers = 2 if layout.settings.reshard_parameters else 1
         experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below
         each = layout.accumulates_sharded
         traffic = [Collective(gathers * c * (shape.parameters - experts), shards, per_micro_batch=True, overlaps=True),
@@ -139,25 +115,25 @@ class FSDPCosts(CostModel):
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
         if world_size == 1:
             return []
-        whole = cls.traits.parallel_dims(world_size, 1, FSDPSettings())
-        variants = [{"dims": whole, "settings": FSDPSettings(reshard, offload)}
+        whole = cls.traits.parallel_dims(world_size, 1, sharded())
+        variants = [{"dims": whole, "settings": sharded(reshard, offload)}
                     for reshard in (True, False) for offload in (False, True)]
         # an MoE model's experts split over ep of the ranks (each ep dividing the experts and the world)
         splits = [ep for ep in range(2, world_size + 1) if shape.experts % ep == 0 and world_size % ep == 0]
-        variants += [{"dims": dataclasses.replace(whole, ep=ep), "settings": FSDPSettings()}
+        variants += [{"dims": dataclasses.replace(whole, ep=ep), "settings": sharded()}
                      for ep in (splits if shape.experts else [])]
-        return variants + [{"dims": cls.traits.parallel_dims(world_size, cp, FSDPSettings()),
-                            "settings": FSDPSettings()} for cp in context_parallel_degrees(world_size, seq_length)[1:]]
+        return variants + [{"dims": cls.traits.parallel_dims(world_size, cp, sharded()),
+                            "settings": sharded()} for cp in context_parallel_degrees(world_size, seq_length)[1:]]
 
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:
-        return [f"fsdp_reshard_after_forward={str(layout.settings.reshard_after_forward).lower()}",
+        return [f"fsdp_reshard_after_forward={str(layout.settings.reshard_parameters).lower()}",
                 f"fsdp_cpu_offload={str(layout.settings.cpu_offload).lower()}"]
 
     @classmethod
     def describe_settings(cls, layout: Layout) -> str:
         settings = layout.settings
-        return f"reshard={settings.reshard_after_forward}" + (" cpu_offload" if settings.cpu_offload else "")
+        return f"reshard={settings.reshard_parameters}" + (" cpu_offload" if settings.cpu_offload else "")
 
 
 def _not_held_experts(layout: Layout, experts: int) -> int:

@@ -34,7 +34,7 @@ class Layout:
     dtype: str                    # bf16 | fp16 | fp32 (compute; master weights are fp32)
     devices_per_node: int = 1     # processes that share one machine
     recompute: str = "none"       # none | selective | full
-    settings: object = None       # the engine's own settings (FSDPSettings, DeepSpeedSettings, MegatronSettings)
+    settings: object = None       # the engine's own settings (DeepSpeedSettings, MegatronSettings)
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
     loss_chunk: int = 0           # tokens per chunk of the fused head + loss; 0: full logits
@@ -218,6 +218,11 @@ class EngineTraits:
     reads_plugin_layout = False  # plugin_args' tp/pp/sequence-parallel/recompute settings lay out this engine
 
     @classmethod
+    def runs_stages(cls, settings) -> bool:
+        """The model runs as pipeline stages (parallel/pipeline.py), which plugin_args' layout settings shape."""
+        return False
+
+    @classmethod
     def shards_gradients(cls, settings) -> bool:
         """Each rank keeps only its shard of each gradient after the step's reduction (reduce-scatter), so
         micro-batches can accumulate sharded (`accumulate_gradients: sharded`) or whole until the last one."""
@@ -240,6 +245,7 @@ class CostModel:
     overrides what differs. `traits`: the engine's traits (its dimensions, for the layouts it offers)."""
 
     traits: type[EngineTraits] = EngineTraits
+    models_expert_parallel = False  # its answers hold for experts split over ranks (expert_parallel_degree)
     baseline_engine = "single"  # the engine whose tiny run measures a CPU process's runtime (plan/device_spec.py)
     baseline_overrides: dict = {}  # the config keys that tiny run needs on this engine
 

@@ -70,6 +70,7 @@ class MegatronSettings:
     distributed_optimizer: bool = False  # optimizer state and gradients sharded over dp x cp (FSDP2)
     reshard_parameters: bool = False     # parameters resharded after forward too (optim_grads_params)
     shard_size: int | None = None        # ranks per shard group of the sharded data parallelism (HSDP); None: all
+    cpu_offload: bool = False            # shards and their optimizer step on the host (fsdp_cpu_offload)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     layers_per_virtual_stage: int | None = None
     pipeline_layers: list | None = None  # explicit decoder layers per stage, in stage order
@@ -98,6 +99,8 @@ class MegatronSettings:
                  f"data_parallel_sharding_strategy={self.sharding_strategy}"]
         if self.shard_size:
             parts.append(f"fsdp_shard_size={self.shard_size}")
+        if self.cpu_offload:
+            parts.append("cpu_offload=True")
         if self.pp > 1:
             parts.append(f"schedule={self.schedule} stages={self.num_stages}")
         if self.recompute_granularity:
@@ -129,7 +132,8 @@ def splits_model(args) -> bool:
                                                                         ("pp_degree", "pipeline_model_parallel_size")))
 
 
-def read_settings(args, num_layers: int | None = None, default_strategy: str = "no_shard") -> MegatronSettings:
+def read_settings(args, num_layers: int | None = None, default_strategy: str = "no_shard",
+                  reads_shard_size: bool = True, stages: bool = True) -> MegatronSettings:
     """The engine settings from `args.plugin_args` (seed names) and the native keys, checked; `default_strategy`:
     the data-parallel sharding where neither use_distributed_optimizer nor data_parallel_sharding_strategy is set
     (the engine name's default: no_shard for megatron and ddp, optim_grads_params for fsdp)."""
@@ -154,13 +158,15 @@ def read_settings(args, num_layers: int | None = None, default_strategy: str = "
                                       "num_layers_per_virtual_pipeline_stage", None),
         pipeline_layers=plugin.get("pipeline_layers"),
     )
-    if args.fsdp_shard_size is not None:
+    if args.fsdp_shard_size is not None and reads_shard_size:  # (an engine that does not: the rule table's)
         if not settings.distributed_optimizer:
             raise ConfigError("key 'fsdp_shard_size': the data-parallel ranks shard their state only with a "
                               "sharding strategy; set plugin_args.data_parallel_sharding_strategy: optim_grads or "
                               "optim_grads_params (hybrid sharding: replicate across groups of this many ranks), or "
                               "remove fsdp_shard_size")
         settings = replace(settings, shard_size=args.fsdp_shard_size)
+    if not stages:  # a whole model: the stages' recompute and pipeline settings have no effect (run/rules.py)
+        return settings
     settings = replace(settings, **_read_recompute(plugin, megatron, args.activation_checkpointing))
     return replace(settings, **_read_pipeline(settings, plugin, num_layers))
 

@@ -1,15 +1,15 @@
 """Every device mesh and process group of a run, made here and nowhere else, from its `ParallelDims`.
 
-An engine that runs over the world's process group is handed a `Meshes` for its dimensions and takes what it
-uses; each mesh is built on first use (every rank asks in the same order: engines build the same way on every
-rank) and kept here, so no group is made twice or made and dropped, and `release` lets go of all of them before
-the process group is destroyed. Rank order is Megatron's: tp innermost, then cp, then pp, then dp, so the ranks
-of one model replica are consecutive and every engine sees the same groups for the same dimensions.
+One world mesh, `model`: every other mesh is a slice, a flattening or an unflattening of it (the expert mesh
+splits its dp in two). An engine that runs over the world's process group is handed a `Meshes` for its dimensions
+and takes what it uses; each mesh is built on first use (every rank asks in the same order: engines build the same
+way on every rank) and kept here, so no group is made twice or made and dropped, and `release` lets go of all of
+them before the process group is destroyed. Rank order is Megatron's: tp innermost, then cp, then pp, then dp,
+so the ranks of one model replica are consecutive and every engine sees the same groups for the same dimensions.
 
     model        (dp, pp, cp, tp)                      tensor, pipeline and context parallelism
     data         dp x cp flattened (or dp)             the ranks holding the same parameters
-    data_sharding  (replicate, shard) over them        megatron's hybrid sharded data parallelism
-    sharding     (shard,) or (replicate, shard)        FSDP's mesh over every rank (hybrid: replicate groups)
+    data_sharding  (replicate, shard) over them        hybrid sharded data parallelism (fsdp_shard_size)
     experts      (expert_replicas, ep, pp, cp, tp)     expert parallelism: ep consecutive dp ranks split experts
     context      the model mesh's cp group             context parallelism's all-gathers
     pipeline_ends  the first and last pp rank of a pipeline  an embedding both ends hold (multi-token prediction)
@@ -57,22 +57,11 @@ class Meshes:
         return self._once("data_sharding", lambda: self.model()["dp", "cp"]._flatten("dp_cp")._unflatten(
             0, (d.gradient_ranks // d.shard, d.shard), ("replicate", "shard")))
 
-    def sharding(self) -> DeviceMesh:
-        """FSDP's mesh over every rank: 1-D, or (replicate, shard) for hybrid sharding."""
-        d = self.dims
-        if d.shard == d.world_size:
-            return self._once("sharding", lambda: init_device_mesh(self.device_type, (d.world_size,),
-                                                                   mesh_dim_names=("shard",)))
-        return self._once("sharding", lambda: init_device_mesh(self.device_type, (d.world_size // d.shard, d.shard),
-                                                               mesh_dim_names=("replicate", "shard")))
-
     def experts(self) -> DeviceMesh:
         """dp = (dp / ep) x ep: an ep group is ep consecutive dp replicas at the same (pp, cp, tp) place, so
         every rank keeps its place of the model mesh."""
         d = self.dims
-        return self._once("experts", lambda: init_device_mesh(self.device_type,
-                                                              (d.dp // d.ep, d.ep, d.pp, d.cp, d.tp),
-                                                              mesh_dim_names=EXPERT_DIMS))
+        return self._once("experts", lambda: self.model()._unflatten(0, (d.dp // d.ep, d.ep), EXPERT_DIMS[:2]))
 
     def context(self):
         """This rank's context-parallel group: the cp consecutive ranks splitting its sequences."""

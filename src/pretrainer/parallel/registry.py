@@ -14,17 +14,15 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, key_error
 from ..config.loading import suggestion
-from .ddp import DDPCosts, DDPEngine
 from .deepspeed import DeepSpeedEngine
 from .deepspeed_plan import DeepSpeedCosts
 from .engine import Engine, EngineOptions, SingleCosts, SingleEngine
-from .fsdp import FSDPEngine
 from .fsdp_plan import FSDPCosts
 from .layout import CostModel
-from .megatron import MegatronEngine, ReplicatedStagesEngine, ShardedStagesEngine
-from .megatron_plan import MegatronCosts
 from .megatron_settings import splits_model
 from .meshes import Meshes
+from .torch_backend import DDPEngine, FSDPEngine, MegatronEngine
+from .torch_plan import DDPCosts, MegatronCosts
 from .world import World, launch_world_size
 
 AUTO = "auto"
@@ -38,16 +36,15 @@ class EngineEntry:
     accelerate_flag: str | None = None       # the variable an `accelerate launch` config sets to "true" for it
     selecting_key: str | None = None         # a config key that, when set, selects it under `engine: auto`
     layout_keys: tuple[str, ...] = ()        # config keys that lay the run out over processes for it
-    split: type[Engine] | None = None        # its class where the config splits the model (tp or pp above 1)
+    split_costs: type[CostModel] | None = None  # its cost model where the config splits the model (tp or pp > 1)
 
     def for_layout(self, args) -> "EngineEntry":
-        """This entry as the config lays the model out: its `split` class (with the stages' cost model) where
-        tensor or pipeline parallelism splits the model, or expert parallelism its experts and its own class cannot;
-        itself otherwise."""
-        experts = args.expert_parallel_degree > 1 and not self.cls.supports_expert_parallel
-        if self.split is None or not (splits_model(args) or experts):
+        """This entry as the config lays the model out: with its `split_costs` where tensor or pipeline parallelism
+        splits the model, or expert parallelism its experts and its own cost model does not model that."""
+        experts = args.expert_parallel_degree > 1 and not self.costs.models_expert_parallel
+        if self.split_costs is None or not (splits_model(args) or experts):
             return self
-        return dataclasses.replace(self, cls=self.split, costs=MegatronCosts, split=None)
+        return dataclasses.replace(self, costs=self.split_costs, split_costs=None)
 
     def __repr__(self) -> str:  # the planner prints layouts; the name is what a user wrote
         return self.name
@@ -56,10 +53,10 @@ class EngineEntry:
 ENGINES = (
     EngineEntry("single", SingleEngine, SingleCosts),
     EngineEntry("ddp", DDPEngine, DDPCosts, layout_keys=("plugin_args", "context_parallel_degree"),
-                split=ReplicatedStagesEngine),
+                split_costs=MegatronCosts),
     EngineEntry("fsdp", FSDPEngine, FSDPCosts, "ACCELERATE_USE_FSDP",
                 layout_keys=("plugin_args", "fsdp_shard_size", "context_parallel_degree", "expert_parallel_degree"),
-                split=ShardedStagesEngine),
+                split_costs=MegatronCosts),
     EngineEntry("deepspeed", DeepSpeedEngine, DeepSpeedCosts, "ACCELERATE_USE_DEEPSPEED", selecting_key="deepspeed",
                 layout_keys=("deepspeed",)),
     EngineEntry("megatron", MegatronEngine, MegatronCosts, "ACCELERATE_USE_MEGATRON_LM",

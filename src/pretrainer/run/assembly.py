@@ -119,8 +119,9 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
                  data: DataSources | None, predicted) -> AssembledRun:
     training = data is not None
     if optimizer is not None and engine.shards_parameters:
-        raise ConfigError(f"engine {engine.name} shards the model's parameters, so an optimizer made before "
-                          "sharding cannot be used; leave optimizer= unset (configure it with lr, adam_*, "
+        raise ConfigError(f"engine {engine.name} re-creates the model's parameters when it wraps the model "
+                          "(shards or replicas), so an optimizer made before cannot be used; leave optimizer= unset "
+                          "(configure it with lr, adam_*, "
                           "weight_decay)")
     run_data = _assemble_data(args, resolved, engine, world, data) if training else None
     built = model is None

@@ -76,27 +76,22 @@ def _readers(key: str) -> str:
 
 
 def _own_key_rule(key: str) -> Rule:
-    def why(c: Choice) -> str:
-        if key in c.engine.cls.own_keys or c.engine.name not in _readers(key).replace(",", "").split():
-            return (f"{key} is a setting of engine {_readers(key)}, not of engine {c.engine.name}, which the run "
-                    f"uses; set engine: {_readers(key)} to use it, or remove it")
-        return f"{key} is not available with engine {c.engine.name} splitting the model over ranks (tp_degree or " \
-               "pp_degree above 1); remove it, or train without the split"
-
-    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys, why)
+    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys,
+                lambda c: f"{key} is a setting of engine {_readers(key)}, not of engine {c.engine.name}, which the run "
+                          f"uses; set engine: {_readers(key)} to use it, or remove it")
 
 
 def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
     def why(c: Choice) -> str:
         recompute = f" (recomputation here is activation_checkpointing={c.args.activation_checkpointing})" \
             if "recompute" in name else ""
-        if c.engine.split is not None:  # ddp or fsdp over a whole model: the split would read it
+        if c.cls.reads_plugin_layout:  # ddp or fsdp over a whole model: a split would read it
             return (f"{name} lays out a model split over ranks, which this engine {c.engine.name} run does not split "
                     f"(plugin_args.tp_degree and pp_degree are 1){recompute}; split it, or remove {name}")
         return (f"{name} lays out a model split over ranks, which engine {c.engine.name} does not do{recompute}; use "
                 "engine megatron, ddp or fsdp and launch dp x tp x pp processes, or remove it")
 
-    return Rule(name, kind, lambda c: c.cls.reads_plugin_layout, why, asks)
+    return Rule(name, kind, lambda c: c.cls.runs_stages(c.settings), why, asks)
 
 
 RULES: tuple[Rule, ...] = (

@@ -1,7 +1,9 @@
-"""The megatron engine's traits (its `dp x pp x cp x tp` dimensions) and its cost model (parallel/layout.py's
-questions), beside the engine: which stages a pipeline rank holds, the bytes of model state a rank keeps (the
-distributed optimizer's FSDP2 shards, or a torch engine's states over the stage's tp share), the collectives of a
-step, and the tp x pp (x cp, x ep) layouts of a world it offers."""
+"""The torch backend's traits (its `dp x pp x cp x tp` dimensions, where it runs pipeline stages) and two of its
+cost models (parallel/layout.py's questions), beside the backend (torch_backend.py): ddp's, a whole model replicated
+over every context-parallel degree, and the one of a model run as stages (megatron's, and ddp's or fsdp's where the
+model is split): which stages a pipeline rank holds, the bytes of model state a rank keeps (the distributed
+optimizer's FSDP2 shards, or replicated states over the stage's tp share), the collectives of a step, and the
+tp x pp (x cp, x ep) layouts of a world it offers. fsdp's whole-model cost model is in fsdp_plan.py."""
 
 from __future__ import annotations
 
@@ -26,11 +28,16 @@ from .megatron_settings import SHARDING_STRATEGIES, MegatronSettings
 from .pipeline import split_layers, stages_of_rank
 
 
-class MegatronTraits(EngineTraits):
+class TorchTraits(EngineTraits):
     supports_context_parallel = True
     supports_expert_parallel = True
     can_shard_gradients = True
     reads_plugin_layout = True
+    stages_always = False  # the model runs as pipeline stages even where nothing splits it (megatron's default)
+
+    @classmethod
+    def runs_stages(cls, settings: MegatronSettings) -> bool:
+        return cls.stages_always or settings.tp > 1 or settings.pp > 1
 
     @classmethod
     def shards_gradients(cls, settings: MegatronSettings) -> bool:
@@ -53,8 +60,25 @@ class MegatronTraits(EngineTraits):
         return True
 
 
+class DDPCosts(CostModel):
+    """A whole model replicated over the data ranks: a plain torch engine's answers, over every context-parallel
+    degree."""
+
+    traits = TorchTraits
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size == 1:
+            return []
+        return [{"dims": cls.traits.parallel_dims(world_size, cp, MegatronSettings()), "settings": MegatronSettings()}
+                for cp in context_parallel_degrees(world_size, seq_length)]
+
+
 class MegatronCosts(CostModel):
-    traits = MegatronTraits
+    """A model run as pipeline stages (split by tp and pp, or whole under megatron)."""
+
+    traits = TorchTraits
+    models_expert_parallel = True
 
     @classmethod
     def stages_per_rank(cls, layout: Layout) -> int:

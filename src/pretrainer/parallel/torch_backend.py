@@ -1,25 +1,32 @@
-"""The megatron engine: Megatron-LM's tensor, sequence, pipeline and context parallelism on PyTorch's own
-machinery.
+"""The torch-native backend: data, tensor, sequence, pipeline, context and expert parallelism on PyTorch's own
+machinery (DTensor, FSDP2, `torch.distributed.pipelining`), over one device mesh `dp x pp x cp x tp` (tp innermost,
+then context parallelism, as in Megatron; parallel/meshes.py).
 
-A device mesh `dp x pp x cp x tp` (tp innermost, then context parallelism, as in Megatron). Each rank
-builds only its pipeline stages (`pipeline.DecoderStage`) from the HF model and parallelizes each
-(parallelize.py): the model family's tensor-parallel split (`splits`, chosen by the model-config parser
-registry), activation recomputation as configured, compile, and data parallelism over `dp`, by Megatron-Core's
-`data_parallel_sharding_strategy`: `no_shard` replicates (gradients all-reduced, like DDP); `optim_grads` (what
-`use_distributed_optimizer` selects) is FSDP2 without resharding after forward (gradients reduce-scattered and the
-optimizer state sharded over dp, parameters gathered once per step: ZeRO-2 style); `optim_grads_params` reshards
-parameters after forward as well (ZeRO-3 / FSDP composed with tp, pp, cp and ep). With context parallelism
-(`context_parallel_degree`, see context_parallel.py) the cp ranks of a stage hold the same parameters and split
-every sequence, so gradients are reduced over dp x cp, as Megatron's dp-cp group
-does. Mixture-of-Experts models (see `moe_blocks`): tensor parallelism leaves each MoE block whole and, under
-sequence parallelism (required), every tp rank routes its own tokens through it, so the block's gradients (like
-those of per-head norms) are summed over tp at the step; with `expert_parallel_degree` (ep) the experts are split
-over ep of the dp ranks (expert_parallel.py), as Megatron's expert-model-parallel group, and their gradients are
-reduced over the dp / ep ranks holding the same ones. Micro-batches (`num_micro_batches` =
-`gradient_accumulation_steps`) run through a GPipe, 1F1B or interleaved 1F1B schedule when pp > 1.
+`engine: ddp | fsdp | megatron` name this backend's defaults, not different code:
 
-The model the loop holds is a `MegatronModel`: this rank's modules under the HF model's own names, so
-optimizer, DCP checkpoints (resumable on any mesh or engine) and HF export all see HF keys.
+    ddp       whole model per rank, gradients all-reduced (FSDP2's `replicate`)
+    fsdp      parameters, gradients and optimizer state sharded over the data ranks (FSDP2's `fully_shard`;
+              `fsdp_reshard_after_forward`, `fsdp_cpu_offload`, `fsdp_shard_size` for hybrid sharding)
+    megatron  Megatron-Core's: replicated unless `use_distributed_optimizer` / `data_parallel_sharding_strategy`
+              shards (optim_grads: gradients and optimizer state; optim_grads_params: parameters too), the
+              model always run as pipeline stages
+
+Every name takes every dimension: `plugin_args` tp/pp degrees (or their other_megatron_args spellings) split the
+model, `context_parallel_degree` splits sequences (context_parallel.py), `expert_parallel_degree` the experts
+(expert_parallel.py), and the sharding strategy overrides the name's default. Where the model is split (tp or pp
+above 1, or always under megatron) each rank builds only its pipeline stages (`pipeline.DecoderStage`) and the
+loop holds a `StagedModel`: those modules under the HF model's own names, so optimizer, DCP checkpoints
+(resumable on any mesh or engine) and HF export all see HF keys. Otherwise the HF model itself is parallelized and
+runs its own forward (any architecture, padding on either side, fp16 with a loss scaler).
+
+Each module (the model, or a stage) goes through parallelize.py's steps in one order: the family's tensor-parallel
+split (`splits`, chosen by the model-config parser registry), the experts' split, activation recomputation,
+compile, and data parallelism over dp x cp (the ranks holding the same parameters, as Megatron's dp-cp group).
+Mixture-of-Experts models (see `moe_blocks`): tensor parallelism leaves each MoE block whole and, under sequence
+parallelism (required), every tp rank routes its own tokens through it, so the block's gradients (like those of
+per-head norms) are summed over tp at the step; split experts' gradients are reduced over the dp / ep ranks
+holding the same ones. Micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run through a GPipe,
+1F1B or interleaved 1F1B schedule when pp > 1.
 """
 
 from __future__ import annotations
@@ -40,20 +47,20 @@ from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
 from ..models.mtp import decoder_layer_list
 from ..models.registry import parse_model_config
-from .activation_checkpoint import RecomputeSettings
+from .activation_checkpoint import RecomputeSettings, decoder_layers
 from .distributed import DistributedEngine
 from .engine import to_device_async
 from .expert_parallel import shard_experts
-from .megatron_plan import MegatronTraits
-from .megatron_settings import MegatronSettings, read_settings, unused_keys
-from .parallelize import ExpertSharding, parallelize, replicate_layers, shard_layers
+from .megatron_settings import MegatronSettings, read_settings, splits_model, unused_keys
+from .parallelize import ExpertSharding, Parallelism, parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, PipelineLoss, build_schedule, forward_in_order, split_layers, stages_of_rank
 from .splits import get_split, moe_blocks
+from .torch_plan import TorchTraits
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronModel(torch.nn.Module):
+class StagedModel(torch.nn.Module):
     """This rank's stages, presented under the HF model's module names (`model.layers.7...`, `lm_head`)."""
 
     def __init__(self, hf_model: torch.nn.Module, stages: list[DecoderStage]):
@@ -84,11 +91,11 @@ class MegatronModel(torch.nn.Module):
         return getattr(self, "lm_head", None)
 
 
-class MegatronEngine(MegatronTraits, DistributedEngine):
-    """Its traits and its cost model (the planner's answers) are in megatron_plan.py."""
+class TorchEngine(TorchTraits, DistributedEngine):
+    """The backend; `DDPEngine`, `FSDPEngine` and `MegatronEngine` below are its defaults under their names. Its
+    traits and cost models (the planner's answers) are in torch_plan.py and fsdp_plan.py."""
 
-    name = "megatron"
-    own_keys = (*DistributedEngine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer
+    shards_parameters = True  # FSDP2's fully_shard and replicate both re-create the parameters as DTensors
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)
@@ -101,7 +108,8 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         self.expert_mesh = meshes.experts() if dims.ep > 1 else None
         self._routes_tokens = False  # this rank's stages hold MoE blocks (their routing reads the padding)
         self._tp_partial: list[tuple[torch.nn.Module, str]] = []  # see _sum_partial_gradients_over_tp
-        self._stage_experts: list[torch.nn.Module] = []  # the split experts modules of the stage being built
+        self._experts: list[torch.nn.Module] = []  # the split experts modules of the module being built
+        self.units: list[torch.nn.Module] = []  # what data parallelism wrapped: the model, or this rank's stages
         self.stages: list[DecoderStage] = []
         self.stage_ids: list[int] = []
         self.schedule = None
@@ -111,9 +119,18 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         self._head_loss = False  # the output head computes the loss itself (loss_chunk_size)
         self._has_depths = False  # multi-token prediction depths follow the head (on the last stage)
 
+    @property
+    def cpu_offload(self) -> bool:
+        return self.settings.cpu_offload
+
+    @property
+    def exports_tensor_by_tensor(self) -> bool:
+        # Shards offloaded to host memory cannot be gathered over an accelerator's process group one by one.
+        return not (self.cpu_offload and self.device.type != "cpu")
+
     def autocast(self):
-        """Whole stages compute under autocast; FSDP2 stages (the distributed optimizer over several ranks) are cast
-        by FSDP's mixed-precision policy instead."""
+        """Replicated modules compute under autocast; FSDP2 ones (sharded over several ranks) are cast by FSDP's
+        mixed-precision policy instead."""
         if self.settings.distributed_optimizer and self.data_mesh.size() > 1:
             return contextlib.nullcontext()
         return super().autocast()
@@ -125,24 +142,16 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
 
     @classmethod
     def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
-        """plugin_args (and other_megatron_args) read and checked against what this engine can run."""
-        if dtype == "fp16":
-            raise ConfigError(f"dtype fp16 is not available with engine {cls.name}'s pipeline stages (no loss scaler "
-                              "across them); use bf16 (or fp32)")
-        settings = read_settings(args, getattr(model_config, "num_hidden_layers", None), cls.default_strategy(args))
+        """plugin_args (and other_megatron_args) read and checked against what this backend can run."""
+        settings = read_settings(args, getattr(model_config, "num_hidden_layers", None), cls.default_strategy(args),
+                                 "fsdp_shard_size" in cls.own_keys, cls.stages_always or splits_model(args))
         settings = replace(settings, notices=tuple(unused_keys(args, model_config, settings)))
-        if model_config is not None and expert_shape(model_config, "the model's config") is not None:
-            if settings.tp > 1 and not settings.sequence_parallel:
-                raise ConfigError("plugin_args.sequence_parallelism: a Mixture-of-Experts model with tp_degree > 1 "
-                                  "needs sequence parallelism (each tp rank routes its own part of the tokens, as "
-                                  "in Megatron-Core); set plugin_args.sequence_parallelism: true")
-        if settings.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
-            raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
-                              "(positions are not sent between stages); use pp_degree 1")
-        if args.compile and settings.tp > 1:
-            raise ConfigError("compile: true with tp_degree > 1 is not available: the backward of DTensor "
-                              "redistributions through compiled layers fails in this torch version; compile "
-                              "works with pp_degree and dp, or set compile: false")
+        if cls.runs_stages(settings):
+            check_stages(args, model_config, dtype, settings, cls.name)
+        if args.expert_parallel_degree > 1 and settings.shard_size not in (None, world_size // settings.tp
+                                                                            // settings.pp):
+            raise ConfigError("key 'fsdp_shard_size': hybrid sharding with expert_parallel_degree > 1 is not "
+                              "supported yet; shard over all data ranks (fsdp_shard_size: null)")
         return settings
 
     @classmethod
@@ -161,7 +170,7 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
 
     @classmethod
     def recompute(cls, args, settings: MegatronSettings) -> RecomputeSettings:
-        return settings.recompute
+        return settings.recompute if cls.runs_stages(settings) else super().recompute(args, settings)
 
     def shard_batch(self, batch: dict) -> dict:
         if not self.context:
@@ -170,7 +179,24 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Cut this rank's pipeline stages from the HF model and parallelize each (parallelize.py's order)."""
+        """Parallelize the HF model as one module, or cut this rank's pipeline stages from it and parallelize each
+        (parallelize.py's order); context-parallel attention goes on the whole model first."""
+        self.install_context_parallel(model)
+        if self.runs_stages(self.settings):
+            return self._wrap_stages(model)
+        if not any(p.is_meta for p in model.parameters()) and not self.cpu_offload:
+            model.to(self.device)
+        model = parallelize(model, self._steps())
+        self.units = [model]
+        # offloaded shards live in host memory: materialise them there
+        self.materialize_if_meta(model, torch.device("cpu") if self.cpu_offload else None)
+        return model
+
+    def _steps(self, tensor_parallel=None) -> Parallelism:
+        steps = self.parallelism(self._data_parallel if self.data_mesh.size() > 1 else None, tensor_parallel)
+        return replace(steps, expert_parallel=self._split_experts) if self.expert_mesh is not None else steps
+
+    def _wrap_stages(self, model: torch.nn.Module) -> StagedModel:
         s = self.settings
         shape = parse_model_config(model, self.options.seq_length)
         if self.is_main:
@@ -188,40 +214,39 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         self._has_depths = len(parts.layers) > model.config.num_hidden_layers  # models/mtp.py's, after the head
         if self._has_depths and s.pp > 1:
             self.meshes.pipeline_ends()  # made by every rank, now, in the same order
-        self.install_context_parallel(model)
+        tensor_parallel = functools.partial(self._tensor_parallel, split) if s.tp > 1 else None
         for index in self.stage_ids:
             stage = DecoderStage(parts, ranges[index], first=index == 0, last=index == s.num_stages - 1,
                                  config=model.config, tied=not shape.untied_embeddings,
                                  no_split_modules=getattr(model, "_no_split_modules", None))
             if not is_meta:
                 stage.to(self.device)
-            tensor_parallel = functools.partial(self._tensor_parallel, split) if s.tp > 1 else None
-            data_parallel = self._data_parallel if self.data_mesh.size() > 1 else None
-            steps = self.parallelism(data_parallel, tensor_parallel)
-            if self.expert_mesh is not None:
-                steps = replace(steps, expert_parallel=self._split_experts)
             self._routes_tokens |= bool(moe_blocks(stage))
-            self.stages.append(parallelize(stage, steps))
+            self.stages.append(parallelize(stage, self._steps(tensor_parallel)))
+        self.units = list(self.stages)
         if not is_meta:
             _release_other_stages(parts, self.stages)
         _run_depths_as_laid_out(model, self.stages)
-        view = MegatronModel(model, self.stages)
+        view = StagedModel(model, self.stages)
         if is_meta:
             self._materialize(view)
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
-        self.pipeline_loss.head_computes_loss = self._head_loss
         if s.pp > 1:
-            for part in (*self.stages, self.pipeline_loss):  # the schedule's first step infers shapes, with a
-                part.infers_shapes = True                       # forward of each stage and a loss call
-            self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule,
-                                           s.num_micro_batches, self.pipeline_loss, self.device,
-                                           self.mesh.get_group("pp"))
+            self._build_schedule()
         logger.info("%s engine: %s; this rank (dp %d, pp %d, tp %d) holds stage(s) %s with layers %s",
                     self.name, s.describe(), self.dp_rank, self.pp_rank, self.tp_rank, self.stage_ids,
                     [f"{ranges[i].start}-{ranges[i].stop - 1}" for i in self.stage_ids])
         return view
 
-    def _materialize(self, view: MegatronModel) -> None:
+    def _build_schedule(self) -> None:
+        s = self.settings
+        self.pipeline_loss.head_computes_loss = self._head_loss
+        for part in (*self.stages, self.pipeline_loss):  # the schedule's first step infers shapes, with a forward
+            part.infers_shapes = True                       # of each stage and a loss call
+        self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule, s.num_micro_batches,
+                                       self.pipeline_loss, self.device, self.mesh.get_group("pp"))
+
+    def _materialize(self, view: StagedModel) -> None:
         materialize(view, self.device, self.options.seed)
         for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
             if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
@@ -259,34 +284,35 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
         for norm in norms:
             distribute_module(norm, mesh, input_fn=to_replicated, output_fn=to_local)
 
-    def _split_experts(self, stage: DecoderStage) -> None:
+    def _split_experts(self, module: torch.nn.Module) -> None:
         """The routed experts over the ep ranks; their gradients are reduced over the dp / ep ranks holding the
         same ones, where the loop's scale expects an average over dp: 1 / ep evens that out."""
-        self._stage_experts = shard_experts(stage, self.expert_mesh["ep"],
-                                            self.dims.expert_replicas / self.dims.gradient_ranks)
+        self._experts = shard_experts(module, self.expert_mesh["ep"],
+                                      self.dims.expert_replicas / self.dims.gradient_ranks)
 
-    def _data_parallel(self, stage: DecoderStage) -> DecoderStage:
-        """Gradients over dp x cp: all-reduced (`replicate`), or with the distributed optimizer reduce-scattered
-        with the optimizer state sharded (FSDP2; parameters resharded after forward with optim_grads_params).
-        Split experts are their own units over the ranks holding the same ones."""
-        layers = list(stage.layers.values())
-        experts = ExpertSharding(self._stage_experts, self.expert_mesh["expert_replicas"]) \
+    def _data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Gradients over dp x cp: all-reduced (`replicate`), or reduce-scattered with the optimizer state sharded
+        (FSDP2, parameters resharded after forward with optim_grads_params; offloaded to the host with
+        fsdp_cpu_offload). Each decoder layer is its own unit; split experts are units over the ranks holding the
+        same ones."""
+        layers = list(module.layers.values()) if isinstance(module, DecoderStage) else decoder_layers(module)
+        experts = ExpertSharding(self._experts, self.expert_mesh["expert_replicas"]) \
             if self.expert_mesh is not None else None
         if self.settings.distributed_optimizer:  # FSDP's mixed-precision policy casts (no autocast then)
-            shard_layers(stage, self.meshes.data_sharding(), layers, self.precision,
-                         reshard_after_forward=self.settings.reshard_parameters, experts=experts)
+            shard_layers(module, self.meshes.data_sharding(), layers, self.precision,
+                         self.settings.reshard_parameters, self.cpu_offload, experts)
         else:
-            replicate_layers(stage, self.data_mesh, layers, experts)
-        return stage
+            replicate_layers(module, self.data_mesh, layers, experts)
+        return module
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.hf_model
+        return model.hf_model if self.stages else model
 
     def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # this rank's stages only
+        return model  # staged: this rank's stages only
 
     def forward_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        return list(self.stages)
+        return list(self.stages) or [model]
 
     # ------------------------------------------------------------- the step
     def no_sync(self, model: torch.nn.Module):
@@ -295,14 +321,14 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
 
         @contextlib.contextmanager
         def skip_gradient_sync():
-            wrapped = [stage for stage in self.stages if hasattr(stage, "set_requires_gradient_sync")]
-            for stage in wrapped:
-                stage.set_requires_gradient_sync(False)
+            wrapped = [unit for unit in self.units if hasattr(unit, "set_requires_gradient_sync")]
+            for unit in wrapped:
+                unit.set_requires_gradient_sync(False)
             try:
                 yield
             finally:
-                for stage in wrapped:
-                    stage.set_requires_gradient_sync(True)
+                for unit in wrapped:
+                    unit.set_requires_gradient_sync(True)
 
         return skip_gradient_sync()
 
@@ -332,6 +358,8 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
     def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False) -> HeadOutput | None:
         """What the head returns for a batch (logits, or its loss sums, see chunked_loss.py) on the rank holding
         the last stage; None elsewhere when pipelined."""
+        if not self.stages:
+            return super().forward(model, batch, per_token)
         self._check_padding_side(batch)
         length = batch["input_ids"].shape[1]
         input_ids = _pad(batch["input_ids"], self.padded_length(length), 0)
@@ -389,7 +417,7 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
     def release(self) -> None:
         super().release()
         self.mesh = self.data_mesh = self.expert_mesh = self.schedule = None
-        self.stages, self._tp_partial = [], []
+        self.stages, self.units, self._tp_partial = [], [], []
 
     # ------------------------------------------------------------ Mixture-of-Experts
     @property
@@ -495,25 +523,60 @@ class MegatronEngine(MegatronTraits, DistributedEngine):
             + self.settings.describe()
 
 
-class ReplicatedStagesEngine(MegatronEngine):
-    """`engine: ddp` with the model split over ranks (tp or pp above 1): the stages replicated over the data ranks,
-    their gradients all-reduced, as DDP's are."""
+class DDPEngine(TorchEngine):
+    """`engine: ddp`: the model (or its stages) replicated over the data ranks, gradients all-reduced."""
 
     name = "ddp"
-    own_keys = DistributedEngine.own_keys
 
 
-class ShardedStagesEngine(MegatronEngine):
-    """`engine: fsdp` with the model split over ranks (tp or pp above 1): each stage FSDP2 over the data ranks
-    (`fsdp_reshard_after_forward` false: parameters kept gathered from forward to backward, optim_grads;
-    `fsdp_shard_size`: hybrid sharding)."""
+class FSDPEngine(TorchEngine):
+    """`engine: fsdp`: parameters, gradients and optimizer state sharded over the data ranks (optim_grads_params;
+    `fsdp_reshard_after_forward` false keeps parameters gathered from forward to backward, optim_grads),
+    `fsdp_shard_size`: hybrid sharding, `fsdp_cpu_offload`: shards and optimizer step on the host."""
 
     name = "fsdp"
-    own_keys = (*DistributedEngine.own_keys, "fsdp_reshard_after_forward", "fsdp_shard_size")
+    own_keys = (*DistributedEngine.own_keys, "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_shard_size")
 
     @classmethod
     def default_strategy(cls, args) -> str:
         return "optim_grads_params" if args.fsdp_reshard_after_forward else "optim_grads"
+
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
+        settings = super().read_settings(args, model_config, world_size, dtype)
+        if args.fsdp_cpu_offload and cls.runs_stages(settings):
+            raise ConfigError(f"key 'fsdp_cpu_offload': fsdp_cpu_offload is not available with engine {cls.name} "
+                              "splitting the model over ranks (tp_degree or pp_degree above 1); remove it, or train "
+                              "without the split")
+        return replace(settings, cpu_offload=args.fsdp_cpu_offload and settings.distributed_optimizer)
+
+
+class MegatronEngine(TorchEngine):
+    """`engine: megatron`: Megatron-Core's defaults (replicated data ranks unless the distributed optimizer is asked
+    for), the model always run as pipeline stages."""
+
+    name = "megatron"
+    own_keys = (*DistributedEngine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer
+    stages_always = True
+
+
+def check_stages(args, model_config, dtype: str, settings: MegatronSettings, name: str) -> None:
+    """What pipeline stages cannot run (they run their own forward, not the HF model's)."""
+    if dtype == "fp16":
+        raise ConfigError(f"dtype fp16 is not available with engine {name}'s pipeline stages (no loss scaler "
+                          "across them); use bf16 (or fp32)")
+    if model_config is not None and expert_shape(model_config, "the model's config") is not None:
+        if settings.tp > 1 and not settings.sequence_parallel:
+            raise ConfigError("plugin_args.sequence_parallelism: a Mixture-of-Experts model with tp_degree > 1 "
+                              "needs sequence parallelism (each tp rank routes its own part of the tokens, as "
+                              "in Megatron-Core); set plugin_args.sequence_parallelism: true")
+    if settings.pp > 1 and (args.reset_position_ids or args.reset_attention_mask):
+        raise ConfigError("reset_position_ids / reset_attention_mask are not available with pp_degree > 1 "
+                          "(positions are not sent between stages); use pp_degree 1")
+    if args.compile and settings.tp > 1:
+        raise ConfigError("compile: true with tp_degree > 1 is not available: the backward of DTensor "
+                          "redistributions through compiled layers fails in this torch version; compile "
+                          "works with pp_degree and dp, or set compile: false")
 
 
 def _run_depths_as_laid_out(model: torch.nn.Module, stages: list[DecoderStage]) -> None:
