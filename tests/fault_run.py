@@ -45,7 +45,7 @@ model = trainer.engine.unwrap(trainer.model)
 def fault_now() -> bool:
     # Only in a job's first launch: a worker group torchrun restarts (--max-restarts) runs clean.
     first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    return bool(ns.fault) and first_launch and rank == ns.rank and trainer.completed_steps + 1 == ns.step
+    return bool(ns.fault) and first_launch and rank == ns.rank and trainer.train_state.step + 1 == ns.step
 
 
 def kill_now(at: str) -> None:
@@ -60,7 +60,7 @@ def hook(module, args, kwargs):
         return
     if ns.at == "step" and fault_now():
         kill_now("step")
-    step = trainer.completed_steps + 1
+    step = trainer.train_state.step + 1
     ids = kwargs["input_ids"].cpu().numpy().tobytes()
     record.write(json.dumps({"step": step, "sample": hashlib.sha1(ids).hexdigest()}) + "\n")
     record.flush()

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 
 from helpers import EXAMPLES
 from pretrainer import ConfigError, PreTrainingArguments
@@ -286,10 +287,45 @@ def test_a_key_given_twice_is_refused_naming_both_places(tmp_path):
                                         ("adamw_params", ["*.mlp.*"])])
 def test_muon_keys_are_refused_when_the_optimizer_is_not_muon(key, value):
     base = {"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, key: value}
-    with pytest.raises(ConfigError, match=f"key '{key}': {key} is set but optimizer is adamw; set optimizer: muon or "
-                                          "remove it"):
+    with pytest.raises(ConfigError, match=rf"key '{key}': {key} is set but optimizer is 'adamw', so it has no "
+                                          rf"effect \(a setting of the Muon optimizer\); set optimizer: muon, or "
+                                          rf"remove {key}"):
         PreTrainingArguments(**base)
     assert getattr(PreTrainingArguments(**base, optimizer="muon"), key) == value
+
+
+# (key, a value that asks for something, the switch that turns its feature on): every row of config/features.py
+FEATURE_KEYS = [
+    ("muon_lr", 0.02, {"optimizer": "muon"}), ("muon_momentum", 0.9, {"optimizer": "muon"}),
+    ("muon_nesterov", False, {"optimizer": "muon"}), ("muon_ns_steps", 3, {"optimizer": "muon"}),
+    ("muon_adjust_lr", "spectral", {"optimizer": "muon"}), ("muon_ns_dtype", "fp32", {"optimizer": "muon"}),
+    ("muon_params", ["lm_head.*"], {"optimizer": "muon"}), ("adamw_params", ["*.mlp.*"], {"optimizer": "muon"}),
+    ("wsd_decay_fraction", 0.1, {"lr_decay_style": "wsd"}), ("wsd_decay_tokens", 100, {"lr_decay_style": "wsd"}),
+    ("wsd_decay_shape", "cosine", {"lr_decay_style": "wsd"}), ("spike_window", 64, {"spike_zscore": 6.0}),
+    ("staging_dir", "/tmp/staging", {"save_dir": "s3://bucket/run"}),
+    ("checkpoint_failure", "warn", {"save_dir": "s3://bucket/run"}),
+    ("mtp_loss_coeff", 0.3, {"mtp_num_layers": 1}),
+    ("moe_token_drop_policy", "position", {"moe_capacity_factor": 1.25}),
+]
+
+
+def test_every_feature_key_is_tested():
+    from pretrainer.config.features import FEATURES
+
+    assert {key for feature in FEATURES for key in feature.keys} == {key for key, *_ in FEATURE_KEYS}
+
+
+@pytest.mark.parametrize("key, value, switch", FEATURE_KEYS)
+def test_a_key_of_a_feature_that_is_off_is_refused_naming_its_switch(tmp_path, key, value, switch):
+    base = {"num_training_steps": 10, "micro_batch_size": 1, "dp": 1}
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**base, key: value}))
+    name = next(iter(switch))
+    with pytest.raises(ConfigError, match=rf"c.yaml, line \d+: key '{key}': {key} is set but {name} is .*, so it "
+                                          rf"has no effect \(.*\); (set|give) .*, or remove {key}"):
+        PreTrainingArguments.from_yaml(config)
+    assert getattr(PreTrainingArguments(**base, **switch, **{key: value}), key) == value
+    assert getattr(PreTrainingArguments(**base), key) == PreTrainingArguments(**base).default_of(key)
 
 
 @pytest.mark.parametrize("key, value, index", [("train_data", [["a.jsonl", "b.jsonl"]], 0),
@@ -334,14 +370,3 @@ def test_an_object_storage_url_is_refused_naming_the_key(keys, named):
                                           r"for a run's data, tasks and folders \(save_dir, resume, cooldown_from\), "
                                           r"not here: give a local path, or mount"):
         PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})
-
-
-@pytest.mark.parametrize("keys, named", [
-    ({"save_dir": "runs/x", "staging_dir": "/tmp/staging"}, "staging_dir"),
-    ({"save_dir": "runs/x", "checkpoint_failure": "warn"}, "checkpoint_failure"),
-])
-def test_the_upload_keys_are_refused_beside_a_local_save_dir(keys, named):
-    with pytest.raises(ConfigError, match=rf"key '{named}': .*save_dir runs/x is local"):
-        PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})
-    PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys,
-                            "save_dir": "s3://bucket/x"})  # a URL takes them

@@ -357,7 +357,7 @@ def test_each_moe_family_trains_with_its_routing_metrics_and_exports_its_logits(
               "save_interval": 0, **BALANCED, "moe_capacity_factor": 1.5}
     with PreTrainer(PreTrainingArguments(**config)) as trainer:
         trainer.train()
-        layers = trainer.extensions[0].routing.layers
+        layers = trainer.callbacks[0].routing.layers
         ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
         trainer.model.eval()
         with torch.no_grad():
@@ -609,7 +609,7 @@ def test_key_checks_refuse_bad_values_before_any_model_is_read():
         PreTrainingArguments(**base, moe_z_loss_coeff=-1.0)
     with pytest.raises(ConfigError, match="moe_capacity_factor must be > 0"):
         PreTrainingArguments(**base, moe_capacity_factor=0.0)
-    with pytest.raises(ConfigError, match="moe_token_drop_policy needs moe_capacity_factor"):
+    with pytest.raises(ConfigError, match="moe_token_drop_policy is set but moe_capacity_factor is None"):
         PreTrainingArguments(**base, moe_token_drop_policy="position")
     with pytest.raises(ConfigError, match="moe_experts_implementation 'fast' is not one of auto, eager"):
         PreTrainingArguments(**base, moe_experts_implementation="fast")

@@ -92,14 +92,14 @@ def test_token_warmup_equals_its_formula_under_cosine():
 @pytest.mark.parametrize("keys, message", [
     ({"warmup_steps": 2, "warmup_tokens": 100}, "warmup_tokens.: set one of warmup_steps, warmup_fraction and "
                                                 "warmup_tokens"),
-    ({"wsd_decay_shape": "1-sqrt"}, "wsd_decay_shape.: wsd_decay_shape shapes the wsd schedule, but lr_decay_style "
-                                    "is cosine"),
+    ({"wsd_decay_shape": "1-sqrt"}, "wsd_decay_shape.: wsd_decay_shape is set but lr_decay_style is 'cosine', so "
+                                    "it has no effect"),
     ({"lr_decay_style": "wsd", "wsd_decay_shape": "sqrt"}, "wsd_decay_shape 'sqrt' is not one of linear, cosine, "
                                                             "1-sqrt"),
     ({"lr_decay_style": "wsd", "wsd_decay_tokens": 100, "wsd_decay_fraction": 0.1}, "set wsd_decay_tokens or "
                                                                                     "wsd_decay_fraction"),
     ({"lr_decay_style": "wsd", "wsd_decay_tokens": -5}, "wsd_decay_tokens must be a number of tokens > 0"),
-    ({"spike_window": 64}, "spike_window is the window of spike_zscore, which is not set"),
+    ({"spike_window": 64}, "spike_window is set but spike_zscore is None, so it has no effect"),
 ])
 def test_bad_schedule_keys_are_named(keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, cpu_engine, eval_losses, read_metrics, train_losses, write_tiny_model
-from pretrainer import ConfigError, DataError, PreTrainer, PreTrainingArguments
+from pretrainer import Callback, ConfigError, DataError, PreTrainer, PreTrainingArguments
 from pretrainer.train.checkpoint import find_latest
 
 
@@ -27,7 +27,7 @@ def test_resume_reproduces_the_uninterrupted_run(base_config, tmp_path):
     run(base_config, save_dir=str(straight))
     interrupted = tmp_path / "interrupted"
     first = run(base_config, save_dir=str(interrupted), exit_interval=3)
-    assert first.completed_steps == 3 and not (interrupted / "hf").exists()
+    assert first.train_state.step == 3 and not (interrupted / "hf").exists()
     run(base_config, save_dir=str(interrupted))  # the same command again: resumes at step 3
     expected, got = train_losses(straight), train_losses(interrupted)
     assert sorted(got) == list(range(1, 7)) == sorted(expected)
@@ -62,7 +62,7 @@ def test_metrics_rows_have_the_documented_fields(base_config):
     eval_row = next(r for r in rows if "eval_loss" in r)
     assert {"step", "eval_loss", "eval_ppl", "eval_acc"} <= set(eval_row)
     assert math.isclose(eval_row["eval_ppl"], math.exp(eval_row["eval_loss"]), rel_tol=1e-9)
-    assert trainer.tokens_seen == 6 * 2 * 2 * 32  # full windows: every input position has a target
+    assert trainer.train_state.tokens == 6 * 2 * 2 * 32  # full windows: every input position has a target
 
 
 def test_gradient_accumulation_matches_one_big_batch(base_config, tmp_path):
@@ -189,6 +189,51 @@ def test_bad_inputs_fail_before_heavy_work(base_config, tmp_path):
         build(resume=str(tmp_path / "no-checkpoint-here"))
 
 
+class Recorder(Callback):
+    """Everything a user's callback hears, and a saved counter of its own."""
+
+    def __init__(self):
+        self.results, self.rows, self.saves, self.steps_counted = [], [], [], 0
+
+    def register_state(self, state) -> None:
+        state.register("recorder", lambda: self.steps_counted, self._load, default=0)
+
+    def _load(self, saved) -> None:
+        self.steps_counted = saved
+
+    def end_step(self, result, state) -> None:
+        assert state.step == result.step
+        self.results.append((result.step, float(result.loss_sum) / float(result.counts[0]), result.applied))
+        self.steps_counted += 1
+
+    def on_row(self, row) -> None:
+        self.rows.append(row)
+
+    def on_save(self, step, path) -> None:
+        self.saves.append((step, Path(path).name))
+
+
+def test_a_users_callbacks_hear_each_step_row_and_save_and_keep_their_state(base_config):
+    first = Recorder()
+    trainer = PreTrainer(PreTrainingArguments(**{**base_config, "exit_interval": 3}), callbacks=[first])
+    trainer.train()
+    assert [step for step, _, _ in first.results] == [1, 2, 3] and all(applied for *_, applied in first.results)
+    logged = {row["step"]: row["loss"] for row in read_metrics(base_config["save_dir"]) if "loss" in row}
+    assert [loss for _, loss, _ in first.results] == pytest.approx([logged[s] for s in (1, 2, 3)], rel=1e-6)
+    assert first.rows == trainer.log_history and first.saves == [(3, "step-3")]
+    again = Recorder()
+    PreTrainer(PreTrainingArguments(**base_config), callbacks=[again]).train()
+    assert [step for step, _, _ in again.results] == [4, 5, 6] and again.steps_counted == 6  # 3 of them resumed
+    assert [step for step, _ in again.saves] == [6]
+
+
+def test_callbacks_that_are_not_callbacks_are_refused(base_config):
+    with pytest.raises(ConfigError, match=r"callbacks\[1\] is a dict, not a pretrainer.Callback"):
+        PreTrainer(PreTrainingArguments(**base_config), callbacks=[Recorder(), {"on_row": print}])
+    with pytest.raises(ConfigError, match="callbacks= takes a list of pretrainer.Callback objects, got Recorder"):
+        PreTrainer(PreTrainingArguments(**base_config), callbacks=Recorder())
+
+
 def test_user_optimizer_and_scheduler_step_once_per_update(base_config):
     from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
@@ -207,7 +252,7 @@ def test_rerunning_a_finished_run_only_reexports(base_config):
     run(base_config)
     before = read_metrics(base_config["save_dir"])
     again = run(base_config)
-    assert again.completed_steps == 6
+    assert again.train_state.step == 6
     after = read_metrics(base_config["save_dir"])
     assert after[:len(before)] == before and len(after) == len(before) + 1  # only a resume row is added
     assert after[-1]["event"] == "resume" and after[-1]["step"] == 6
@@ -220,7 +265,7 @@ def test_small_file_trains_with_an_eval_split(base_config, tmp_path):
     tiny.write_text("def f(x):\n    return x + 1\nprint(f(2))\n")
     trainer = run(base_config, train_data=str(tiny), micro_batch_size=4, seq_length=8, num_training_steps=3,
                   eval_interval=1)
-    assert trainer.completed_steps == 3 and eval_losses(base_config["save_dir"])
+    assert trainer.train_state.step == 3 and eval_losses(base_config["save_dir"])
 
 
 def test_launch_mismatches_are_refused(base_config, monkeypatch):

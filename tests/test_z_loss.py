@@ -13,7 +13,7 @@ from multi_run import launch_cases
 from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 from pretrainer.batch import IGNORE, HeadOutput
 from pretrainer.models.chunked_loss import LinearCrossEntropy
-from pretrainer.run.extensions import OutputZLoss
+from pretrainer.run.callbacks import OutputZLoss, StepResult, TrainState
 
 COEFF = 0.05
 
@@ -57,7 +57,7 @@ def test_on_plain_logits_the_z_term_adds_its_gradient_and_keeps_the_value():
     term._sums = torch.zeros(2, dtype=torch.float64)
     summed = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
     with_z = term.add_to_loss(summed, HeadOutput(logits=logits), targets)
-    term.end_step(applied=True)
+    term.end_step(StepResult(1, summed, torch.ones(2), torch.ones(()), 1e-3, True), TrainState(step=1))
     assert with_z.item() == summed.item()
     assert term._sums[0].item() == pytest.approx(z.item(), rel=1e-6)
     for got, want in zip(torch.autograd.grad(with_z * 0.5, (hidden, weight)), grads):

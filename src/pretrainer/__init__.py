@@ -6,8 +6,8 @@ from .utils import get_pretrain_config_file
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DataError", "PreTrainer", "PreTrainingArguments", "add_model_config_to_megatron_parser",
-           "get_pretrain_config_file", "parse_llama_config"]
+__all__ = ["Callback", "ConfigError", "DataError", "PreTrainer", "PreTrainingArguments", "StepResult", "TrainState",
+           "add_model_config_to_megatron_parser", "get_pretrain_config_file", "parse_llama_config"]
 
 
 def __getattr__(name: str):
@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from .train import PreTrainer
 
         return PreTrainer
+    if name in ("Callback", "StepResult", "TrainState"):
+        from .run import callbacks
+
+        return getattr(callbacks, name)
     if name in ("add_model_config_to_megatron_parser", "parse_llama_config"):
         from .models import registry
 

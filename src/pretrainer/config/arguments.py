@@ -23,6 +23,7 @@ import yaml
 from .downstream import DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, torch_dtype
 from .errors import ConfigError, key_error
+from .features import check_features
 from .loading import (
     allowed_types,
     apply_override,
@@ -52,9 +53,6 @@ from .urls import is_url, parse_url
 logger = logging.getLogger(__name__)
 
 DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
-# keys that only mean something with optimizer: muon (set with another optimizer, they are refused)
-MUON_ONLY_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype",
-                  "muon_params", "adamw_params")
 TXT_MODES = ("line", "file")
 ON_ERROR = ("fail", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
@@ -451,7 +449,7 @@ class PreTrainingArguments:
         self._check_ranges()
         self._check_path_lists()
         self._read_paths()
-        self._check_storage_keys()
+        check_features(self)
         mixture = self.mixture  # read once here, so a mistake fails at load
         own_eval = [source.name for source in (mixture.sources if mixture else ()) if source.eval_paths]
         if own_eval and (self.eval_data is not None or self.megatron_dataset_flag):
@@ -482,18 +480,6 @@ class PreTrainingArguments:
                                     "mount's path")
                 return url or text
             setattr(self, key, _map_paths(getattr(self, key), read))
-
-    def _check_storage_keys(self) -> None:
-        """The keys of a save_dir URL's uploads are refused beside a local save_dir, where they would do nothing."""
-        if self.remote_save_dir:
-            return
-        where = f"save_dir {self.save_dir} is local" if self.save_dir else "there is no save_dir"
-        if self.staging_dir is not None:
-            raise key_error("staging_dir", f"staging_dir is where a save_dir URL's files are written before they are "
-                            f"uploaded, but {where}: remove staging_dir")
-        if self.checkpoint_failure != "fatal":
-            raise key_error("checkpoint_failure", f"checkpoint_failure applies to uploads to a save_dir URL, but "
-                            f"{where} (a failed local save always stops the run): remove checkpoint_failure")
 
     def _check_path_lists(self) -> None:
         """Each item of a list of files is a path, glob or folder (a string), not a nested list or mapping;
@@ -620,23 +606,10 @@ class PreTrainingArguments:
                             "(cooldown_tokens=T)")
         if self.cooldown_tokens is not None and self.cooldown_tokens <= 0:
             raise key_error("cooldown_tokens", f"cooldown_tokens must be > 0, got {self.cooldown_tokens}")
-        changed = [k for k, default in (("wsd_decay_fraction", 0.2), ("wsd_decay_tokens", None),
-                                        ("wsd_decay_shape", "linear")) if getattr(self, k) != default]
-        if self.cooldown_from is not None:  # a branch decays in wsd_decay_shape whatever the parent's style
-            changed = [k for k in changed if k != "wsd_decay_shape"]
-        if changed and self.lr_decay_style != "wsd":
-            raise key_error(changed[0], f"{changed[0]} shapes the wsd schedule, but lr_decay_style is "
-                            f"{self.lr_decay_style}; set lr_decay_style: wsd or remove {changed[0]}")
         if self.wsd_decay_tokens is not None and self.wsd_decay_fraction != 0.2:
             raise key_error("wsd_decay_tokens", "set wsd_decay_tokens or wsd_decay_fraction, not both")
 
     def _check_muon(self) -> None:
-        if self.optimizer != "muon":
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            given = [name for name in MUON_ONLY_KEYS if getattr(self, name) != defaults[name]]
-            if given:
-                raise key_error(given[0], f"{given[0]} is set but optimizer is {self.optimizer}; set optimizer: muon "
-                                "or remove it")
         if not 0 <= self.muon_momentum < 1:
             raise key_error("muon_momentum", f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 1 <= self.muon_ns_steps < 100:
@@ -662,9 +635,6 @@ class PreTrainingArguments:
                             f"{self.spike_zscore}")
         if self.spike_window < 4:
             raise key_error("spike_window", f"spike_window must be >= 4 accepted steps, got {self.spike_window}")
-        if self.spike_window != 128 and self.spike_zscore is None:
-            raise key_error("spike_window", "spike_window is the window of spike_zscore, which is not set; set "
-                            "spike_zscore (e.g. 6) or remove spike_window")
         longest = datetime.timedelta.max.total_seconds() / 60  # what a process group's timeout can hold
         if not 0 < self.distributed_timeout_minutes <= longest:
             raise key_error("distributed_timeout_minutes", f"distributed_timeout_minutes must be > 0 and at most "

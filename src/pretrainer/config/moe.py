@@ -96,9 +96,6 @@ def check_moe_keys(args) -> None:
     if args.moe_token_drop_policy is not None and args.moe_token_drop_policy not in DROP_POLICIES:
         raise key_error("moe_token_drop_policy", f"moe_token_drop_policy {args.moe_token_drop_policy!r} is not one "
                                                  f"of {', '.join(DROP_POLICIES)}")
-    if args.moe_token_drop_policy is not None and args.moe_capacity_factor is None:
-        raise key_error("moe_token_drop_policy", "moe_token_drop_policy needs moe_capacity_factor (without it "
-                                                 "no token is dropped)")
     implementation = args.moe_experts_implementation
     if implementation is not None and implementation not in EXPERTS_IMPLEMENTATIONS:
         raise key_error("moe_experts_implementation", f"moe_experts_implementation {implementation!r} is not one of "

@@ -25,9 +25,6 @@ def check_mtp_keys(depths, coeff) -> None:
     if not isinstance(depths, int) or isinstance(depths, bool) or depths < 0:
         raise key_error("mtp_num_layers", f"mtp_num_layers must be a whole number >= 0 (0: off; DeepSeek-V3 trains "
                         f"1), got {depths!r}")
-    if not depths and coeff != DEFAULT_LOSS_COEFF:
-        raise key_error("mtp_loss_coeff", "mtp_loss_coeff is set but mtp_num_layers is 0 (no multi-token prediction "
-                        "depths to weigh); set mtp_num_layers or remove mtp_loss_coeff")
     if depths and not coeff > 0:
         raise key_error("mtp_loss_coeff", f"mtp_loss_coeff must be > 0 with mtp_num_layers {depths} (0.1 is "
                         f"Megatron-Core's default, 0.3 DeepSeek-V3's early value), got {coeff!r}")

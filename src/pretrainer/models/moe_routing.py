@@ -107,7 +107,7 @@ class MoeRouting:
         return bool(self.settings.aux_loss_coeff or self.settings.z_loss_coeff)
 
     def begin_step(self, unit_weight: torch.Tensor | float) -> None:
-        """`unit_weight`: the factor of one unit's losses (dims.gradient_ranks / units in the global batch)."""
+        """`unit_weight`: the factor of one unit's losses (the engine's `mean_weight` of the global batch's units)."""
         self._weight = unit_weight
         for queue in self._replays:
             queue.clear()

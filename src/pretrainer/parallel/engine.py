@@ -122,6 +122,12 @@ class Engine(EngineTraits, ABC):
         one replica (tp x pp x cp) are consecutive."""
         return self.rank // self.dims.replica_ranks
 
+    def mean_weight(self, units):
+        """The weight of a summed loss in the gradient of its mean over `units` (the global count of tokens,
+        sequences or micro-batches): 1 / units, times the ranks the engine averages each gradient over, which
+        undoes that average (it is an average, not a sum, on every engine)."""
+        return self.dims.gradient_ranks / units
+
     @property
     def data_world_size(self) -> int:
         """How many replicas read different data."""

@@ -211,8 +211,6 @@ class EngineTraits:
     supports_expert_parallel = False   # experts can be split over ranks (expert_parallel.py)
     trains_muon = True  # optimizer: muon runs here (whole matrices gathered where parameters are sharded)
     muon_refusal = ""   # why not, where it does not
-    trains_moe = True   # models with experts train here (each rank holds every expert: no expert parallelism)
-    moe_refusal = ""
 
     can_shard_gradients = False  # some layout of this engine shards gradients (see shards_gradients)
     reads_plugin_layout = False  # plugin_args' tp/pp/sequence-parallel/recompute settings lay out this engine

@@ -23,7 +23,8 @@ class IntervalMeter:
         self.performed_per_token = flops.performed_per_token(recompute)
         self._warned = False
         self.phases = StepPhases(engine.device)
-        self.pending_targets = torch.zeros((), dtype=torch.int64, device=engine.device)  # not yet in tokens_seen
+        # not yet in the train state's tokens
+        self.pending_targets = torch.zeros((), dtype=torch.int64, device=engine.device)
         self._reset()
 
     def _reset(self) -> None:

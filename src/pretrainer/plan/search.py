@@ -27,7 +27,6 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
     """`loss_chunk(micro_batch)`: the chunk the run would resolve for that micro-batch."""
     variants = [{"engine": entry, **variant} for entry in ENGINES
                 if layout.optimizer != "muon" or entry.cls.trains_muon
-                if not shape.experts or entry.cls.trains_moe
                 for variant in entry.costs.layout_variants(layout.world_size, layout.devices_per_node, shape,
                                                          layout.seq_length)
                 # an MoE model and multi-token prediction depths train whole sequences

@@ -7,7 +7,7 @@ and the planner's baseline run all go through `assemble_run`, so each puts a run
     create_engine      the engine with its device meshes
     assemble_data      this rank's train stream and eval batches (training only)
     the model          built (or the one given), its trainable parameters chosen, the chunked loss installed,
-                       what the run trains read off it, its step extensions made (an MoE model's routing)
+                       what the run trains read off it, its callbacks made (an MoE model's routing)
     the engine's setup wrapped with its optimizer and schedule (training), or only placed (evaluate, export)
 """
 
@@ -35,7 +35,7 @@ from ..parallel import Engine, World, create_engine
 from ..perf import flops_per_token
 from ..perf.flops import FlopsCount
 from ..perf.host_memory import RETURN_ABOVE_BYTES, apply_heap_policy
-from .extensions import SourceAccounting, StepExtension, step_extensions
+from .callbacks import Callback, SourceAccounting, model_callbacks
 from .resolve import ResolvedRun, resolve_run
 
 logger = logging.getLogger("pretrainer")
@@ -70,17 +70,18 @@ class AssembledRun:
     optimizer: object = None
     scheduler: object = None
     data: RunData | None = None
-    extensions: list[StepExtension] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)  # the model's, the mixture's, then the user's
     predicted_memory: object = None   # what `before_build` returned (the memory plan's prediction)
     host_heap: str | None = None      # on a CPU, what malloc does with freed blocks (reuse | return); None: unchanged
 
 
 def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler=None,
-                 data: DataSources | None = DataSources(), before_build=None) -> AssembledRun:
+                 data: DataSources | None = DataSources(), before_build=None, callbacks=()) -> AssembledRun:
     """The run `args` describes on `world`. `model` (and `optimizer`, `lr_scheduler`): the user's own; `data`
     None: no data and no optimizer (the model is only placed: evaluate, export); `before_build(args, resolved,
     world) -> (resolved, prediction)`: called before the engine, the data and the model take memory (not for a
-    model already built); it may decide what the run left to it (`accumulate_gradients: auto`)."""
+    model already built); it may decide what the run left to it (`accumulate_gradients: auto`); `callbacks`: the
+    user's (run/callbacks.py), attached after the run's own."""
     resolved = resolve_run(args, world, model_config=model.config if model is not None else None,
                            check_model=model is None or data is None or data.train_dataloader is None)
     predicted = None
@@ -93,7 +94,7 @@ def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler
     heap = _set_host_heap(resolved, world)
     engine = create_engine(resolved.engine, resolved.options, world)
     try:
-        run = _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, predicted)
+        run = _assemble_on(engine, args, resolved, world, model, optimizer, lr_scheduler, data, predicted, callbacks)
         return replace(run, host_heap=heap)
     except BaseException:
         engine.release()  # its meshes and groups go before the process group does
@@ -116,7 +117,7 @@ def _set_host_heap(resolved: ResolvedRun, world: World) -> str | None:
 
 
 def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, model, optimizer, lr_scheduler,
-                 data: DataSources | None, predicted) -> AssembledRun:
+                 data: DataSources | None, predicted, callbacks) -> AssembledRun:
     training = data is not None
     if optimizer is not None and engine.shards_parameters:
         raise ConfigError(f"engine {engine.name} re-creates the model's parameters when it wraps the model "
@@ -130,7 +131,7 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
     else:
         model.config.use_cache = False
     add_multi_token_prediction(model, resolved.mtp_depths, resolved.model, args.seed)
-    facts, extensions = _prepare_model(args, resolved, model, engine, training)
+    facts, made = _prepare_model(args, resolved, model, engine, training)
     if not training:
         return AssembledRun(resolved, engine, engine.place(model), facts, predicted_memory=predicted)
     model, optimizer, lr_scheduler = engine.setup(
@@ -138,10 +139,11 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         build_optimizer=lambda m: build_optimizer(engine.trained_module(m), resolved.optimizer, engine.device),
         build_scheduler=lambda o: build_scheduler(o, resolved.schedule))
     if run_data.mixture is not None:
-        extensions.append(SourceAccounting(run_data.mixture, run_data.train))
-    for extension in extensions:
-        extension.attach(engine, model)
-    return AssembledRun(resolved, engine, model, facts, optimizer, lr_scheduler, run_data, extensions, predicted)
+        made.append(SourceAccounting(run_data.mixture, run_data.train))
+    for callback in (*made, *callbacks):
+        callback.attach(engine, model)
+    return AssembledRun(resolved, engine, model, facts, optimizer, lr_scheduler, run_data, [*made, *callbacks],
+                       predicted)
 
 
 def _assemble_data(args, resolved: ResolvedRun, engine: Engine, world: World, sources: DataSources) -> RunData:
@@ -153,7 +155,7 @@ def _assemble_data(args, resolved: ResolvedRun, engine: Engine, world: World, so
 
 
 def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: Engine, training: bool
-                   ) -> tuple[ModelFacts, list[StepExtension]]:
+                   ) -> tuple[ModelFacts, list[Callback]]:
     """Before the engine wraps it: the trainable parameters and the chunked loss (training), and what the run
     trains, read off the whole model."""
     parameters = count_parameters(model)
@@ -167,7 +169,7 @@ def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: 
                        getattr(model.get_output_embeddings(), "loss_chunk_size", 0),
                        flops_per_token(model, resolved.sizes.seq_length, idle, resolved.mtp_depths),
                        checkpoint.stats if checkpoint is not None else None)
-    return facts, step_extensions(model, resolved) if training else []
+    return facts, model_callbacks(model, resolved) if training else []
 
 
 def _install_chunked_loss(resolved: ResolvedRun, model: torch.nn.Module) -> None:

@@ -39,7 +39,6 @@ from ..models import (
 )
 from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, planned_world, select_engine
 from ..parallel.activation_checkpoint import RecomputeSettings
-from ..parallel.registry import engines_that
 from .branch import read_branch_point
 from .device import resolve_device, resolve_dtype
 from .rules import check_rules
@@ -140,23 +139,13 @@ def check_experts_first(args, config, where: str) -> None:
                           f"{where} declares; use a divisor of {experts.experts}")
 
 
-def moe_settings(args, entry: EngineEntry, config, where: str, dims: ParallelDims) -> MoeSettings | None:
-    """The MoE part of a model with experts, refused where this engine or layout cannot train it yet."""
+def moe_settings(args, config, where: str, dims: ParallelDims) -> MoeSettings | None:
+    """The MoE part of a model with experts (its expert parallelism checked first: check_experts_first), refused
+    where this layout cannot train it yet."""
     moe = MoeSettings.of(args, config, where)
-    if moe is None:
-        if dims.ep > 1:
-            raise ConfigError(f"key 'expert_parallel_degree': {dims.ep} is set but {where} describes a dense model "
-                              "(no experts to split); set it to 1")
-        return None
-    if not entry.cls.trains_moe:
-        raise ConfigError(f"{where} describes a Mixture-of-Experts model, which engine {entry.name} does not train: "
-                          f"{entry.cls.moe_refusal} Use engine {engines_that(lambda c: c.trains_moe)}")
-    if dims.cp > 1:
+    if moe is not None and dims.cp > 1:
         raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
                           "sequences on each rank (its balancing losses are per sequence); set it to 1")
-    if moe.shape.experts % dims.ep:
-        raise ConfigError(f"key 'expert_parallel_degree': {dims.ep} does not divide the {moe.shape.experts} experts "
-                          f"{where} declares; use a divisor of {moe.shape.experts}")
     return moe
 
 
@@ -214,7 +203,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     vocab = spec.growth.new_size if spec is not None and spec.growth is not None else config.vocab_size
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
                                vocab)
-    moe = moe_settings(args, entry, config, where, dims)
+    moe = moe_settings(args, config, where, dims)
     mtp = mtp_settings(args, config, sizes.seq_length, dims.cp)
     sequence_parallel, schedule = cls.parallel_style(settings)
     accumulate, why = accumulation_mode(args, entry, settings, sizes)

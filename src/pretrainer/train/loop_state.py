@@ -1,6 +1,6 @@
 """What a checkpoint keeps of the loop beside the model and optimizer: the schedule's and the loss scaler's
 state, the token count, the data position, the skipped updates, the spike rules' windows, the keys that shape
-the run's state (resume_keys.py), the extensions' own state and the RNG, each registered once as a `RunState`
+the run's state (resume_keys.py), the callbacks' own state and the RNG, each registered once as a `RunState`
 component (run_state.py); and the resume that loads them."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def loop_state(trainer) -> RunState:
     state.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, per_rank=True)
     state.register("scaler", trainer.engine.precision.state_dict, trainer.engine.precision.load_state_dict,
                    per_rank=True)
-    state.register("tokens", lambda: trainer.tokens_seen, lambda tokens: setattr(trainer, "tokens_seen", int(tokens)),
-                   default=0)
+    progress = trainer.train_state
+    state.register("tokens", lambda: progress.tokens, progress.load_tokens, default=0)
     state.register("data", trainer.train_stream.state_dict, trainer.train_stream.load_state_dict)
     state.register("skipped_updates", lambda: trainer.skips.total, trainer.skips.load, default=0)
     state.register("loss_history", guard.state_dict if guard else list, guard.load_state_dict if guard
@@ -36,8 +36,8 @@ def loop_state(trainer) -> RunState:
     # checked against this run before anything is built (resume_keys.py), so loading them does nothing
     state.register(RECORD, lambda: recorded_keys(trainer.pretrain_args, trainer.branch), lambda saved: None,
                    default=None)
-    for extension in trainer.extensions:  # a feature's own saved state (a mixture's token counts)
-        extension.register_state(state)
+    for callback in trainer.callbacks:  # a feature's own saved state (a mixture's token counts)
+        callback.register_state(state)
     state.register("rng", rng_state, set_rng_state, per_rank=True)  # last: loading the rest may draw numbers
     return state
 
@@ -99,8 +99,8 @@ def resume_run(trainer) -> None:
     if changed:
         logger.warning("resuming from %s, whose config (its config.yaml) differs from this run's in: %s", path,
                        ", ".join(changed))
-    trainer.completed_steps = int(saved["step"])
+    trainer.train_state.step = int(saved["step"])
     if trainer.starting_branch or trainer.pretrain_args.override_schedule:  # the new schedule from this step on
         realign_to_schedule(trainer.lr_scheduler, peaks)
     logger.info("%s from %s at step %d", "cooldown branch starts" if trainer.starting_branch else "resumed", path,
-                trainer.completed_steps)
+                trainer.train_state.step)

@@ -14,7 +14,7 @@ logger = logging.getLogger("pretrainer")
 
 
 class RunLog:
-    def __init__(self, args, engine, flops, recompute: str, history: list[dict]):
+    def __init__(self, args, engine, flops, recompute: str, history: list[dict], callbacks=()):
         self.is_main = engine.is_main
         trackers = open_trackers(args.report_to, args.run_dir, args.project_name, args.to_dict()) \
             if engine.is_main else []
@@ -22,12 +22,15 @@ class RunLog:
         self.meter = IntervalMeter(engine, flops, device_peak(engine.device, engine.precision.compute_dtype,
                                                               args.peak_tflops), recompute)
         self.history = history
+        self.callbacks = callbacks  # each hears of every row (run/callbacks.py's on_row)
         self.progress: Progress | None = None
         self._deferred: list[dict] = []
 
     def record(self, row: dict) -> None:
         self.metrics.write(row)
         self.history.append(row)
+        for callback in self.callbacks:
+            callback.on_row(row)
 
     def defer(self, row: dict) -> None:
         """A row produced inside a step, written once the step is done."""

@@ -13,6 +13,7 @@ import torch
 
 from ..config import ConfigError, check_writable_folder
 from ..perf.peak import processor_name
+from ..run.callbacks import Callback
 from .trackers import requested as requested_trackers
 
 logger = logging.getLogger("pretrainer")
@@ -40,14 +41,14 @@ def model_ready_row(engine, stats) -> dict:
 def start_row(trainer, meter, resumed: bool) -> dict:
     """The first row a run (or a resumed run) writes: what runs, where, and what it was measured against."""
     args, engine, facts = trainer.pretrain_args, trainer.engine, trainer.facts
-    row = {"event": "resume" if resumed else "start", "step": trainer.completed_steps,
+    row = {"event": "resume" if resumed else "start", "step": trainer.train_state.step,
            "config_hash": args.config_hash(), "engine": engine.name, "world_size": engine.world_size,
            "device": str(engine.device), "dtype": trainer.resolved.dtype,
            "hardware": f"{processor_name(engine.device)}, {torch.get_num_threads()} thread(s) per process",
            "parameters": facts.parameters, "vocab_size": facts.vocab_rows, "loss_chunk_size": facts.loss_chunk_size,
            "flops_per_token": facts.flops.per_token}
-    for extension in trainer.extensions:
-        row.update(extension.start_row())
+    for callback in trainer.callbacks:
+        row.update(callback.start_row())
     if trainer.branch is not None:  # a cooldown branch: its lineage, for the reports
         row["branch_of"] = trainer.branch.lineage
     row["peak"] = meter.peak.describe()
@@ -63,7 +64,7 @@ def print_banner(trainer, meter) -> None:
     if not engine.is_main:
         return
     sizes = run.sizes
-    features = "".join(f"; {e.describe()}" for e in trainer.extensions if e.describe())
+    features = "".join(f"; {e.describe()}" for e in trainer.callbacks if e.describe())
     optimizer = f"{type(trainer.optimizer).__name__} (given)" if trainer.optimizer_given else run.optimizer.describe()
     for line in ("***** Running training *****",
                  f"  Num examples = {sizes.train_samples}",
@@ -93,8 +94,14 @@ def prepare_process(args, world) -> None:
         logging.getLogger("pretrainer").setLevel(logging.WARNING)
 
 
-def check_inputs(args, accelerator, model, optimizer, lr_scheduler) -> None:
+def check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks=()) -> None:
     """What the constructor is given, checked before any heavy work."""
+    if not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(f"callbacks= takes a list of pretrainer.Callback objects, got {type(callbacks).__name__}")
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"callbacks[{index}] is a {type(callback).__name__}, not a pretrainer.Callback; "
+                              "subclass pretrainer.Callback and override the events it needs")
     if accelerator is not None:
         logger.info("an accelerator object was passed; pretrainer places and wraps the model itself, "
                     "the accelerator is kept only as an attribute")

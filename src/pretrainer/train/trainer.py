@@ -1,13 +1,12 @@
 """`PreTrainer`: the training loop, readable in one sitting.
 
-Construction is a list of steps, cheapest checks first: the launch (`run.launch_world`), the checkpoint to
-resume from (elected by the main rank), the seed, then one assembly of the run (`run.assemble_run`: the resolved
-run, the engine with its meshes, the memory check, the data, the model, optimizer and schedule, and the model's
-step extensions), then what the loop delegates to: the saved state components, the validator, the downstream
-evaluator and the checkpointer. `train()` resumes from the latest checkpoint and runs optimizer steps of
-`gradient_accumulation_steps` micro-batches; what happens after a step is delegated: the checkpointer says when
-to save, the validator when to evaluate, the stop rules when to leave. At the end it evaluates, saves, exports
-an HF folder and writes the report.
+Construction is a list of steps, cheapest checks first: the launch, the checkpoint to resume from (elected by the
+main rank), the seed, one assembly of the run (`run.assemble_run`: the resolved run, the engine with its meshes,
+the memory check, the data, the model, optimizer and schedule, the callbacks: the model features' and the user's),
+then what the loop delegates to: the saved state, the validator, the downstream evaluator, the checkpointer.
+`train()` resumes, then runs optimizer steps, each returning a `StepResult`; after a step the checkpointer says
+when to save, the validator when to evaluate, the stop rules when to leave. At the end it evaluates, saves,
+exports an HF folder and writes the report.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
 from ..run.branch import branch_args, no_folder_left_if_refused
-from ..run.extensions import combined_loss, combined_losses
+from ..run.callbacks import StepResult, TrainState, combined_loss, combined_losses
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
@@ -52,20 +51,20 @@ logger = logging.getLogger("pretrainer")
 
 class PreTrainer:
     def __init__(self, pretrain_args: PreTrainingArguments, accelerator=None, model=None, optimizer=None,
-                 lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
+                 lr_scheduler=None, train_dataloader=None, eval_dataloader=None, callbacks=()):
         setup_logging()
         # a cooldown branch (cooldown_from) starts from its parent's checkpoint, in a folder of its own
         args, self.branch = branch_args(pretrain_args)
         with no_folder_left_if_refused(args, self.branch):
             self.pretrain_args = args
             self.accelerator = accelerator
-            check_inputs(args, accelerator, model, optimizer, lr_scheduler)
+            check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks)
             self.world = launch_world(args)
             self._closed = False
             self._started = time.perf_counter()
             atexit.register(_close_at_exit, weakref.ref(self))  # before the interpreter tears down (see close)
             try:
-                self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+                self._assemble(args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, callbacks)
             except BaseException:
                 # In a process of its own (a script, a notebook, a test) the next PreTrainer must find no group
                 # left; under a launcher the process ends with the error, which is told first (a peer's exit
@@ -74,7 +73,7 @@ class PreTrainer:
                     self.close(barrier=False)
                 raise
 
-    def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader) -> None:
+    def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, callbacks) -> None:
         """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
         world = self.world
         prepare_process(args, world)
@@ -87,24 +86,23 @@ class PreTrainer:
         self.optimizer_given = optimizer is not None
         run = assemble_run(args, world, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                            data=DataSources(train_dataloader, eval_dataloader, self.hooks.datasets_provider),
-                           before_build=check_memory_before_build)
+                           before_build=check_memory_before_build, callbacks=callbacks)
         self.resolved, self.engine, self.tokenizer = run.resolved, run.engine, run.resolved.tokenizer
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.eval_sources = run.data.eval_sources  # a mixture's: evaluated one by one too
-        self.facts, self.extensions, self.predicted_memory = run.facts, run.extensions, run.predicted_memory
+        self.facts, self.callbacks, self.predicted_memory = run.facts, run.callbacks, run.predicted_memory
         self.host_heap = run.host_heap
         self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
-        self.extra_losses = combined_losses(self.extensions)  # what the extensions add to each backward
-        self.loss_fn = combined_loss(self.hooks.loss, self.extensions)  # with the extensions' terms (z-loss)
+        self.extra_losses = combined_losses(self.callbacks)  # what the callbacks add to each backward
+        self.loss_fn = combined_loss(self.hooks.loss, self.callbacks)  # with the callbacks' terms (z-loss)
         self.model_memory = model_ready_row(self.engine, run.facts.load_stats)
         self._setup_loop()
 
     def _setup_loop(self) -> None:
         """The loop's counters and rules, its saved state, and what it delegates to."""
         args, engine = self.pretrain_args, self.engine
-        self.completed_steps = 0
-        self.tokens_seen = 0
+        self.train_state = TrainState()
         self.skips = SkippedUpdates(args.max_skipped_updates)
         self.stop_requests = StopRequests()
         self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
@@ -131,7 +129,7 @@ class PreTrainer:
             self._abandon_checkpoint()
             if self.engine.world_size == 1 or not is_collective_failure(exc):
                 raise
-            raise collective_failure(exc, self.engine.rank, self.completed_steps + 1,
+            raise collective_failure(exc, self.engine.rank, self.train_state.step + 1,
                                      self.pretrain_args.distributed_timeout_minutes) from exc
         except BaseException as exc:
             if not isinstance(exc, TrainingInterrupted):  # a stop request's checkpoint is complete
@@ -169,21 +167,22 @@ class PreTrainer:
         self.close(barrier=kind is None)
 
     def _train(self) -> dict:
-        args, engine = self.pretrain_args, self.engine
+        args, engine, state = self.pretrain_args, self.engine, self.train_state
         resume_run(self)
-        self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history)
-        log.record(start_row(self, log.meter, resumed=self.completed_steps > 0 and not self.starting_branch))
-        if self.completed_steps >= self.total_steps:
+        self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history,
+                                self.callbacks)
+        log.record(start_row(self, log.meter, resumed=state.step > 0 and not self.starting_branch))
+        if state.step >= self.total_steps:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
-                        self.completed_steps, self.total_steps)
+                        state.step, self.total_steps)
             self._export_to_save_dir()
             self.files.push_outputs(self.engine)
             log.close()
-            return {"exited_early": False, "step": self.completed_steps, "tokens": self.tokens_seen}
+            return {"exited_early": False, "step": state.step, "tokens": state.tokens}
         print_banner(self, log.meter)
         watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
         try:
-            stop = self._steps(log.start_progress(self.total_steps, self.completed_steps), watchdog)
+            stop = self._steps(log.start_progress(self.total_steps, state.step), watchdog)
         finally:  # on every way out: the watchdog thread is stopped and joined, the bar closed
             log.close_progress()
             watchdog.close()
@@ -196,24 +195,24 @@ class PreTrainer:
         engine.barrier()
         if stop == "interrupted":
             name = self.stop_requests.name or "a stop request on another rank"
-            logger.warning("stopped after step %d on %s%s; rerun the same command to continue", self.completed_steps,
-                           name, " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
-            raise TrainingInterrupted(self.completed_steps, name)
-        return {"exited_early": stop == "exit_interval", "step": self.completed_steps, "tokens": self.tokens_seen}
+            logger.warning("stopped after step %d on %s%s; rerun the same command to continue", state.step, name,
+                           " (checkpoint saved)" if args.save_dir else " (no save_dir: nothing was saved)")
+            raise TrainingInterrupted(state.step, name)
+        return {"exited_early": stop == "exit_interval", "step": state.step, "tokens": state.tokens}
 
     def _steps(self, progress, watchdog) -> str | None:
         """The step loop; returns why it left early: "interrupted", "exit_interval" or None (the last step)."""
-        args, log = self.pretrain_args, self.log
+        args, log, state = self.pretrain_args, self.log, self.train_state
         self.model.train()
         step_start = time.perf_counter()
-        while self.completed_steps < self.total_steps:
-            with watchdog.watching(self.completed_steps + 1):
-                step_loss, counts, grad_norm, lr = self._train_step(log.meter.phases)
-            self.completed_steps = step = self.completed_steps + 1
-            log.meter.add(step_loss, counts, time.perf_counter() - step_start)
+        while state.step < self.total_steps:
+            with watchdog.watching(state.step + 1):
+                result = self._train_step(log.meter.phases)
+            step = state.step
+            log.meter.add(result.loss_sum, result.counts, time.perf_counter() - step_start)
             log.write_deferred()
             if step % args.log_interval == 0 or step == self.total_steps:
-                self._log_step(lr, grad_norm)
+                self._log_step(result)
             progress.update(step)
             if self.checkpointer is not None and self.checkpointer.is_due(step):
                 self._save_checkpoint()
@@ -229,17 +228,14 @@ class PreTrainer:
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         return None
 
-    def _train_step(self, phases: StepPhases):
+    def _train_step(self, phases: StepPhases) -> StepResult:
         """One optimizer step over the step's micro-batches (`gradient_accumulation_steps`, or a batch ramp's),
-        averaged over all their tokens.
-
-        Returns this rank's loss sum, the global [targets, useful tokens] (device tensors: nothing here waits
-        for the device), the gradient norm and the learning rate used.
-        """
-        args, engine = self.pretrain_args, self.engine
+        averaged over all their tokens; the train state counts it before the callbacks hear of it. Nothing here
+        waits for the device (the result's tensors are device tensors)."""
+        args, engine, state = self.pretrain_args, self.engine, self.train_state
         with phases.host("data"):
             host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
-                            for _ in range(self.resolved.sizes.accumulation(self.completed_steps))]
+                            for _ in range(self.resolved.sizes.accumulation(state.step))]
             local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
                                          sum(count_inputs(b) for b in host_batches),
                                          sum(len(b["input_ids"]) for b in host_batches)], dtype=torch.int64)
@@ -248,11 +244,9 @@ class PreTrainer:
         # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
         with phases.host("comm"):
             counts = engine.reduce_counts(local_counts)
-        # Engines average gradients over ranks; scaling by their number makes the result the gradient of
-        # (sum of token losses on all ranks) / (tokens on all ranks).
-        scale = engine.dims.gradient_ranks / counts[0].clamp(min=1)
-        for extension in self.extensions:
-            extension.begin_step(counts, host_batches)
+        scale = engine.mean_weight(counts[0].clamp(min=1))  # the gradient of the mean over every rank's tokens
+        for callback in self.callbacks:
+            callback.begin_step(counts, host_batches)
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
         guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
@@ -265,14 +259,16 @@ class PreTrainer:
                 engine.finish_step(self.optimizer, self.lr_scheduler)
             else:
                 self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
-            for extension in self.extensions:
-                extension.end_step(applied)
+            state.step += 1
+            result = StepResult(state.step, local_loss, counts[:2], grad_norm, lr, applied)
+            for callback in self.callbacks:
+                callback.end_step(result, state)
         if guard is not None:
             guard.after_update(applied, grad_norm)
-        skipped = self.skips.record(self.completed_steps + 1, applied, grad_norm, guard and guard.reason)
+        skipped = self.skips.record(state.step, applied, grad_norm, guard and guard.reason)
         if skipped is not None:
             self.log.defer(skipped)
-        return local_loss, counts[:2], grad_norm, lr
+        return result
 
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
@@ -288,39 +284,43 @@ class PreTrainer:
 
     # ---------------------------------------------------- what a step delegates
     def _count_tokens(self) -> None:
-        """Move the meter's target count into tokens_seen (a device read: only at log, save and end)."""
-        self.tokens_seen += self.log.meter.take_targets()
+        """Move the meter's target count into the train state (a device read: only at log, save and end)."""
+        self.train_state.tokens += self.log.meter.take_targets()
 
-    def _log_step(self, lr: float, grad_norm) -> None:
+    def _log_step(self, result: StepResult) -> None:
         self._count_tokens()
-        row = {"step": self.completed_steps, **self.log.meter.row(), "lr": lr, "grad_norm": float(grad_norm),
-               "tokens": self.tokens_seen, "epoch": self.train_stream.epoch}
-        for extension in self.extensions:
-            row.update(extension.interval_row())
+        row = {"step": result.step, **self.log.meter.row(), "lr": result.lr, "grad_norm": float(result.grad_norm),
+               "tokens": self.train_state.tokens, "epoch": self.train_stream.epoch}
+        for callback in self.callbacks:
+            row.update(callback.interval_row())
         self.log.train_row(row)
 
     def _score_downstream(self, tasks) -> None:
         self._count_tokens()
-        self.log.record({**self.downstream.run(self.model, self.completed_steps, tasks), "tokens": self.tokens_seen})
+        state = self.train_state
+        self.log.record({**self.downstream.run(self.model, state.step, tasks), "tokens": state.tokens})
         self.model.train()
 
     def _evaluate(self) -> None:
-        self.log.eval_row(self.validator.run(self.model, self.completed_steps))
+        self.log.eval_row(self.validator.run(self.model, self.train_state.step))
         self.model.train()
 
-    def _save_checkpoint(self) -> Path | None:
+    def _save_checkpoint(self) -> None:
         """Save after the current step (once: a step already saved is not written again)."""
-        if self.checkpointer.saved(self.completed_steps):
-            return None
+        step = self.train_state.step
+        if self.checkpointer.saved(step):
+            return
         self._count_tokens()
-        return self.checkpointer.save(self.completed_steps, model=self.model, optimizer=self.optimizer)
+        path = self.checkpointer.save(step, model=self.model, optimizer=self.optimizer)
+        for callback in self.callbacks:
+            callback.on_save(step, path)
 
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:
         args = self.pretrain_args
-        if self.validator.is_due_at_end(self.completed_steps):
+        if self.validator.is_due_at_end(self.train_state.step):
             self._evaluate()
-        if tasks := self.downstream.due_at_end(self.completed_steps):
+        if tasks := self.downstream.due_at_end(self.train_state.step):
             self._score_downstream(tasks)
         self.downstream.log_total(time.perf_counter() - self._started)
         if self.checkpointer is not None:

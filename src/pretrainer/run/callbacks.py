@@ -1,11 +1,16 @@
-"""What a model feature adds to every training step, behind one interface the loop calls without knowing the
-feature: losses added to each micro-batch's backward (already weighted), work before and after the optimizer
-step, metrics for the log, its line in the banner and its fields in the start row. A Mixture-of-Experts model's
-routing is one (balancing losses, routing statistics, aux-loss-free bias updates); the output z-loss is another
-(a term on each micro-batch's loss, from its logits); multi-token prediction a third (its depths' losses).
+"""Callbacks: the one way to add to a training run without changing the loop. A callback is told of each step
+(before it, with the step's global counts and this rank's batches; after it, with the step's typed result and
+the run's `TrainState`), may add losses to each micro-batch's backward (already weighted) or a term to its loss,
+adds metrics to the logged rows, sees every row written and every checkpoint saved, and registers its own saved
+state. The model's features are callbacks the run makes for itself: a Mixture-of-Experts model's routing
+(balancing losses, routing statistics, aux-loss-free bias updates), the output z-loss (a term on each
+micro-batch's loss), multi-token prediction (its depths' losses), a mixture's accounting. A user's come in
+through `PreTrainer(..., callbacks=[...])` and are called after those, in the order given.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +20,30 @@ from ..models.mtp import MtpForward
 from ..parallel.engine import to_device_async
 
 
-class StepExtension:
-    """A feature's part in each step; every method is optional (the defaults do nothing)."""
+@dataclass
+class TrainState:
+    """The loop's own progress: optimizer steps completed and target tokens trained (counted on the host at each
+    log, save and the end: reading the device's count is a sync)."""
+    step: int = 0
+    tokens: int = 0
+
+    def load_tokens(self, tokens) -> None:  # a checkpoint's `tokens` component
+        self.tokens = int(tokens)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step gave."""
+    step: int                  # the step's number (1 for the first)
+    loss_sum: torch.Tensor     # this rank's summed token loss over the step's micro-batches (device)
+    counts: torch.Tensor       # the global [targets, useful tokens] of the step (device)
+    grad_norm: torch.Tensor    # before clipping
+    lr: float                  # the learning rate the update used
+    applied: bool              # the update was applied (not skipped: a non-finite norm, a spike rule)
+
+
+class Callback:
+    """A part in each step; every method is optional (the defaults do nothing)."""
 
     def attach(self, engine, model: torch.nn.Module) -> None:
         """After the engine has wrapped the model (`model`: what the loop calls forward on)."""
@@ -37,12 +64,20 @@ class StepExtension:
         head's own sums); its value stays the cross-entropy's, for the log."""
         return summed
 
-    def end_step(self, applied: bool) -> None:
-        """After the optimizer step (`applied`: the update was not skipped)."""
+    def end_step(self, result: StepResult, state: TrainState) -> None:
+        """After the optimizer step (`state.step` already counts it)."""
 
     def interval_row(self) -> dict:
         """Metrics over the steps since the last logged row."""
         return {}
+
+    def on_row(self, row: dict) -> None:
+        """Every row the run writes to metrics.jsonl (start, train, eval, downstream, skipped updates), after
+        it is written, on every rank."""
+
+    def on_save(self, step: int, path) -> None:
+        """After a checkpoint of `step` is written to `path` (a local folder; a save_dir URL's upload may still
+        be under way)."""
 
     def start_row(self) -> dict:
         return {}
@@ -52,7 +87,7 @@ class StepExtension:
         return ""
 
 
-class MoeStep(StepExtension):
+class MoeStep(Callback):
     """A Mixture-of-Experts model's routing in the loop (models/moe_routing.py's MoeRouting on the engine's ranks)."""
 
     def __init__(self, model: torch.nn.Module, run):
@@ -74,17 +109,17 @@ class MoeStep(StepExtension):
 
     def _unit_weight(self, global_rows: torch.Tensor, micro_batches: int):
         """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
-        units (sequences, or micro-batches), after the engine's average over its dims.gradient_ranks ranks."""
+        units (sequences, or micro-batches)."""
         engine = self.engine
         if self.run.moe.aux_loss_type == "seq":
-            return engine.dims.gradient_ranks / global_rows.clamp(min=1).double()
-        return engine.dims.gradient_ranks / (micro_batches * engine.data_world_size)
+            return engine.mean_weight(global_rows.clamp(min=1).double())
+        return engine.mean_weight(micro_batches * engine.data_world_size)
 
     def extra_losses(self) -> torch.Tensor | None:
         return self.routing.take_losses()
 
-    def end_step(self, applied: bool) -> None:
-        self.routing.end_step(self._routing_sum, applied)
+    def end_step(self, result: StepResult, state: TrainState) -> None:
+        self.routing.end_step(self._routing_sum, result.applied)
 
     def _routing_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Routing counts and sums over every rank: each rank counts the tokens it routed itself."""
@@ -103,7 +138,7 @@ class MoeStep(StepExtension):
                f"{self.routing.experts_implementation}"
 
 
-class OutputZLoss(StepExtension):
+class OutputZLoss(Callback):
     """PaLM's output z-loss, `z_loss_coeff` x mean over trained tokens of logsumexp(logits)^2: it keeps the
     softmax normaliser near 1 (log 0), against the logit drift that precedes loss spikes in bf16. It is
     normalised as the cross-entropy is (the same token-mean), so its term is c x (z - sg(z)) on the summed
@@ -125,7 +160,7 @@ class OutputZLoss(StepExtension):
         self._sums[1] += counts[0]  # the global targets: the z sums are added over ranks when logged
         self._window = []
 
-    def end_step(self, applied: bool) -> None:
+    def end_step(self, result: StepResult, state: TrainState) -> None:
         for z in self._window:
             self._sums[0] += z
         self._window = []
@@ -150,7 +185,7 @@ class OutputZLoss(StepExtension):
         return f"output z-loss {self.coeff:g}"
 
 
-class SourceAccounting(StepExtension):
+class SourceAccounting(Callback):
     """A mixture's accounting. `source_tokens/<name>`: the target tokens trained from each source so far, read
     off the blend index at the stream's position (the same on every rank, exact on resume). `source_loss/<name>`:
     each source's mean token loss over the interval, from each row's loss sum in the step's own forwards (the
@@ -183,7 +218,7 @@ class SourceAccounting(StepExtension):
         self._window.append(output.row_loss_sums(targets))
         return summed
 
-    def end_step(self, applied: bool) -> None:
+    def end_step(self, result: StepResult, state: TrainState) -> None:
         # one loss call per micro-batch; none on a pipeline rank without the last stage, which computes no loss
         for rows, sources in zip(self._window, self._sources, strict=bool(self._window)):
             if sources is not None and rows is None:  # the head ran without the rows' sources (pipelined)
@@ -227,7 +262,7 @@ class SourceAccounting(StepExtension):
         return {"sources": list(self.mixture.names)}
 
 
-class MultiTokenPrediction(StepExtension):
+class MultiTokenPrediction(Callback):
     """Multi-token prediction's loss weights and metrics (models/mtp.py runs the depths and adds their loss to the
     backward). The loss is `mtp_loss_coeff` / D x the sum over depths of each depth's mean cross-entropy over the
     step's global batch: each depth's summed loss is weighted by its own global target count (a depth has fewer
@@ -248,14 +283,14 @@ class MultiTokenPrediction(StepExtension):
         self._targets = self._targets.to(engine.device)
 
     def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
-        """Each depth's loss weight for the step: lambda / D x (the engine's average over its gradient ranks undone)
-        / the depth's global targets."""
+        """Each depth's loss weight for the step: lambda / D x the weight of the mean over the depth's global
+        targets."""
         local = torch.tensor([sum(int((depth_targets(b, k) != IGNORE).sum()) for b in batches)
                               for k in range(1, self.settings.depths + 1)], dtype=torch.int64)
         depth_counts = self.engine.reduce_counts(local)
         self._targets += depth_counts
-        per_depth = self.settings.loss_coeff / self.settings.depths * self.engine.dims.gradient_ranks
-        self.forward.loss_weights = per_depth / depth_counts.clamp(min=1).double()
+        per_depth = self.settings.loss_coeff / self.settings.depths
+        self.forward.loss_weights = per_depth * self.engine.mean_weight(depth_counts.clamp(min=1).double())
         self._window = []
 
     def extra_losses(self) -> None:
@@ -268,7 +303,7 @@ class MultiTokenPrediction(StepExtension):
             self._window.append(torch.stack([torch.stack([r.loss_sum.detach() for r in results]),
                                              torch.stack([r.correct for r in results])]).double())
 
-    def end_step(self, applied: bool) -> None:
+    def end_step(self, result: StepResult, state: TrainState) -> None:
         self._take()  # a pipeline schedule's forwards, which no extra_losses call follows
         for sums in self._window:
             self._sums += sums
@@ -292,37 +327,37 @@ class MultiTokenPrediction(StepExtension):
         return self.settings.describe()
 
 
-def step_extensions(model: torch.nn.Module, run) -> list[StepExtension]:
-    """The extensions the resolved run's model needs, made on the unwrapped model."""
-    extensions: list[StepExtension] = [MoeStep(model, run)] if run.moe is not None else []
+def model_callbacks(model: torch.nn.Module, run) -> list[Callback]:
+    """The callbacks the resolved run's model needs, made on the unwrapped model."""
+    callbacks: list[Callback] = [MoeStep(model, run)] if run.moe is not None else []
     if run.z_loss_coeff:
-        extensions.append(OutputZLoss(run.z_loss_coeff))
+        callbacks.append(OutputZLoss(run.z_loss_coeff))
     if run.mtp is not None:
-        extensions.append(MultiTokenPrediction(model, run.mtp))
-    return extensions
+        callbacks.append(MultiTokenPrediction(model, run.mtp))
+    return callbacks
 
 
-def combined_loss(loss_fn, extensions: list[StepExtension]):
-    """`loss_fn(output, targets)` (a micro-batch's summed loss) with each extension's term added."""
-    if not extensions:
+def combined_loss(loss_fn, callbacks: list[Callback]):
+    """`loss_fn(output, targets)` (a micro-batch's summed loss) with each callback's term added."""
+    if not callbacks:
         return loss_fn
 
     def loss(output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         summed = loss_fn(output, targets)
-        for extension in extensions:
-            summed = extension.add_to_loss(summed, output, targets)
+        for callback in callbacks:
+            summed = callback.add_to_loss(summed, output, targets)
         return summed
 
     return loss
 
 
-def combined_losses(extensions: list[StepExtension]):
-    """One `extra_losses` callable for the engine's forward_backward (None when no extension adds losses)."""
-    if not extensions:
+def combined_losses(callbacks: list[Callback]):
+    """One `extra_losses` callable for the engine's forward_backward (None when no callback adds losses)."""
+    if not callbacks:
         return None
 
     def extra() -> torch.Tensor | None:
-        losses = [loss for loss in (e.extra_losses() for e in extensions) if loss is not None]
+        losses = [loss for loss in (c.extra_losses() for c in callbacks) if loss is not None]
         return sum(losses[1:], losses[0]) if losses else None
 
     return extra
