@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import textwrap
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import yaml
 
 from helpers import EXAMPLES
+from launch import REPO
 from pretrainer import ConfigError, PreTrainingArguments
 
 SEEDS = EXAMPLES / "seed_configs"
@@ -353,6 +356,9 @@ def test_an_unknown_engine_is_refused_by_the_registry_with_the_nearest_name():
     with pytest.raises(ConfigError, match="key 'engine': engine 'fdsp' is not an engine; use one of auto, single, "
                                           "ddp, fsdp, deepspeed, megatron; did you mean 'fsdp'"):
         select_engine(args, 1)
+    shouted = PreTrainingArguments(num_training_steps=1, micro_batch_size=1, dp=1, engine="FSDP")
+    with pytest.raises(ConfigError, match="engine 'FSDP' is not an engine; .*; did you mean 'fsdp'"):
+        select_engine(shouted, 1)
     assert [entry.name for entry in ENGINES] == ["single", "ddp", "fsdp", "deepspeed", "megatron"]
 
 
@@ -370,3 +376,25 @@ def test_an_object_storage_url_is_refused_naming_the_key(keys, named):
                                           r"for a run's data, tasks and folders \(save_dir, resume, cooldown_from\), "
                                           r"not here: give a local path, or mount"):
         PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, **keys})
+
+
+def test_the_shipped_json_schema_is_current_and_takes_every_shipped_config_and_refuses_bad_ones():
+    """docs/config.schema.json is what scripts/build_config_schema.py makes of today's keys; the seeds' and the
+    examples' configs validate against it, and an unknown key, a wrong type and an unknown choice do not."""
+    import jsonschema
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import build_config_schema
+
+    shipped = json.loads(build_config_schema.OUT.read_text())
+    assert shipped == json.loads(json.dumps(build_config_schema.config_schema())), \
+        "run .venv/bin/python scripts/build_config_schema.py"
+    assert all("description" in key for key in shipped["properties"].values())
+    validator = jsonschema.Draft202012Validator(shipped)
+    configs = [*SEEDS.glob("*.yaml"), *EXAMPLES.glob("*.yaml")]
+    assert len(configs) >= 5
+    for path in configs:
+        assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
+    good = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    for bad in ({"learning_rate": 1e-4}, {"micro_batch_size": "two"}, {"optimizer": "adam"}, {"lr": "fast"}):
+        assert list(validator.iter_errors({**good, **bad})), bad

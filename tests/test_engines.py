@@ -260,7 +260,8 @@ def test_one_process_holds_what_the_planner_counts(setup):
 def test_accumulation_micro_batches_hold_their_gradients_back_unless_sharded(base_config, tmp_path):
     """Under no_sync (a micro-batch that is not its step's last) ddp and fsdp's `unsharded` hold the gradient
     back (no all-reduce or reduce-scatter has put it in any parameter's .grad); fsdp's `sharded` has reduce-scattered
-    it into every shard. The step's last micro-batch reduces everything."""
+    it into every shard. The step's last micro-batch reduces everything. A model each rank built from its own seed
+    starts as rank 0's on every rank, under ddp and fsdp alike."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**base_config, "dp": 2, "save_dir": None, "eval_interval": 0}))
     out = tmp_path / "seen.json"
@@ -269,7 +270,10 @@ def test_accumulation_micro_batches_hold_their_gradients_back_unless_sharded(bas
     for name in ("ddp", "fsdp-unsharded"):
         assert not any(seen[name]["after_no_sync"]), name
     assert all(seen["fsdp-sharded"]["after_no_sync"])
-    assert all(all(case["after_last"]) for case in seen.values()), seen
+    assert all(all(seen[name]["after_last"]) for name in ("ddp", "fsdp-unsharded", "fsdp-sharded")), seen
+    for name in ("ddp", "fsdp-unsharded"):
+        case = seen[f"{name}-own-seeds"]
+        assert case["after"] == pytest.approx([case["rank0_before"]] * 2, rel=1e-9), case
 
 
 def test_two_ranks_share_one_tokenization_of_train_data(setup, tmp_path):

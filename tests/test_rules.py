@@ -20,8 +20,6 @@ OWN_KEYS = [
 ]
 PLUGIN_SETTINGS = [
     ({"sequence_parallelism": True}, "plugin_args.sequence_parallelism"),
-    ({"use_distributed_optimizer": True}, "plugin_args.use_distributed_optimizer"),
-    ({"data_parallel_sharding_strategy": "optim_grads"}, "plugin_args.data_parallel_sharding_strategy"),
     ({"pipeline_layers": [1, 1]}, "plugin_args.pipeline_layers"),
     ({"num_layers_per_virtual_pipeline_stage": 1}, "plugin_args.num_layers_per_virtual_pipeline_stage"),
     ({"other_megatron_args": {"recompute_granularity": "full"}},
@@ -29,8 +27,6 @@ PLUGIN_SETTINGS = [
     ({"other_megatron_args": {"recompute_method": "block"}}, "plugin_args.other_megatron_args.recompute_method"),
     ({"other_megatron_args": {"recompute_num_layers": 1}}, "plugin_args.other_megatron_args.recompute_num_layers"),
     ({"other_megatron_args": {"sequence_parallel": True}}, "plugin_args.other_megatron_args.sequence_parallel"),
-    ({"other_megatron_args": {"use_distributed_optimizer": True}},
-     "plugin_args.other_megatron_args.use_distributed_optimizer"),
 ]
 
 
@@ -79,6 +75,37 @@ def test_a_megatron_setting_in_plugin_args_is_refused_where_nothing_splits_the_m
     with caplog.at_level("WARNING", logger="pretrainer"):
         resolve(base_config, 2, plugin_args=plugin)
     assert f"{key} has no effect: engine: auto chose ddp for 2 process(es)" in caplog.text
+
+
+@pytest.mark.parametrize("engine, world, plugin, refused", [
+    ("fsdp", 2, {"data_parallel_sharding_strategy": "optim_grads_params"}, False),  # what fsdp does anyway
+    ("fsdp", 2, {"use_distributed_optimizer": True}, False),
+    ("fsdp", 2, {"data_parallel_sharding_strategy": "optim_grads"}, True),  # fsdp_reshard_after_forward says
+    ("fsdp", 2, {"data_parallel_sharding_strategy": "no_shard"}, True),
+    ("fsdp", 2, {"other_megatron_args": {"use_distributed_optimizer": False}}, True),
+    ("single", 1, {"use_distributed_optimizer": False}, False),  # the seed's megatron YAML, run on one process
+    ("single", 1, {"use_distributed_optimizer": True}, True),
+    ("ddp", 2, {"data_parallel_sharding_strategy": "no_shard"}, False),
+    ("ddp", 2, {"data_parallel_sharding_strategy": "optim_grads"}, True),
+])
+def test_a_sharding_switch_on_a_whole_model_holds_only_where_the_engine_does_what_it_asks(base_config, engine, world,
+                                                                                          plugin, refused, caplog):
+    """A whole model's data ranks do what the engine's name says: a sharding switch that agrees passes, one that
+    asks otherwise (no_shard under fsdp too) is refused where the user chose the engine, warned of under auto."""
+    key = next(f"plugin_args.{k}" if k != "other_megatron_args" else f"plugin_args.{k}.{next(iter(v))}"
+               for k, v in plugin.items())
+    if not refused:
+        with caplog.at_level("WARNING", logger="pretrainer"):
+            resolve(base_config, world, engine=engine, plugin_args=plugin)
+        assert "has no effect" not in caplog.text
+        return
+    with pytest.raises(ConfigError, match=rf"^{key}=.* is not what engine {engine}'s data ranks do with a whole "
+                                          rf"model \((no_shard|optim_grads_params), as the engine's name says"):
+        resolve(base_config, world, engine=engine, plugin_args=plugin)
+    if engine == "ddp":
+        with caplog.at_level("WARNING", logger="pretrainer"):
+            resolve(base_config, world, plugin_args=plugin)
+        assert f"{key} has no effect: engine: auto chose ddp" in caplog.text
 
 
 @pytest.mark.parametrize("keys", [{"plugin_args": {"tp_degree": 2}}, {"engine": "ddp", "plugin_args": {"pp_degree": 2}},

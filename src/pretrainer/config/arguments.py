@@ -90,6 +90,15 @@ def _map_paths(value, read):
     return value
 
 
+# The keys whose value is one of a few names (`engine` is checked against the engine registry when the run picks its
+# engine, parallel/registry.py; dtype when it is resolved, run/device.py)
+CHOICES = {"lr_decay_style": DECAY_STYLES, "wsd_decay_shape": WSD_DECAY_SHAPES, "activation_checkpointing":
+           ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
+           "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES, "optimizer": OPTIMIZERS,
+           "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES, "accumulate_gradients":
+           ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES, "host_malloc_reuse": HOST_MALLOC_REUSE}
+
+
 @dataclass
 class PreTrainingArguments:
     # --- the seed's schema (openMind PreTrainingArguments) ---
@@ -515,14 +524,7 @@ class PreTrainingArguments:
             self.host_malloc_reuse = "on" if self.host_malloc_reuse else "off"
         if self.export_dtype is not None:
             self.export_dtype = self.export_dtype.lower()
-        # `engine` is checked against the engine registry when the run picks its engine (parallel/registry.py)
-        choices = {"lr_decay_style": DECAY_STYLES, "wsd_decay_shape": WSD_DECAY_SHAPES, "activation_checkpointing":
-                   ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
-                   "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES,
-                   "optimizer": OPTIMIZERS, "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES,
-                   "accumulate_gradients": ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES,
-                   "host_malloc_reuse": HOST_MALLOC_REUSE}
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise key_error(name, f"{name} {value!r} is not one of {', '.join(allowed)}")

@@ -165,8 +165,10 @@ def plain(value):
 
 
 def suggestion(key: str, names) -> str:
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """The nearest of `names` to `key` (letter case aside: `FSDP` finds `fsdp`), as the end of a message."""
+    by_lower = {name.lower(): name for name in sorted(names)}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.5)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def field_names(schema) -> set[str]:

@@ -151,9 +151,10 @@ def read_settings(args, num_layers: int | None = None, default_strategy: str = "
         num_micro_batches=args.gradient_accumulation_steps,
         # nothing to split with tp 1
         sequence_parallel=bool(pick("sequence_parallelism", "sequence_parallel", False)) and tp > 1,
-        **_read_sharding(pick("use_distributed_optimizer", "use_distributed_optimizer", None),
-                         pick("data_parallel_sharding_strategy", "data_parallel_sharding_strategy", None),
-                         default_strategy),
+        # a whole model's data ranks do what the engine's name says (the switches are the rule table's)
+        **_read_sharding(pick("use_distributed_optimizer", "use_distributed_optimizer", None) if stages else None,
+                         pick("data_parallel_sharding_strategy", "data_parallel_sharding_strategy", None)
+                         if stages else None, default_strategy),
         layers_per_virtual_stage=pick("num_layers_per_virtual_pipeline_stage",
                                       "num_layers_per_virtual_pipeline_stage", None),
         pipeline_layers=plugin.get("pipeline_layers"),

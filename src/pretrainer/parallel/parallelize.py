@@ -2,12 +2,13 @@
 `parallelize`):
 
     context-parallel attention     the whole model (before pipeline stages are cut from it)
-    pipeline stages                megatron: this rank's stages, each then parallelized on its own
+    pipeline stages                where tp or pp splits the model (always under megatron): this rank's stages,
+                                   each then parallelized on its own; else the whole model is the one module
     tensor parallelism             the family's split (parallel/splits.py) on the tp mesh
     expert parallelism             the experts split over the ep mesh (expert_parallel.py)
     activation checkpointing       activation_checkpoint.py (full, selective; groups in pipeline stages)
     compile                        each decoder layer
-    data parallelism               DDP, FSDP2 `fully_shard` or `replicate` (places and materialises the model)
+    data parallelism               FSDP2's `fully_shard` or `replicate` (places and materialises the model)
 
 Engines keep the process groups, the step, the collectives and checkpoint I/O; `parallelize` is what turns a
 model (or a stage) into what an engine runs.
@@ -68,7 +69,7 @@ def parallelize(module: torch.nn.Module, steps: Parallelism) -> torch.nn.Module:
 
 def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
     """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
-    graph, the compile stays inside FSDP/DDP wrapping, and state-dict keys do not change. In bf16/fp16 on a
+    graph, the compile stays inside FSDP2's wrapping, and state-dict keys do not change. In bf16/fp16 on a
     CPU, `sdpa` attention becomes models/cpu_attention.py's, whose backward the compile fuses."""
     if precision.device.type == "cpu" and precision.dtype != "fp32":
         cpu_attention.install(model)

@@ -128,10 +128,16 @@ class TorchEngine(TorchTraits, DistributedEngine):
         # Shards offloaded to host memory cannot be gathered over an accelerator's process group one by one.
         return not (self.cpu_offload and self.device.type != "cpu")
 
+    @property
+    def wraps_data_ranks(self) -> bool:
+        """Data parallelism wraps the modules: over several data ranks, or to offload a model's shards to the host
+        (one process too)."""
+        return self.data_mesh.size() > 1 or self.cpu_offload
+
     def autocast(self):
-        """Replicated modules compute under autocast; FSDP2 ones (sharded over several ranks) are cast by FSDP's
-        mixed-precision policy instead."""
-        if self.settings.distributed_optimizer and self.data_mesh.size() > 1:
+        """Replicated modules compute under autocast; FSDP2 ones (sharded) are cast by FSDP's mixed-precision policy
+        instead."""
+        if self.settings.distributed_optimizer and self.wraps_data_ranks:
             return contextlib.nullcontext()
         return super().autocast()
 
@@ -161,7 +167,8 @@ class TorchEngine(TorchTraits, DistributedEngine):
 
     @classmethod
     def replica_ranks(cls, args) -> int:
-        settings = read_settings(args, default_strategy=cls.default_strategy(args))
+        settings = read_settings(args, default_strategy=cls.default_strategy(args), reads_shard_size=False,
+                                 stages=False)  # tp and pp are all it needs
         return settings.tp * settings.pp * args.context_parallel_degree
 
     @classmethod
@@ -193,7 +200,7 @@ class TorchEngine(TorchTraits, DistributedEngine):
         return model
 
     def _steps(self, tensor_parallel=None) -> Parallelism:
-        steps = self.parallelism(self._data_parallel if self.data_mesh.size() > 1 else None, tensor_parallel)
+        steps = self.parallelism(self._data_parallel if self.wraps_data_ranks else None, tensor_parallel)
         return replace(steps, expert_parallel=self._split_experts) if self.expert_mesh is not None else steps
 
     def _wrap_stages(self, model: torch.nn.Module) -> StagedModel:
@@ -295,6 +302,7 @@ class TorchEngine(TorchTraits, DistributedEngine):
         (FSDP2, parameters resharded after forward with optim_grads_params; offloaded to the host with
         fsdp_cpu_offload). Each decoder layer is its own unit; split experts are units over the ranks holding the
         same ones."""
+        self._start_as_first_data_rank(module)
         layers = list(module.layers.values()) if isinstance(module, DecoderStage) else decoder_layers(module)
         experts = ExpertSharding(self._experts, self.expert_mesh["expert_replicas"]) \
             if self.expert_mesh is not None else None
@@ -304,6 +312,20 @@ class TorchEngine(TorchTraits, DistributedEngine):
         else:
             replicate_layers(module, self.data_mesh, layers, experts)
         return module
+
+    def _start_as_first_data_rank(self, module: torch.nn.Module) -> None:
+        """Weights each rank built itself (a user's model, one loaded whole) start as the first data rank's, as
+        DDP's broadcast makes them: a rank seeded otherwise would train a replica of its own. Split experts come
+        from the first of the ranks holding the same ones; a model on the meta device is materialised from one
+        seed on every rank instead."""
+        if any(p.is_meta for p in module.parameters()):
+            return
+        experts = {id(p) for m in self._experts for p in m.parameters()}
+        for tensor in (*module.parameters(), *module.buffers()):
+            mesh = self.expert_mesh["expert_replicas"] if id(tensor) in experts else self.data_mesh
+            group = mesh.get_group()
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.broadcast(local.detach(), src=dist.get_global_rank(group, 0), group=group)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.hf_model if self.stages else model
@@ -548,7 +570,7 @@ class FSDPEngine(TorchEngine):
             raise ConfigError(f"key 'fsdp_cpu_offload': fsdp_cpu_offload is not available with engine {cls.name} "
                               "splitting the model over ranks (tp_degree or pp_degree above 1); remove it, or train "
                               "without the split")
-        return replace(settings, cpu_offload=args.fsdp_cpu_offload and settings.distributed_optimizer)
+        return replace(settings, cpu_offload=args.fsdp_cpu_offload)  # a whole model: always sharded
 
 
 class MegatronEngine(TorchEngine):

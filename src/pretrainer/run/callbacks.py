@@ -76,8 +76,9 @@ class Callback:
         it is written, on every rank."""
 
     def on_save(self, step: int, path) -> None:
-        """After a checkpoint of `step` is written to `path` (a local folder; a save_dir URL's upload may still
-        be under way)."""
+        """Once the checkpoint of `step` is complete in its folder `path`, on every rank (with async_checkpoint,
+        when its background write has finished; for a save_dir URL, `path` is the staging copy, whose upload
+        follows)."""
 
     def start_row(self) -> dict:
         return {}

@@ -66,7 +66,7 @@ class ResolvedRun:
     loss_chunk_setting: int | str = "auto"
     custom_loss: bool = False         # custom_loss_function: per-token losses (no chunked loss)
     moe: MoeSettings | None = None    # a model with experts: its shape and how its routing is balanced
-    z_loss_coeff: float = 0.0         # the output z-loss's weight (run/extensions.py's OutputZLoss)
+    z_loss_coeff: float = 0.0         # the output z-loss's weight (run/callbacks.py's OutputZLoss)
     mtp: MtpSettings | None = None    # multi-token prediction depths and their loss weight
     host_malloc: str = "auto"         # host_malloc_reuse (what a CPU heap keeps of freed blocks)
 

@@ -32,9 +32,11 @@ CANNOT, NO_EFFECT = "cannot", "no effect"
 MEGATRON = "plugin_args.other_megatron_args."
 SPLITTING_KEYS = ("plugin_args.tp_degree", "plugin_args.pp_degree", f"{MEGATRON}tensor_model_parallel_size",
                   f"{MEGATRON}pipeline_model_parallel_size")
-SWITCH_KEYS = ("plugin_args.sequence_parallelism", "plugin_args.use_distributed_optimizer",
-               "plugin_args.data_parallel_sharding_strategy", f"{MEGATRON}sequence_parallel",
-               f"{MEGATRON}use_distributed_optimizer", f"{MEGATRON}data_parallel_sharding_strategy")
+SWITCH_KEYS = ("plugin_args.sequence_parallelism", f"{MEGATRON}sequence_parallel")
+# a whole model's data ranks do what the engine's name says: a value that asks otherwise (`no_shard` or false
+# under fsdp too) has no effect
+SHARDING_KEYS = ("plugin_args.use_distributed_optimizer", "plugin_args.data_parallel_sharding_strategy",
+                 f"{MEGATRON}use_distributed_optimizer", f"{MEGATRON}data_parallel_sharding_strategy")
 SETTING_KEYS = ("plugin_args.num_layers_per_virtual_pipeline_stage", "plugin_args.pipeline_layers",
                 "plugin_args.pipeline_schedule",
                 f"{MEGATRON}num_layers_per_virtual_pipeline_stage", f"{MEGATRON}recompute_granularity",
@@ -68,7 +70,7 @@ class Rule:
 
 
 def _asks_for_more_than_one(value) -> bool:
-    return not (value is None or value is False or value == "no_shard" or (type(value) is int and value <= 1))
+    return not (value is None or value is False or (type(value) is int and value <= 1))
 
 
 def _readers(key: str) -> str:
@@ -81,7 +83,7 @@ def _own_key_rule(key: str) -> Rule:
                           f"uses; set engine: {_readers(key)} to use it, or remove it")
 
 
-def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
+def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one, holds=None) -> Rule:
     def why(c: Choice) -> str:
         recompute = f" (recomputation here is activation_checkpointing={c.args.activation_checkpointing})" \
             if "recompute" in name else ""
@@ -91,7 +93,29 @@ def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
         return (f"{name} lays out a model split over ranks, which engine {c.engine.name} does not do{recompute}; use "
                 "engine megatron, ddp or fsdp and launch dp x tp x pp processes, or remove it")
 
-    return Rule(name, kind, lambda c: c.cls.runs_stages(c.settings), why, asks)
+    return Rule(name, kind, holds or (lambda c: c.cls.runs_stages(c.settings)), why, asks)
+
+
+def _sharding_rule(name: str) -> Rule:
+    """Where stages run, the sharding switches are read; elsewhere a value holds where the engine's data ranks do
+    what it asks anyway (fsdp: the strategy fsdp_reshard_after_forward gives; single and ddp: no_shard)."""
+    def strategy(c: Choice) -> str:
+        return getattr(c.settings, "sharding_strategy", None) or (
+            "optim_grads" if c.cls.shards_gradients(c.settings) else "no_shard")
+
+    def holds(c: Choice) -> bool:
+        value = value_of(c.args, name)
+        if name.endswith("strategy"):
+            return c.cls.runs_stages(c.settings) or value == strategy(c)
+        return c.cls.runs_stages(c.settings) or bool(value) == (strategy(c) != "no_shard")
+
+    def why(c: Choice) -> str:
+        return (f"{name}={value_of(c.args, name)!r} is not what engine {c.engine.name}'s data ranks do with a whole "
+                f"model ({strategy(c)}, as the engine's name says; under fsdp fsdp_reshard_after_forward chooses "
+                "between optim_grads_params and optim_grads); choose the engine that does it, split the model (tp or "
+                "pp) for the switch to be read, or remove it")
+
+    return Rule(name, NO_EFFECT, holds, why, lambda value: value is not None)
 
 
 RULES: tuple[Rule, ...] = (
@@ -118,6 +142,7 @@ RULES: tuple[Rule, ...] = (
              "parallelism, or remove it"),
     *(_plugin_rule(key, CANNOT) for key in SPLITTING_KEYS),
     *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
+    *(_sharding_rule(key) for key in SHARDING_KEYS),
     *(_plugin_rule(key, NO_EFFECT, lambda value: value is not None) for key in SETTING_KEYS),
     Rule("accumulate_gradients", NO_EFFECT, lambda c: c.cls.shards_gradients(c.settings),
          lambda c: f"accumulate_gradients: {c.args.accumulate_gradients} is set but engine {c.engine.name} keeps "

@@ -66,7 +66,8 @@ class Checkpointer:
 
     def __init__(self, save_dir: str | Path, engine, state: RunState, config_yaml: str, config_hash: str,
                  async_save: bool = False, keep_last: int | None = None, keep_every: int | None = None,
-                 checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None):
+                 checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None,
+                 callbacks=()):
         self.root = checkpoints_root(save_dir)
         self.uploads = uploads  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
         if uploads is not None:  # what an earlier process left staged: partial ones go, complete ones are kept
@@ -83,9 +84,10 @@ class Checkpointer:
         if async_save and not engine.supports_async_save:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
         self._pending = None
+        self.callbacks = callbacks  # told of each checkpoint complete on disk (run/callbacks.py's on_save)
 
     @classmethod
-    def of_run(cls, args, engine, state: RunState, after_commit=None) -> "Checkpointer":
+    def of_run(cls, args, engine, state: RunState, after_commit=None, callbacks=()) -> "Checkpointer":
         """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval;
         for a save_dir URL, the uploads from the staging folder, `after_commit` following each)."""
         uploads = None
@@ -97,7 +99,8 @@ class Checkpointer:
                                         after_commit=after_commit)
         return cls(args.run_dir, engine, state, args.to_yaml(), args.config_hash(), args.async_checkpoint,
                    keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
-                   checksums=args.checkpoint_checksums, interval=args.save_interval, uploads=uploads)
+                   checksums=args.checkpoint_checksums, interval=args.save_interval, uploads=uploads,
+                   callbacks=callbacks)
 
     def is_due(self, step: int) -> bool:
         """Whether `save_interval` asks for a checkpoint after this step."""
@@ -212,6 +215,10 @@ class Checkpointer:
         if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+        if self.callbacks:
+            engine.barrier()  # the folder is in place on every node
+        for callback in self.callbacks:
+            callback.on_save(state["step"], final)
         if self.uploads is not None:  # the staged copy goes once uploaded; its size is the free-space estimate
             self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             self.uploads.start(state["step"], final, state)

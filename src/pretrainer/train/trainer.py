@@ -91,8 +91,8 @@ class PreTrainer:
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.eval_sources = run.data.eval_sources  # a mixture's: evaluated one by one too
-        self.facts, self.callbacks, self.predicted_memory = run.facts, run.callbacks, run.predicted_memory
-        self.host_heap = run.host_heap
+        self.facts, self.callbacks, self.predicted_memory, self.host_heap = run.facts, run.callbacks, \
+            run.predicted_memory, run.host_heap
         self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
         self.extra_losses = combined_losses(self.callbacks)  # what the callbacks add to each backward
         self.loss_fn = combined_loss(self.hooks.loss, self.callbacks)  # with the callbacks' terms (z-loss)
@@ -114,8 +114,8 @@ class PreTrainer:
                                               args.eval_interval)
         self.files = RunFiles(args, engine.is_main)  # a save_dir URL's metrics, report and export, uploaded
         self.files.pull_metrics()
-        self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics) \
-            if args.save_dir else None
+        self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics,
+                                                     self.callbacks) if args.save_dir else None
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -311,9 +311,7 @@ class PreTrainer:
         if self.checkpointer.saved(step):
             return
         self._count_tokens()
-        path = self.checkpointer.save(step, model=self.model, optimizer=self.optimizer)
-        for callback in self.callbacks:
-            callback.on_save(step, path)
+        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer)
 
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:
