@@ -83,7 +83,7 @@ def _own_key_rule(key: str) -> Rule:
                           f"uses; set engine: {_readers(key)} to use it, or remove it")
 
 
-def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one, holds=None) -> Rule:
+def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
     def why(c: Choice) -> str:
         recompute = f" (recomputation here is activation_checkpointing={c.args.activation_checkpointing})" \
             if "recompute" in name else ""
@@ -93,7 +93,7 @@ def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one, holds=None)
         return (f"{name} lays out a model split over ranks, which engine {c.engine.name} does not do{recompute}; use "
                 "engine megatron, ddp or fsdp and launch dp x tp x pp processes, or remove it")
 
-    return Rule(name, kind, holds or (lambda c: c.cls.runs_stages(c.settings)), why, asks)
+    return Rule(name, kind, lambda c: c.cls.runs_stages(c.settings), why, asks)
 
 
 def _sharding_rule(name: str) -> Rule:
