@@ -11,8 +11,7 @@ __all__ = ["Callback", "ConfigError", "DataError", "PreTrainer", "PreTrainingArg
 
 
 def __getattr__(name: str):
-    # The trainer (torch, transformers) loads on first use, so `pretrainer prepare` and its worker
-    # processes start without it.
+    # The trainer (torch, transformers) loads on first use, so `pretrainer prepare` and its workers start without it.
     if name == "PreTrainer":
         from .train import PreTrainer
 

@@ -1,17 +1,15 @@
 """The batch contract shared by data, engines and the loop: targets, the ignore index, token counts, and what a
 forward hands back (`HeadOutput`), on either batch convention.
 
-Packed batches carry `shift_labels` (target of position j is the next token).
-Batches from a user DataLoader follow the HF convention: `labels` aligned with
-`input_ids`, -100 to ignore; they are shifted here. Targets that fall on
-padding (attention_mask 0) are ignored too. The loss is returned as a sum with
-its target count, so accumulation and ranks can average over tokens exactly.
+Packed batches carry `shift_labels` (target of position j is the next token). Batches from a user DataLoader follow
+the HF convention: `labels` aligned with `input_ids`, -100 to ignore; they are shifted here. Targets that fall on
+padding (attention_mask 0) are ignored too. The loss is returned as a sum with its target count, so accumulation and
+ranks can average over tokens exactly.
 
-An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never
-exist (`models/chunked_loss.py`). It is handed what it needs explicitly, as a `HeadCall` (the targets, whether
-each token's loss or each row's loss sum is wanted, the tokens and positions multi-token prediction's depths
-read), and the forward's result is typed: a `HeadOutput` holds either the logits or the head's own sums, and
-every reader (the loss, the z-loss, per-source losses, evaluation, scoring) asks it, never the tensor's shape.
+An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never exist
+(`models/chunked_loss.py`). It gets what it needs as a `HeadCall` (targets, whether each token's loss or each row's sum
+is wanted, the tokens and positions multi-token prediction's depths read); a `HeadOutput` holds the logits or the head's
+own sums, and every reader (loss, z-loss, per-source losses, evaluation, scoring) asks it, never the tensor's shape.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ SOURCE = "source"  # a mixture's batches: each row's source (data/mixture.py), f
 
 @dataclass
 class HeadCall:
-    """What one forward asks of an output head that computes the loss itself (`lm_head(hidden, call=...)`), and
-    the row losses it hands back beside its output."""
+    """What a forward asks of a loss-computing head (`lm_head(hidden, call=...)`) and the row losses it returns."""
     targets: torch.Tensor
     per_token: bool = False                   # each target's loss (scoring, no backward) instead of the sums
     rows: bool = False                        # each row's loss sum too (a mixture's per-source losses)
@@ -118,8 +115,7 @@ class HeadOutput:
         return (log_norm.square() * valid).sum()
 
 
-# A model's forward returns it through DDP, FSDP and DeepSpeed, which find the tensors of an output (to hook their
-# backward) by flattening it as a pytree.
+# A forward returns it through DDP, FSDP and DeepSpeed, which find an output's tensors (to hook backward) as a pytree.
 pytree.register_dataclass(HeadOutput)
 
 
@@ -168,10 +164,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def depth_targets(batch: dict, depth: int) -> torch.Tensor:
-    """The targets of multi-token prediction depth `depth` (k): position i predicts the token k + 1 ahead, which
-    is the main target of position i + k, kept only where position i + k is in the window and in the document of
-    position i (no depth predicts across a document boundary: a depth's view of the next document starts with its
-    own first token, as the main head's). Depth 0 is the main targets."""
+    """The targets of multi-token prediction depth `depth` (k): position i predicts the token k + 1 ahead, the main
+    target of position i + k, kept only where position i + k is in the window and in position i's document (no depth
+    predicts across a document boundary: a depth's view of the next document starts with its own first token, as the
+    main head's). Depth 0 is the main targets."""
     targets = batch_targets(batch)
     if depth == 0:
         return targets

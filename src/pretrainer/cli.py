@@ -28,8 +28,7 @@ EXIT_COLLECTIVE = 5
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # `key=value` overrides may also follow a command's options (`plan CONFIG --world-size 8 dp=8`), which
-    # argparse leaves over once the positional list has been taken.
+    # argparse leaves over `key=value` overrides that follow a command's options (`plan CONFIG --world-size 8 dp=8`).
     ns, extra = parser.parse_known_args(argv)
     if extra:
         if not hasattr(ns, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
@@ -52,11 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_error(exc: Exception, code: int) -> None:
-    """The error's one line, said once per launch. A worker of `pretrainer train --nproc-per-node` leaves it to
-    the launcher, which prints each distinct line once. Under torchrun every rank records its line in
-    torchrun's error file (torchrun's summary lists each failed rank's line, so a rank's own error is never
-    lost); a usage error (exit 2: the same config and files on every rank) is printed by rank 0 only, any
-    other error by each rank that meets it."""
+    """The error's one line, said once per launch. A worker of `pretrainer train --nproc-per-node` leaves it to the
+    launcher, which prints each distinct line once. Under torchrun every rank records its line in torchrun's error file
+    (torchrun's summary lists each failed rank's line, so a rank's own error is never lost); a usage error (exit 2: the
+    same config and files on every rank) is printed by rank 0 only, any other error by each rank that meets it."""
     line = f"pretrainer: error: {exc}"
     if record_worker_status(code, str(exc), consequence=isinstance(exc, CollectiveFailure)):
         return
@@ -80,8 +78,7 @@ def record_torchrun_error(line: str) -> None:
 
 
 def launch_command(ns, plan: LaunchPlan, argv: list[str]) -> int:
-    """`train`/`evaluate` with `--nproc-per-node`: the run checked for its whole world here, then its workers
-    started (train/launcher.py)."""
+    """`train`/`evaluate` with `--nproc-per-node`: check the run for its whole world here, then start its workers."""
     import contextlib
     import io
 
@@ -111,9 +108,9 @@ def exit_code(exc: BaseException) -> int | None:
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """A usage error as one line, like every other error of the command line (argparse prints the usage first);
-    the subcommands' parsers are of this class too. Flags are never abbreviated: an abbreviation would reach a
-    launched worker's command line, which keeps everything but the launcher's own flags."""
+    """A usage error as one line, like every other error of the command line (argparse prints the usage first); the
+    subcommands' parsers are of this class too. Flags are never abbreviated: an abbreviation would reach a launched
+    worker's command line, which keeps everything but the launcher's own flags."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
@@ -199,8 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
                              "under SAVE_DIR/branches)")
 
-    # The deepspeed launcher passes --local_rank=N right after the program; LOCAL_RANK in the environment
-    # says the same.
+    # The deepspeed launcher passes --local_rank=N right after the program (the environment's LOCAL_RANK says the same).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     add_prepare_command(commands)
     add_tokenizer_commands(commands)
@@ -320,10 +316,9 @@ def report_command(ns) -> int:
 def run() -> None:
     """The console entry point: `main`, then exit without the interpreter's teardown.
 
-    Everything a run writes is on disk when `main` returns; tearing the interpreter down would then free
-    every module, tensor and extension one by one (about 0.8 s after a short CPU run). Threads still
-    running are stopped or waited for as at a normal exit, and atexit handlers (trackers, logging,
-    worker processes) run first.
+    Everything a run writes is on disk when `main` returns; tearing the interpreter down would then free every module,
+    tensor and extension one by one (about 0.8 s after a short CPU run). Threads still running are stopped or waited
+    for as at a normal exit, and atexit handlers (trackers, logging, worker processes) run first.
     """
     try:
         code = main()
@@ -331,8 +326,8 @@ def run() -> None:
         record_worker_status(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
         raise
     record_worker_status(code)
-    # What the interpreter does first at exit, in its order: threading's exit hooks (they stop executor
-    # worker threads, such as torch.compile's), then join the remaining non-daemon threads, then atexit.
+    # What the interpreter does first at exit, in its order: threading's exit hooks (they stop executor worker threads,
+    # such as torch.compile's), then join the remaining non-daemon threads, then atexit.
     threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -1,8 +1,7 @@
-"""The run's configuration: the schema and its loading (`arguments`), the openMind compatibility layer
-(`openmind`), the dtype table (`dtypes`), and the typed parts a run is resolved into: its parallel dimensions
-(`dims`), sizes (`sizes`), optimizer and schedule settings (`optimization`) and Mixture-of-Experts settings
-(`moe`); the check of the folders a run writes (`paths`). Nothing writes to the loaded arguments after
-`PreTrainingArguments` has checked them."""
+"""The run's configuration: `arguments` (the schema, its loading and checks), `openmind` (the openMind compatibility
+layer), `dtypes`, and the typed parts a run is resolved into: `dims` (parallel dimensions), `sizes`, `optimization`
+(optimizer and schedule) and `moe` (Mixture-of-Experts); `paths` checks the folders a run writes. Nothing writes to the
+loaded arguments after `PreTrainingArguments` has checked them."""
 
 from .arguments import ACTIVATION_CHECKPOINTING, DEFAULT_DATA_SPLIT, NEW_TOKEN_INITS, ON_ERROR, PreTrainingArguments
 from .dims import ParallelDims

@@ -1,8 +1,7 @@
-"""A decoder's numbers, read from its HF config in one place: the planner's model shape and activation probes,
-the megatron engine's model-config parser and its checks of `other_megatron_args`, and the FLOPs count all read
-an `Architecture`, so a family that names a field its own way (GPT-2's `n_inner`, Falcon's `num_kv_heads` or
-`multi_query`, Falcon's `ffn_hidden_size`) is handled here once. transformers' own `attribute_map` already gives
-the common names (`hidden_size` for GPT-2's `n_embd`, ...)."""
+"""A decoder's numbers, read from its HF config in one place: the planner (model shape, activation probes), the megatron
+engine's config parser and `other_megatron_args` checks, and the FLOPs count all read an `Architecture`, so a family
+that names a field its own way (GPT-2's `n_inner`, Falcon's `num_kv_heads`, `multi_query` or `ffn_hidden_size`) is
+handled once; transformers' `attribute_map` gives the common names (`hidden_size` for GPT-2's `n_embd`, ...)."""
 
 from __future__ import annotations
 

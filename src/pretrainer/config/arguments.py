@@ -1,9 +1,8 @@
 """`PreTrainingArguments`: the run's configuration (the schema, its loading and its checks).
 
-Reads the seed's YAML schema unchanged (flat keys, `plugin_args.other_megatron_args`,
-`dataloader_config`, anchors, `1e-5` strings) and adds native keys for what a
-pretraining run needs. Validation here is cheap and file-free; checks that need
-the model or tokenizer on disk live in `pretrainer.models.preflight`.
+Reads the seed's YAML schema unchanged (flat keys, `plugin_args.other_megatron_args`, `dataloader_config`, anchors,
+`1e-5` strings) and adds native keys for what a pretraining run needs. Validation here is cheap and file-free; checks
+that need the model or tokenizer on disk live in `pretrainer.models.preflight`.
 """
 
 from __future__ import annotations
@@ -469,11 +468,10 @@ class PreTrainingArguments:
         read_downstream_tasks(self.downstream_evals)
 
     def _read_paths(self) -> None:
-        """Every path of every key through the one URL parser (config/urls.py): a URL's scheme in lower case, a
-        malformed one (`s3:/bucket`, `s3://`) refused with the key named. A run's folders (`save_dir`, `resume`,
-        `cooldown_from`: train/remote_checkpoints.py), its data and task files (data/remote.py) may be URLs;
-        elsewhere a URL is refused by name: read as a path, `s3://bucket/run` would become a local folder
-        `s3:/bucket/run` on the node's disk, and models and tokenizers are read from local folders."""
+        """Every key's paths through the one URL parser (config/urls.py): scheme lower-cased, malformed URL
+        (`s3:/bucket`, `s3://`) refused naming the key. A run's folders (`save_dir`, `resume`, `cooldown_from`:
+        train/remote_checkpoints.py), data and task files (data/remote.py) may be URLs; other keys refuse one by name:
+        models and tokenizers are read locally, and as a path `s3://bucket/run` would be a local `s3:/bucket/run`."""
         for key in URL_KEYS + LOCAL_KEYS:
             def read(text: str, key=key) -> str:
                 try:

@@ -1,18 +1,16 @@
-"""The parallel dimensions of a run: how its processes split into data-parallel replicas and the groups that
-hold one replica together. Built once (by the engine the run uses, from its settings and the launch) and read
-everywhere: the engines' meshes, the data placement, the global batch, the planner.
+"""The parallel dimensions of a run: how its processes split into data-parallel replicas and the groups that hold one
+replica together. Built once (by the run's engine, from its settings and the launch) and read everywhere: the engines'
+meshes, the data placement, the global batch, the planner.
 
     world_size = dp x pp x cp x tp        dp x cp = replicate x shard
 
 - `tp`, `pp`: tensor and pipeline parallelism (the megatron engine);
 - `cp`: context parallelism, every sequence split over `cp` ranks (ddp, fsdp, megatron);
 - `dp`: replicas that read different batches;
-- `shard`: of the dp x cp ranks that hold the same parameters (and reduce their gradients together), how
-  many split one copy of the sharded state (FSDP's parameters, ZeRO's optimizer state, Megatron's distributed
-  optimizer); the others hold replicas of it (`replicate`); 1: nothing is sharded;
-- `ep`: expert parallelism: the routed experts of every MoE layer are split over `ep` consecutive ranks taken
-  from the data-parallel ones (as torchtitan and Megatron do); each rank holds experts / ep of them, and the
-  dp / ep groups of ranks holding the same experts reduce their gradients together.
+- `shard`: of the dp x cp ranks holding the same parameters, how many split one copy of the sharded state (FSDP's
+  parameters, ZeRO's optimizer state, Megatron's distributed optimizer; 1: unsharded), the rest replicas (`replicate`);
+- `ep`: expert parallelism: the routed experts of every MoE layer are split over `ep` consecutive ranks taken from the
+  data-parallel ones (as torchtitan and Megatron do), each rank holding experts / ep of them (`expert_replicas`).
 """
 
 from __future__ import annotations

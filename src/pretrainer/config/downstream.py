@@ -1,8 +1,7 @@
 """`downstream_evals`: the multiple-choice tasks a run scores while it trains, read once into typed settings.
 
-Each entry is a task file's path, or a mapping with `path` and optional keys (`name`, `format`, `num_fewshot`,
-`fewshot_path`, `limit`, `every`, `target_delimiter`, `fewshot_delimiter`). The files themselves are read by
-`data/tasks.py`; only the settings are checked here, so a typo fails at load.
+Each entry is a task file's path, or a mapping with `path` and any other field of `DownstreamTask`. The files themselves
+are read by `data/tasks.py`; only the settings are checked here, so a typo fails at load.
 """
 
 from __future__ import annotations

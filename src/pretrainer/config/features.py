@@ -1,10 +1,7 @@
-"""Every rule between a key and the feature switch it belongs to, in one table checked once at load (the keys
-alone decide these; the rules that also depend on the engine are run/rules.py's, checked once at resolve).
-
-A feature's keys do something only when its switch is on: Muon's settings with `optimizer: muon`, the wsd
-schedule's shape with `lr_decay_style: wsd`, ... A key set to anything but its default while its feature is off is
-refused in one line that names the key, the switch and how to turn it on: never a setting silently ignored.
-"""
+"""The rules between keys and the feature switch each belongs to, in one table checked once at load (rules that also
+depend on the engine are run/rules.py's, checked at resolve). A feature's keys take effect only when its switch is on
+(e.g. Muon's settings with `optimizer: muon`): a key set to anything but its default while its feature is off is refused
+in one line naming the key, the switch and how to turn it on, never silently ignored."""
 
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ _SCI_NOTATION = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)$")
 
 
 def apply_override(data: dict, item: str, names: set[str]) -> None:
-    """Apply one `key=value` (dotted keys reach into nested mappings); the value is parsed as YAML.
-    `names` are the top-level keys the schema knows."""
+    """Apply `key=value` (a dotted key reaches into nested mappings; the value is YAML); `names`: the top-level keys."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
     key, raw = item.split("=", 1)
@@ -121,10 +120,9 @@ def coerce_scientific(value):
 
 
 def non_finite_at(value, where: str) -> tuple[str, float | int] | None:
-    """The first number in `value` (a config value, walked through its lists and mappings) that a run cannot
-    compute with, and its position (`key.sub[1]`): NaN, an infinity (YAML's `.nan`, `.inf`, or a number beyond
-    the float range, which YAML reads as `.inf`) or a whole number too large for a float. None when every number
-    is finite. NaN passes every comparison such as `x <= 0`, so range checks alone would let it through."""
+    """The first number in `value` (walked through its lists and mappings) that a run cannot compute with, and its
+    position (`key.sub[1]`), or None: NaN, an infinity (YAML's `.nan`, `.inf`, or a number beyond the float range) or a
+    whole number too large for a float. NaN passes every comparison such as `x <= 0`, so range checks would miss it."""
     if isinstance(value, float):
         return None if math.isfinite(value) else (where, value)
     if isinstance(value, int) and not isinstance(value, bool):

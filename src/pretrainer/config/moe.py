@@ -1,8 +1,7 @@
 """Mixture-of-Experts settings, read once from the config and the model's HF config (no torch here).
 
-The model's config says whether it routes tokens to experts (`num_local_experts` / `num_experts` /
-`n_routed_experts` with `num_experts_per_tok`); the run's `moe_*` keys say how the routing is balanced.
-A `moe_*` key on a dense model is an error, not ignored.
+The model's config says whether it routes tokens to experts (`num_local_experts`, `num_experts` or `n_routed_experts`,
+with `num_experts_per_tok`); the run's `moe_*` keys say how the routing is balanced and are refused on a dense model.
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ from .errors import ConfigError, key_error
 
 MOE_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_type", "moe_z_loss_coeff", "moe_expert_bias_update_rate",
             "moe_experts_implementation", "moe_capacity_factor", "moe_token_drop_policy")
-# which of an over-full expert's tokens are dropped: the lowest routing weights (probs) or the last in the
-# micro-batch (position)
+# an over-full expert drops its tokens of lowest routing weight (probs) or its last in the micro-batch (position)
 DROP_POLICIES = ("probs", "position")
 # how the local experts compute (transformers' experts interface): auto = transformers' choice (grouped_mm where
 # torch dispatches it, else eager); eager = one matmul pair per expert hit; batched_mm; grouped_mm

@@ -1,6 +1,5 @@
-"""Multi-token prediction settings (`mtp_num_layers`, `mtp_loss_coeff`; models/mtp.py builds the depths): the
-keys checked on their own when the config loads, then against the run's window, model, dtype and context
-parallelism when it is resolved."""
+"""Multi-token prediction settings (`mtp_num_layers`, `mtp_loss_coeff`; models/mtp.py builds the depths): the keys
+checked alone at load, then against the run's window, model, dtype and context parallelism at resolve."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def check_mtp_keys(depths, coeff) -> None:
 
 
 def mtp_settings(args, model_config, seq_length: int, context_parallel: int) -> MtpSettings | None:
-    """The run's settings (None when off), checked against its window, its model, its dtype and context
-    parallelism."""
+    """The run's settings (None when off), checked against its window, model, dtype and context parallelism."""
     depths = args.mtp_num_layers
     if not depths:
         return None

@@ -1,8 +1,7 @@
 """The openMind compatibility layer: the seed's rules and its Megatron keys, read in one place.
 
-The seed's YAML puts run values (lr, clip, seed, ...) inside `plugin_args.other_megatron_args` for its
-Megatron engine; here they are honoured on every engine. `megatron_args` is the one reader of that mapping:
-the run's own fields, the megatron engine's settings and the prepared-data split all read it through here.
+The seed's YAML puts run values (lr, clip, seed, ...) inside `plugin_args.other_megatron_args` for its Megatron engine;
+here they are honoured on every engine, and `megatron_args` is that mapping's one reader.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ def apply_openmind_rules(args) -> None:
 
 
 def merge_megatron_values(args) -> set[str]:
-    """Honour values the seed's YAML puts in plugin_args for its Megatron engine, on every engine; returns the
-    keys it set."""
+    """Honour on every engine the values the seed's YAML puts in plugin_args for Megatron; returns the keys it set."""
     plugin = args.plugin_args or {}
     megatron = megatron_args(plugin)
     if "gradient_clipping" in plugin and "clip_grad" not in megatron:

@@ -87,9 +87,8 @@ class ScheduleSettings:
 
     @staticmethod
     def of(args, sizes=None, branch: BranchPoint | None = None) -> "ScheduleSettings":
-        """`sizes` (BatchSizes): the tokens each update trains, needed for lengths in tokens (through a batch ramp's
-        smaller first updates). A cooldown `branch` decays over `cooldown_tokens` from its step, and the run ends
-        with the update that finishes them."""
+        """`sizes` (BatchSizes): tokens per update, for token lengths (through a ramp's smaller first updates). A
+        cooldown `branch` decays over `cooldown_tokens` from its step; the run ends with the update finishing them."""
         uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None or branch is not None
         if uses_tokens and sizes is None:
             raise ValueError("token lengths need the run's sizes")

@@ -1,5 +1,4 @@
-"""Folders a run will write into, checked when the run starts instead of failing at the first save; files
-written whole."""
+"""Folders a run will write into, checked when the run starts instead of at the first save; files written whole."""
 
 from __future__ import annotations
 

@@ -57,12 +57,10 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 
 
 class BatchRamp:
-    """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained
-    tokens (sequences x seq_length, so the stage of every step follows from the steps before it, on any world
-    size and on resume). A stage's batch is made of more accumulated micro-batches, never larger ones.
-
-    Every question is answered by arithmetic over the stages (at most one segment of equal updates each), so a
-    length of 1e15 tokens costs what a length of 1e3 does."""
+    """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained tokens
+    (sequences x seq_length, so the stage of every step follows from the steps before it, on any world size and on
+    resume). A stage's batch is made of more accumulated micro-batches, never larger ones. Every question is answered by
+    arithmetic over the stages (at most one segment of equal updates each), so 1e15 tokens cost what 1e3 do."""
 
     def __init__(self, stages: tuple[tuple[int, int], ...], seq_length: int):
         self.stages = stages                 # (first token, sequences per step), the first at token 0
@@ -104,9 +102,8 @@ class BatchRamp:
 
 
 def _segments(stages: tuple[tuple[int, int], ...], seq_length: int) -> tuple[tuple[int, int, int], ...]:
-    """The ramp as runs of equal updates: (first update, tokens trained before it, sequences per update). An
-    update's batch is the stage's whose first token the tokens before it have reached, so one update may pass
-    over a short stage."""
+    """The ramp as runs of equal updates: (first update, tokens trained before it, sequences per update). An update
+    takes the batch of the last stage the tokens before it reach, so it may pass over a short stage."""
     segments, step, tokens = [], 0, 0
     while True:
         current = max(index for index, (start, _) in enumerate(stages) if tokens >= start)
@@ -138,9 +135,8 @@ class BatchSizes:
         return sizes
 
     def with_steps(self, num_training_steps: int, schedule: list | None) -> "BatchSizes":
-        """These sizes over `num_training_steps`, with the ramp `schedule` ([[tokens, sequences], ...]) checked
-        against the global batch: each stage a whole number of micro-batches on every replica, none larger than
-        this config's global batch, the last this global batch."""
+        """These sizes over `num_training_steps`, the ramp `schedule` ([[tokens, sequences], ...]) checked: each stage a
+        whole number of micro-batches per replica, none above the global batch, the last equal to it."""
         ramp = None
         if schedule:
             per_round = self.micro_batch_size * self.data_parallel_size

@@ -1,11 +1,10 @@
 """The one reading of a string as an object-storage URL (`s3://bucket/path`) or a local path.
 
-Every key that takes a path goes through `parse_url` when the config is loaded (arguments.py), and so does
-everything that later asks whether a string is a URL (storage/urls.py's `is_url`), so a string is read the same
-way everywhere: the scheme is case-insensitive (`S3://` is `s3://`), a known scheme with fewer than two slashes
-(`s3:/bucket/run`, `s3:bucket`) is a mistake, not a local folder named `s3:`, and a bucket scheme needs its bucket
-(`s3://`, `s3:///run` name none). It lives in the config layer, below storage, so that loading a config needs
-neither fsspec nor a client.
+Every path a config key takes goes through `parse_url` at load (arguments.py), as does every later `is_url`
+(storage/urls.py), so a string reads the same everywhere: the scheme is case-insensitive (`S3://` is `s3://`), a known
+scheme with fewer than two slashes (`s3:/bucket/run`, `s3:bucket`) is a mistake, not a local folder named `s3:`, and a
+bucket scheme needs its bucket (`s3://`, `s3:///run` name none). It lives in the config layer, below storage, so that
+loading a config needs neither fsspec nor a client.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ URL_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)$", re.DOTALL)
 
 
 def parse_url(text: str) -> str | None:
-    """`text` as a URL with its scheme in lower case, or None for a local path; a ConfigError (one line, with the
-    fix) for a string that is neither."""
+    """`text` as a URL (scheme lower-cased), None for a local path, or a one-line ConfigError with the fix."""
     match = URL_LIKE.match(text)
     if match is None:
         return None

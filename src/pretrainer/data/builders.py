@@ -146,8 +146,7 @@ def mixture_plan(args, tokenizer, sizes) -> str | None:
 
 
 def _blended(args, sizes, trains: list, evaluation, evals: dict) -> BuiltData:
-    """The mixture's train samples over the sources' windows (`trains`, in the sources' order), its plan of
-    draws logged and checked."""
+    """The mixture's train samples over `trains` (the sources' windows, in their order); logs and checks the plan."""
     mixture, seq_length = args.mixture, sizes.seq_length
     source_of = _blend_index(mixture, sizes)
     plans = plan_sources(list(mixture.names), trains, source_of, [s.max_epochs for s in mixture.sources])

@@ -1,15 +1,14 @@
 """GPT-style samples over prepared `.bin/.idx` documents, and weighted blends of several such datasets.
 
-A sample is `seq_length + 1` consecutive tokens of a stream made by concatenating the documents of a
-split, epoch after epoch, each epoch in its own seeded document order; consecutive samples share one
-token (the last target of one is the first input of the next), so samples cross document boundaries
-and nothing is padded. Samples whose first token lies in epoch `e` form epoch `e`'s block and are
-shuffled within that block, again seeded by `e`. Epoch `e`'s documents and samples therefore depend
-only on (seed, e): asking for more samples later (a longer run) keeps every earlier sample in place.
+A sample is `seq_length + 1` consecutive tokens of a stream made by concatenating the documents of a split, epoch after
+epoch, each epoch in its own seeded document order; consecutive samples share one token (the last target of one is the
+first input of the next), so samples cross document boundaries and nothing is padded. Samples whose first token lies in
+epoch `e` form epoch `e`'s block and are shuffled within it, again seeded by `e`. Epoch `e`'s documents and samples
+therefore depend only on (seed, e): asking for more samples later (a longer run) keeps every earlier sample in place.
 
-The three index arrays (document order, sample start, sample order) are built with vectorized numpy
-(`searchsorted` over cumulative lengths; no Python loop per document or sample), written once to a
-cache folder under a name keyed by every parameter, and memory-mapped by every rank.
+The three index arrays (document order, sample start, sample order) are built with vectorized numpy (`searchsorted` over
+cumulative lengths; no Python loop per document or sample), written once to a cache folder under a name keyed by every
+parameter, and memory-mapped by every rank.
 """
 
 from __future__ import annotations
@@ -33,12 +32,10 @@ INDEX_VERSION = 1  # bump when the index layout or algorithm changes, so old cac
 
 
 class IndexCache:
-    """Where index arrays live: built by one rank, then memory-mapped by all.
-
-    `build_on_this_rank` is true on the rank that writes missing files; `barrier` lets the others wait
-    for it. A rank that still finds a file missing afterwards (a cache folder that is not shared between
-    nodes) builds it itself; the arrays are deterministic, so both copies are identical.
-    """
+    """Where index arrays live: built by one rank, then memory-mapped by all. `build_on_this_rank` is true on the
+    rank that writes missing files; `barrier` lets the others wait for it. A rank that still finds a file missing
+    afterwards (a cache folder not shared between nodes) builds it itself; the arrays are deterministic, so both
+    copies are identical."""
 
     def __init__(self, folder: Path, build_on_this_rank: bool = True, barrier: Callable[[], None] = lambda: None):
         self.folder = Path(folder)
@@ -163,10 +160,9 @@ def build_sample_index(lengths: np.ndarray, seq_length: int, num_epochs: int, se
 class BlendedSamples(torch.utils.data.Dataset):
     """Samples drawn from several datasets in proportion to their weights, deterministically interleaved.
 
-    Dataset d's j-th sample gets the key (j + 0.5) / w_d and the blend is the first `num_samples` keys in
-    order: after any n samples each dataset has contributed within one sample of n * w_d, which is the
-    property Megatron's greedy "largest sampling error" rule keeps, here computed with one sort.
-    """
+    Dataset d's j-th sample gets the key (j + 0.5) / w_d and the blend is the first `num_samples` keys in order:
+    after any n samples each dataset has contributed within one sample of n * w_d, the property Megatron's greedy
+    "largest sampling error" rule keeps, here computed with one sort."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int, cache: IndexCache, name: str,
                  description: dict):

@@ -1,9 +1,8 @@
 """Pack tokenized documents into fixed windows, collate them, and mask across documents.
 
-Documents (each `[BOS] text [EOS]`, see `encode`) are concatenated into one stream. Window `i` covers
-stream tokens `[i*L, i*L + L]`: `L` inputs and the `L` next tokens as targets, so every token after the
-first is a target exactly once. Nothing is padded and nothing is dropped; only the final window may be
-shorter.
+Documents (each `[BOS] text [EOS]`, see `encode`) are concatenated into one stream. Window `i` covers stream tokens
+`[i*L, i*L + L]`: `L` inputs and the `L` next tokens as targets, so every token after the first is a target exactly
+once. Nothing is padded and nothing is dropped; only the final window may be shorter.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import torch
 class PackedDataset(torch.utils.data.Dataset):
     """Windows of `seq_length` inputs over the concatenation of documents, each with its pre-shifted targets.
 
-    `tokens` is a token store's memory-mapped array (or any 1-D array); `documents` picks the documents, in
-    order, as (start offsets, lengths) into it (None: all of `tokens`, one stream). Window `i` covers the
-    concatenation's tokens `[i*L, i*L + L]`; reading one touches only the documents it spans.
-    """
+    `tokens` is a token store's memory-mapped array (or any 1-D array); `documents` picks the documents, in order, as
+    (start offsets, lengths) into it (None: all of `tokens`, one stream). Reading a window touches only the documents
+    it spans."""
 
     def __init__(self, tokens: np.ndarray, seq_length: int, documents: tuple[np.ndarray, np.ndarray] | None = None):
         self.tokens = tokens
@@ -74,12 +72,11 @@ class PackedDataset(torch.utils.data.Dataset):
 class DocumentMasking:
     """Megatron's reset_position_ids / reset_attention_mask for packed windows.
 
-    Positions restart after every EOS, so each document is encoded as if it began the window. With
-    `attention` set the model also gets no attention mask: HF models then read the restarting positions
-    as packed sequences and mask attention block-diagonally (flash-attention varlen kernels do this for
-    free; SDPA and eager build a [batch, 1, seq, seq] mask, which costs memory and rules out SDPA's flash
-    kernel). Without `attention` an all-ones mask keeps attention causal over the whole window.
-    """
+    Positions restart after every EOS, so each document is encoded as if it began the window. With `attention` set
+    the model gets no attention mask either: HF models then read the restarting positions as packed sequences and
+    mask attention block-diagonally (free with flash-attention varlen kernels; SDPA and eager build a
+    [batch, 1, seq, seq] mask, which costs memory and rules out SDPA's flash kernel); without `attention` an all-ones
+    mask keeps attention causal over the whole window."""
     eod_token_id: int
     attention: bool = False
 

@@ -1,11 +1,9 @@
 """`pretrainer prepare`: tokenize a corpus once into Megatron-compatible `PREFIX_{key}_document.bin/.idx`.
 
-Worker processes load only the `tokenizers` library (no torch, no transformers) and encode batches of
-documents; the parent reads records, keeps their order, and streams tokens to the writer. Each document
-is encoded as the model's tokenizer encodes a text (its special tokens, e.g. a Llama BOS, included), with
-the EOS appended when `append_eod` is set, as Megatron-LM's preprocess_data.py does. Unlike that tool, a
-text that already starts with the BOS (`<s>Human: ...` rows) does not get a second one, and one that
-already ends with the EOS does not get another.
+Documents are encoded by `encode`'s worker processes (records read and written in order) with its `prepare` policy: as
+the model's tokenizer encodes a text (its special tokens, e.g. a Llama BOS, included), with the EOS appended when
+`append_eod` is set, as Megatron-LM's preprocess_data.py does. Unlike that tool, a text that already starts with the BOS
+(`<s>Human: ...` rows) does not get a second one, and one that already ends with the EOS does not get another.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Read documents from local json / jsonl / csv / txt / parquet files.
 
-Each record becomes one document's text, with its file and line kept for error
-messages. Record templates: a `text` field (name configurable), alpaca records
-(`instruction` / `input` / `output`), chat records (`messages`: a list of
-`{"role", "content"}`), and rows already written as
-`<s>Human: ...</s><s>Assistant: ...</s>` (plain text; the tokenizer step makes
-sure no `<s>` is doubled).
+Each record becomes one document's text, with its file and line kept for error messages. Record templates: a `text`
+field (name configurable), alpaca records (`instruction` / `input` / `output`), chat records (`messages`: a list of
+`{"role", "content"}`), and rows already written as `<s>Human: ...</s><s>Assistant: ...</s>` (plain text; the tokenizer
+step makes sure no `<s>` is doubled).
 
-Every file type is read as a stream of `(where, record)` pairs, where a record
-that could not even be parsed arrives as a `DataError`. `read_documents` turns
-them into documents and either raises on the first bad one or hands it to an
+Every file type is read as a stream of `(where, record)` pairs, where a record that could not even be parsed arrives as
+a `DataError`. `read_documents` turns them into documents and either raises on the first bad one or hands it to an
 `on_bad` callback (the `--on-error skip` mode).
 """
 
@@ -146,8 +143,7 @@ def read_documents(files: list[Path], text_key: str = "text", txt_mode: str = "l
 
 
 def read_records(path: Path) -> Iterator[tuple[str, object]]:
-    """(file:line, record) of a json, jsonl or parquet file (.gz/.zst too); an unreadable line comes as its
-    DataError."""
+    """(file:line, record) of a json, jsonl or parquet file (.gz/.zst too); an unreadable line comes as a DataError."""
     if record_format(path) not in (".json", ".jsonl", ".parquet"):
         raise DataError(f"{path}: records are read from .json, .jsonl or .parquet files")
     return _records(path, "text", "line", None)

@@ -1,20 +1,15 @@
 """Streams of micro-batches: this rank's slice of a global sample order, and a user's DataLoader.
 
-Packed samples (`SampleStream`, `EvalBatches`) follow one global sample order shared by all ranks.
+Packed samples (`SampleStream`, `EvalBatches`) follow one global sample order shared by all ranks. Training draws from
+one endless sequence of sample positions: position `p` is window `perm_e[p % N]` of epoch `e = p // N`, with `perm_e` a
+permutation seeded by (seed, e). Micro-step `k` takes positions `[k*G, (k+1)*G)` with `G = micro_batch_size * dp`, and
+rank `r` takes its `micro_batch_size` positions from that range. The only state is the number of positions consumed, so
+a run resumes at exactly the next sample on any dp size, and a dp=2 run sees the same global batches as a single process
+with twice the micro-batch.
 
-Training draws from one endless sequence of sample positions: position `p`
-is window `perm_e[p % N]` of epoch `e = p // N`, with `perm_e` a permutation
-seeded by (seed, e). Micro-step `k` takes positions `[k*G, (k+1)*G)` with
-`G = micro_batch_size * dp`, and rank `r` takes its `micro_batch_size`
-positions from that range. The only state is the number of positions
-consumed, so a run resumes at exactly the next sample on any dp size, and a
-dp=2 run sees the same global batches as a single process with twice the
-micro-batch.
-
-A user's DataLoader goes through `BatchStream`, which runs as many epochs as the
-run needs and knows its exact position (epoch, micro-batches consumed in that
-epoch) counted on the consumer side, so a checkpoint restores the position even
-when DataLoader workers prefetch ahead.
+A user's DataLoader goes through `BatchStream`, which runs as many epochs as the run needs and counts its exact position
+(epoch, micro-batches consumed in that epoch) on the consumer side, so a checkpoint restores the position even when
+DataLoader workers prefetch ahead.
 """
 
 from __future__ import annotations
@@ -63,9 +58,7 @@ class _PositionBatches:
 
 class SampleStream:
     """This rank's micro-batches of a packed dataset, prefetched by DataLoader workers, resumable exactly.
-
-    `shuffle=False` takes the dataset's own order (prepared data whose sample index is already shuffled).
-    """
+    `shuffle=False` takes the dataset's own order (prepared data whose sample index is already shuffled)."""
 
     def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, num_workers: int = 0, shuffle: bool = True, masking: DocumentMasking | None = None):
@@ -103,11 +96,9 @@ class SampleStream:
 
 
 class EvalBatches:
-    """The first `max_batches` global eval batches in order, sliced per rank.
-
-    Every rank yields the same number of batches (sharded engines run collectives in forward); a rank
-    whose slice runs past the end gets a stand-in window with every target ignored.
-    """
+    """The global eval batches in order (the validator takes the first `eval_iters`), sliced per rank. Every rank
+    yields the same number of batches (sharded engines run collectives in forward); a rank whose slice runs past the
+    end gets a stand-in window with every target ignored."""
 
     def __init__(self, dataset, micro_batch_size: int, pad_token_id: int, *, rank: int = 0, world_size: int = 1,
                  masking: DocumentMasking | None = None):
@@ -128,11 +119,9 @@ class EvalBatches:
 
 
 class BatchStream:
-    """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position.
-
-    Each epoch's order is reseeded from (seed, epoch) when the loader shuffles with a RandomSampler, so
-    epoch k is the same permutation whether the run started at epoch 0 or resumed mid-way.
-    """
+    """Endless iterator of micro-batches over a DataLoader, epoch after epoch, with a resumable position. Each
+    epoch's order is reseeded from (seed, epoch) when the loader shuffles with a RandomSampler, so epoch k is the
+    same permutation whether the run started at epoch 0 or resumed mid-way."""
 
     def __init__(self, loader: torch.utils.data.DataLoader, seed: int):
         self.loader = loader

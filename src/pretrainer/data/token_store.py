@@ -1,15 +1,15 @@
 """Raw training files tokenized once into a cached token store that every run and rank memory-maps.
 
-`train_data` / `eval_data` files are read record by record, tokenized by worker processes (`encode`) and
-written as an indexed `.bin/.idx` pair (one document per record, in order; an empty text is an empty
-document) under a folder named by a hash of everything that changes the tokens: each file's path, size and
-modification time, the tokenizer, `text_key`, `txt_mode` and the BOS/EOS policy. A changed input or
-tokenizer gets a new folder; `manifest.json`, written last, marks a store complete, so an interrupted build
-leaves nothing that looks finished, and a store whose files no longer match their index is rebuilt.
+`train_data` / `eval_data` files are read record by record, tokenized by worker processes (`encode`) and written as an
+indexed `.bin/.idx` pair (one document per record, in order; an empty text is an empty document) under a folder named by
+a hash of everything that changes the tokens: each file's path, size and modification time, the tokenizer, `text_key`,
+`txt_mode` and the BOS/EOS policy. A changed input or tokenizer gets a new folder; `manifest.json`, written last, marks
+a store complete, so an interrupted build leaves nothing that looks finished, and a store whose files no longer match
+their index is rebuilt.
 
-Where: `data_cache_path` if set, else `$PRETRAINER_CACHE_DIR`, else `~/.cache/pretrainer/tokenized` (never
-under `save_dir`, so the next run on the same corpus starts from it). Who builds: rank 0 first; then, on
-machines that do not see its store (node-local caches), each node's local rank 0; everyone else waits.
+Where: `data_cache_path` if set, else `$PRETRAINER_CACHE_DIR`, else `~/.cache/pretrainer/tokenized` (never under
+`save_dir`, so the next run on the same corpus starts from it). Who builds: rank 0 first; then, on machines that do not
+see its store (node-local caches), each node's local rank 0; everyone else waits.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ def _identity(file) -> list:
 
 
 def pack_settings(tokenizer) -> EncodeSettings:
-    """The training pipeline's encoding for an HF tokenizer: BOS (when distinct from EOS) and EOS around each
-    document."""
+    """The training pipeline's encoding for an HF tokenizer: BOS (if distinct from EOS) and EOS around each document."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("the tokenizer has no EOS token, which separates packed documents; use a tokenizer that "
@@ -95,7 +94,6 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
     module docstring); every rank returns the memory-mapped store."""
     folder = root / spec.key()
     store = None
-    # Rank 0 first; then a node that does not see its store (a node-local cache) builds its own.
     phases = ((placement.is_main, "rank 0"),
               (placement.local_rank == 0 and not placement.is_main, "local rank 0 of each machine"))
     for builds, builder in phases:

@@ -1,10 +1,8 @@
 """Model and tokenizer: cheap checks first (`preflight`), then one materialisation of the model.
 
-`model_path` may be an HF folder with weights (loaded with `from_pretrained`), a
-folder with only `config.json`, or a `config.json` file (random init with the
-config's init std). A random-init model is built on the meta device; the engine
-materialises it once, after sharding where it shards, so no rank holds two
-copies (or, when sharded, the whole model).
+`model_path` may be an HF folder with weights (loaded with `from_pretrained`), a folder with only `config.json`, or a
+`config.json` file (random init with the config's init std). A random-init model is built on the meta device; the engine
+materialises it once, after sharding where it shards, so no rank holds two copies (or, when sharded, the whole model).
 """
 
 from __future__ import annotations
@@ -76,11 +74,9 @@ def model_source(args, config=None) -> ModelSource:
 
 
 def preflight(args, source: ModelSource | None = None, vocab_multiple: int = 1) -> ModelSpec:
-    """Resolve and check the model config and tokenizer without building the model.
-
-    A tokenizer larger than the model's vocabulary plans its growth (padded to a multiple of
-    `pad_vocab_to_multiple_of` and of `vocab_multiple`, the tensor-parallel degree).
-    """
+    """Resolve and check the model config and tokenizer without building the model. A tokenizer larger than the
+    model's vocabulary plans its growth (padded to a multiple of `pad_vocab_to_multiple_of` and of `vocab_multiple`,
+    the tensor-parallel degree)."""
     source = source or model_source(args)
     if source.folder is None:
         if not args.tokenizer_path:
@@ -114,12 +110,10 @@ def load_tokenizer(tokenizer_path: str | None, model_path: Path):
 def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Module:
     """The model in fp32 master weights: loaded on CPU from weights, or on the meta device from a config.
 
-    An engine places it: it shards and/or moves it, and materialises a meta model with
-    `pretrainer.models.init.materialize` (mixed precision is the engine's too). With `read_slices` (an engine
-    that shards or splits the model) a safetensors checkpoint is not loaded here: the model is built on the
-    meta device with the files' reader attached, and each rank reads only its own slices when it is
-    materialised.
-    """
+    An engine places it (shards and/or moves it, and materialises a meta model with `init.materialize`; mixed
+    precision is the engine's too). With `read_slices` (an engine that shards or splits the model) a safetensors
+    checkpoint is not loaded here: the model is built on the meta device with the files' reader attached, and each
+    rank reads only its own slices when it is materialised."""
     from transformers import AutoModelForCausalLM
 
     config = spec.config

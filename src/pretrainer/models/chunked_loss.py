@@ -1,30 +1,27 @@
-"""The output head and the cross-entropy in chunks of tokens, so the `[tokens, vocab]` logits never exist
-whole (`loss_chunk_size`): with long sequences and large (extended) vocabularies they are the largest
-tensor of a step, 4 bytes x tokens x vocabulary in fp32.
+"""The output head and cross-entropy in chunks of tokens (`loss_chunk_size`), so the `[tokens, vocab]` logits, the
+largest tensor of a step with long sequences and large (extended) vocabularies (4 bytes x tokens x vocabulary in fp32),
+never exist whole.
 
-Each chunk's logits are made, turned into the chunk's loss and, when a backward will follow, into the
-gradients for the hidden states and the head's weight at once, then dropped; backward only scales the
-stored gradients. The head's weight is thus used only inside the head's own forward, where every engine
-(FSDP's unsharded parameters, DeepSpeed ZeRO-3's gathered ones) has it whole. The math is the plain
-softmax cross-entropy's, so loss and gradients equal the unchunked ones within fp32 rounding.
+Each chunk's logits are made, turned into the chunk's loss and, when a backward will follow, into the gradients for the
+hidden states and the head's weight at once, then dropped; backward only scales the stored gradients. The head's weight
+is thus used only inside the head's own forward, where every engine has it whole (FSDP's unsharded parameters, DeepSpeed
+ZeRO-3's gathered ones). The math is plain softmax cross-entropy: loss and gradients equal the unchunked ones within
+fp32 rounding.
 
-A head split by vocabulary rows over tensor-parallel ranks (the megatron engine's, a DTensor sharded on
-dim 0) computes each chunk's logits for its own rows only, as Megatron's vocab-parallel cross-entropy does:
-the ranks all-reduce each token's max logit, then its sum of exponentials and its target's logit, so no
-rank holds a chunk's logits for the whole vocabulary; the hidden states' gradient is a partial sum that the
+A head split by vocabulary rows over tensor-parallel ranks (the megatron engine's DTensor sharded on dim 0) computes
+each chunk's logits for its own rows only, as Megatron's vocab-parallel cross-entropy does: the ranks all-reduce each
+token's max logit, then its sum of exponentials and target logit; the hidden states' gradient is a partial sum that the
 tensor-parallel layout reduces in backward.
 
-With an output z-loss (`z_loss_coeff` c, PaLM's), each chunk also sums logsumexp(logits)^2 over its trained
-tokens, and the stored gradients are those of cross-entropy + c x that sum: the head returns
-`[cross-entropy sum, correct, z sum]`, the first entry's gradient carrying the z-loss's too (the value of the
-cross-entropy, the gradient of the objective, as ce + c(z - sg(z)) has), so every engine's backward trains it
-and the logged loss stays the cross-entropy.
+With an output z-loss (`z_loss_coeff` c, PaLM's), each chunk also sums logsumexp(logits)^2 over its trained tokens and
+the stored gradients are those of cross-entropy + c x that sum. The head returns `[cross-entropy sum, correct, z sum]`,
+the first entry carrying the cross-entropy's value and the objective's gradient (as ce + c(z - sg(z)) does), so every
+engine's backward trains the z-loss while the logged loss stays the cross-entropy.
 
-The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its
-forward changes: handed a `batch.HeadCall` (`lm_head(hidden, call=...)`) it computes the loss for the call's
-targets; without one (`generate`, a user's call) it returns ordinary logits. `install_head_call` gives the model a
-forward that hands its head the call `batch.forward_head` makes for each batch (a pipeline stage hands it the
-call itself, parallel/pipeline.py).
+The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its forward changes:
+handed a `batch.HeadCall` (`lm_head(hidden, call=...)`) it computes the loss for the call's targets, without one
+(`generate`, a user's call) it returns logits. `install_head_call` gives the model a forward that hands the head the
+call `batch.forward_head` makes for each batch (a pipeline stage hands it the call itself, parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -115,8 +112,7 @@ def takes_head_call(model: torch.nn.Module) -> bool:
 def install_head_call(model: torch.nn.Module) -> None:
     """Give the model a forward that runs its decoder, then hands the output head the call's targets (`head_call`,
     made by `batch.forward_head`) and returns a `HeadOutput`; without a call it is the model's own forward. A head
-    that does not compute the loss takes the call too (multi-token prediction reads its tokens), and returns
-    logits."""
+    that does not compute the loss takes the call too (multi-token prediction reads its tokens) and returns logits."""
     if takes_head_call(model):
         return
     head = model.get_output_embeddings()
@@ -191,13 +187,12 @@ def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions],
-    ignoring IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a
-    `VocabShard`, `weight` holds the shard's rows and the result covers the whole vocabulary. With
-    `per_token` (scoring, no gradient) the result is each target's loss instead, shaped as `targets`. With
-    `z_coeff` > 0 a third entry sums logsumexp(logits)^2 over the valid targets, and the first entry's gradient
-    is that of sum + z_coeff x it (the z-loss trains through it; the third entry has none). `rows`, a list,
-    receives each row's loss sum (no gradient)."""
+    """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions], ignoring
+    IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a `VocabShard`,
+    `weight` holds the shard's rows and the result covers the whole vocabulary. With `per_token` (scoring, no
+    gradient): each target's loss instead, shaped as `targets`. With `z_coeff` > 0 a third entry sums
+    logsumexp(logits)^2 over the valid targets, and the first entry's gradient is that of sum + z_coeff x it (the
+    third has none). `rows`, a list, receives each row's loss sum (no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,

@@ -1,16 +1,15 @@
 """Causal attention for compiled decoder layers training in bf16/fp16 on a CPU.
 
-The forward is torch's CPU flash-attention kernel, as with `sdpa`. Its backward is the slow part of a bf16
-step on CPUs with matrix units (about 4x the forward's time for a 512-token window: most of the step's
-non-matmul time), so the backward here is written out instead: per block of queries, the probabilities are
-recomputed from the forward's log-sum-exp with batched matmuls, and the gradients follow from them (the
-flash-attention backward, without its tiling over keys). Inside a compiled layer the compiler fuses the
-element-wise work of each block, and the step runs 12-15% faster than with `sdpa` on the 25M benchmark
-model (docs/performance.md). Without compile the written-out backward is slower than the kernel's, so
+The forward is torch's CPU flash-attention kernel, as with `sdpa`. Its backward is the slow part of a bf16 step on CPUs
+with matrix units (about 4x the forward's time for a 512-token window: most of the step's non-matmul time), so the
+backward is written out here: per block of queries, the probabilities are recomputed from the forward's log-sum-exp with
+batched matmuls and the gradients follow from them (the flash-attention backward, without its tiling over keys). Inside
+a compiled layer the compiler fuses each block's element-wise work, and the step runs 12-15% faster than with `sdpa` on
+the 25M benchmark model (docs/performance.md). Without compile the written-out backward is slower than the kernel's, so
 it is installed only with `compile: true`.
 
-It is the `sdpa` attention for everything else: masks other than the plain causal one (padding, document
-masking), sliding windows, softcapping, dropout, evaluation and generation go to `sdpa` unchanged.
+Everything else goes to `sdpa` unchanged: masks other than the plain causal one (padding, document masking), sliding
+windows, softcapping, dropout, evaluation and generation.
 """
 
 from __future__ import annotations

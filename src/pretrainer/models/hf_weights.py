@@ -1,17 +1,15 @@
 """Fill a model built on the meta device straight from an HF checkpoint's safetensors files, slice by slice.
 
-An engine that shards or splits the model (FSDP, the megatron engine's tp/pp) lays it out on the meta
-device first; each rank then reads only the part of each tensor it owns: the rows (or columns) of its
-DTensor shard, located with the same offsets DTensor uses, read with safetensors' sliced reads and cast
-to the master dtype one tensor at a time. No rank ever holds the whole model, in any dtype. (DeepSpeed ZeRO-3
-reads whole tensors, module by module, and partitions each module at once: see `init.materialize`.) A
+An engine that shards or splits the model (FSDP, the megatron engine's tp/pp) lays it out on the meta device first; each
+rank then reads only its part of each tensor (its DTensor shard's rows or columns, at DTensor's own offsets) with
+safetensors' sliced reads, cast to the master dtype one tensor at a time: no rank ever holds the whole model, in any
+dtype. (DeepSpeed ZeRO-3 reads whole tensors module by module and partitions each module at once: `init.materialize`.) A
 vocabulary grown for an extended tokenizer grows the embedding and head as they are read (`grow_vocabulary`).
 
-Names: a parameter's name in the laid-out model is mapped to its name in the files by `parameter_name` (config/names.py)
-(wrapper segments dropped), the one mapping export uses too. An output embedding tied to the input
-embedding reads the input embedding's tensor when the files hold only that one. Where transformers converts
-the files' tensors as it loads them (an MoE model's per-expert matrices stacked into one parameter:
-hf_conversions.py), a rank reads its experts' rows of each, and only those.
+Names in the laid-out model map to the files' by `parameter_name` (config/names.py: wrapper segments dropped), as for
+export. A tied output embedding reads the input embedding's tensor when the files hold only that one. Where transformers
+converts tensors as it loads them (per-expert matrices stacked into one MoE parameter: hf_conversions.py), a rank reads
+only its experts' rows of each.
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ class CheckpointTensors:
 
     @property
     def used_conversions(self) -> list:
-        """transformers' conversion entries these files need: what `from_pretrained` records on the model, so
-        that saving reverts them."""
+        """transformers' conversion entries these files need (`from_pretrained` records them so saving reverts them)."""
         return self.conversions.used(self.files)
 
     # ------------------------------------------------------------ names

@@ -1,15 +1,13 @@
 """Materialise a meta-device model and initialise it the same way on every engine.
 
-Each module is initialised by the model's own `_init_weights` rule under a seed
-derived from (run seed, module name), on full-size tensors of that one module.
-Parameters that an engine has already sharded (DTensors) get their local shard
-of that full tensor. The result does not depend on the engine, the world size
-or the order modules are visited, and no rank holds more than one module's full
-weights at a time.
+Each module is initialised by the model's own `_init_weights` rule under a seed derived from (run seed, module name), on
+full-size tensors of that one module; parameters an engine has already sharded (DTensors) get their local shard of that
+full tensor. The result does not depend on the engine, the world size or the order modules are visited, and no rank
+holds more than one module's full weights at a time.
 
-A model built for a checkpoint (`hf_weights.attach_checkpoint`) is filled from its files instead: each
-parameter and saved buffer found there is read (only this rank's slice), and only what the files lack (RoPE's
-computed buffers) goes through the init rule.
+A model built for a checkpoint (`hf_weights.attach_checkpoint`) is filled from its files instead: each parameter and
+saved buffer found there is read (only this rank's slice); only what the files lack (RoPE's computed buffers) goes
+through the init rule.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int,
                 partition: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
     """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module.
 
-    `partition` (DeepSpeed ZeRO-3) takes each module's parameters as soon as they are filled and shards them, so
-    only one module is ever whole: storage is then allocated module by module instead of for the whole model.
-    """
+    `partition` (DeepSpeed ZeRO-3) shards each module's parameters as soon as they are filled, so only one module is
+    ever whole; storage is then allocated module by module instead of for the whole model."""
     checkpoint = take_checkpoint(model)
     if checkpoint is not None:
         checkpoint.check(model)

@@ -1,14 +1,13 @@
 """Llama-family weights between Hugging Face and Megatron-Core `GPTModel` layouts, whole or tensor-parallel.
 
-Megatron-Core fuses q/k/v into `linear_qkv`, grouped by query group: for each of the G KV heads, its
-Q/G query heads, then its key head, then its value head (rows of `head_dim`). It fuses the SwiGLU gate
-and up projections into `linear_fc1` (gate rows first). With the Transformer Engine layer spec the norms
-live inside the following linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
-with the local spec they are modules of their own (`input_layernorm`, `pre_mlp_layernorm`).
+Megatron-Core fuses q/k/v into `linear_qkv` by query group (for each of the G KV heads: its Q/G query heads, its key
+head, its value head; rows of `head_dim`) and the SwiGLU gate and up projections into `linear_fc1` (gate rows first).
+The norms live inside the following linear with the Transformer Engine layer spec (`linear_qkv.layer_norm_weight`,
+`linear_fc1.layer_norm_weight`), as modules of their own with the local spec (`input_layernorm`, `pre_mlp_layernorm`).
 
-Tensor-parallel shards follow Megatron's column/row split: `linear_qkv` by whole query groups, `linear_fc1`
-by gate rows and up rows separately (rank r holds [gate_r; up_r]), `linear_proj`/`linear_fc2` by input
-features, embedding and output layer by vocabulary rows; norms are replicated.
+Tensor-parallel shards follow Megatron's column/row split: `linear_qkv` by whole query groups, `linear_fc1` by gate rows
+and up rows separately (rank r holds [gate_r; up_r]), `linear_proj`/`linear_fc2` by input features, embedding and output
+layer by vocabulary rows; norms are replicated.
 """
 
 from __future__ import annotations

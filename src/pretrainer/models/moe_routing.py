@@ -1,36 +1,31 @@
 """Mixture-of-Experts routing as the loop sees it: balancing losses, expert bias updates and routing counts.
 
-An HF MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) routes with a router module that
-returns `(router_logits, weights, expert_indices)`; the model names that class for its `router_logits`
-output. `MoeRouting` hooks every router of a model, so it needs no per-family code and works through any
-engine that keeps the modules (single, ddp, fsdp, DeepSpeed):
+HF MoE models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) route with a router module returning
+`(router_logits, weights, expert_indices)`, named by the model for its `router_logits` output. `MoeRouting` hooks every
+router, so it needs no per-family code and works through any engine keeping the modules (single, ddp, fsdp, DeepSpeed):
 
-- balancing losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`) are computed from each router's logits in
-  training forwards and handed to the engine, which adds them to the scaled loss of the same micro-batch
-  (or, where a pipeline schedule runs the backward, ride on the router's output: `attach_losses`);
-  each unit (a sequence, or a micro-batch) carries the weight the loop gives it, so the gradient is that of
-  the mean over the global batch's units, whatever the split over ranks and micro-batches;
-- aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every
-  router's `e_score_correction_bias` moves by the rate towards the mean load, from the step's token counts
-  summed over ranks;
-- with `moe_capacity_factor`, an expert takes at most its capacity of a micro-batch's assignments; the
-  rest get weight 0 (dropped: the token's residual stream passes that expert by) in training forwards;
+- balancing losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`), computed from each router's logits in training forwards,
+  are added by the engine to the same micro-batch's scaled loss (under a pipeline schedule they ride on the router's
+  output: `attach_losses`); each unit (a sequence, or a micro-batch) is weighted by the loop, so the gradient is that of
+  the mean over the global batch's units, however ranks and micro-batches split it;
+- aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every router's
+  `e_score_correction_bias` moves by the rate towards the mean load of the step's token counts summed over ranks;
+- `moe_capacity_factor`: an expert takes at most its capacity of a micro-batch's assignments; in training forwards the
+  rest get weight 0 (dropped: the token's residual stream passes that expert by);
 - routing counts per layer and expert are kept over the logging interval for the metrics.
 
-Padding (attention_mask 0 in the forward's own arguments: the HF model's, or a pipeline stage's, which the
-engine hands each micro-batch's mask) is routed, as the model routes it,
-but counts nowhere: not in the balancing losses (as HF's load_balancing_loss_func with an attention mask),
-the capacity, the bias updates or the metrics. Its outputs are ignored by the loss anyway, and how padding is
-attended to differs between engines (a padding mask, or the megatron engine's causal mask alone).
+Padding (attention_mask 0 in the forward's arguments: the HF model's, or a pipeline stage's, which the engine hands each
+micro-batch's mask) is routed but counts nowhere: not in the balancing losses (as HF's load_balancing_loss_func with a
+mask), the capacity, the bias updates or the metrics. The loss ignores it anyway, and engines attend to it differently
+(a padding mask, or the megatron engine's causal mask alone).
 
-Where an engine splits each sequence's tokens over a group of ranks before they are routed (the megatron
-engine under sequence parallelism: `split_sequences`), each rank computes its tokens' part of every unit's
-losses from the unit's whole counts (one small all-reduce per router call), so the parts add up to the loss
-one process computes, and its gradient reaches each rank's tokens exactly.
+Where an engine splits each sequence's tokens over ranks before routing (the megatron engine's sequence parallelism:
+`split_sequences`), each rank computes its tokens' part of every unit's losses from the unit's whole counts (one small
+all-reduce per router call): the parts add up to the single-process loss, with its exact gradient.
 
-Forwards of evaluation (eval mode or no grad) and recomputation (activation checkpointing replays a layer
-inside backward, after the engine has taken the micro-batch's losses) are not counted; a recomputation
-still computes the losses (and drops them), since the checkpoint checks that it saves what the forward did.
+Evaluation forwards (eval mode or no grad) and recomputations (activation checkpointing replaying a layer inside
+backward, after the engine took the micro-batch's losses) are not counted; a recomputation still computes the losses and
+drops them, since the checkpoint checks that it saves what the forward did.
 """
 
 from __future__ import annotations
@@ -59,9 +54,8 @@ class MoeRouting:
         self._rows = 0                            # sequences of the micro-batch being run
         self._valid: torch.Tensor | None = None   # its tokens (1) and padding (0) as this rank routes them
         self._stand_in = False                    # the forward running is a pipeline's shape inference
-        # per layer, the masks of the step's recorded router calls not yet replayed: a recomputation inside
-        # backward (activation checkpointing) must use its own forward's mask, and under a pipeline schedule
-        # other micro-batches' forwards run in between (each stage replays its micro-batches in order)
+        # per layer, the masks of recorded router calls not yet replayed: a recomputation must use its own forward's
+        # mask, and a pipeline schedule runs other micro-batches' forwards in between (each stage replays them in order)
         self._replays: list[collections.deque] = []
         self._recording = False
         self._pending: list[torch.Tensor] = []
@@ -89,8 +83,8 @@ class MoeRouting:
 
     def attach_losses(self) -> None:
         """Where the engine runs no backward of its own per micro-batch (a pipeline schedule), each router call's
-        weighted balancing losses ride on its routing weights instead: their backward starts the losses' own
-        with gradient 1, as if they had been added to the micro-batch's loss (Megatron's MoEAuxLossAutoScaler)."""
+        weighted balancing losses ride on its routing weights: their backward starts the losses' own with gradient 1,
+        as if added to the micro-batch's loss (Megatron's MoEAuxLossAutoScaler)."""
         self._attach = True
 
     def split_sequences(self, group) -> None:
@@ -152,8 +146,7 @@ class MoeRouting:
         else:  # a replay inside backward takes its forward's mask; the shape inference, none
             queue = self._replays[layer]
             valid = queue.popleft() if queue and not self._stand_in else None
-        # A recomputation (activation checkpointing, inside backward) runs the same operations, as the
-        # checkpoint requires, and keeps nothing.
+        # a recomputation runs the same operations (the checkpoint requires it) and keeps nothing
         s = self.settings
         with torch.set_grad_enabled(self.trains_balancing_losses):  # else for the metrics only
             aux, z = balancing_losses(logits.float().reshape(units, tokens // units, experts),
@@ -253,17 +246,15 @@ class AddToBackward(torch.autograd.Function):
 
 def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool,
                      split_group=None, split: int = 1, valid: torch.Tensor | None = None):
-    """Per unit (the rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k] the experts
-    picked): the load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the
-    load is even, gradient through the probabilities only) and the z-loss mean_t logsumexp(logits)^2
-    (ST-MoE). Sigmoid routers (DeepSeek-V3) take their scores normalised per token as p.
+    """Per unit (rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k]: the experts picked): the
+    load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the load is even, gradient
+    through the probabilities only) and the z-loss mean_t logsumexp(logits)^2 (ST-MoE). Sigmoid routers (DeepSeek-V3)
+    use their per-token normalised scores as p. `valid` [units, tokens] (bool) marks the tokens that count: padding
+    takes no part, and T counts valid tokens only.
 
-    With each unit's tokens split over the `split` ranks of `split_group`, `logits` holds this rank's part:
-    the counts are summed over the group and T is the whole unit's, so the returned values are this rank's
-    parts of the unit's losses (they add up over the group) with their exact gradient.
-
-    `valid` [units, tokens] (bool): the tokens that count; padding (False) takes no part, and T counts the
-    unit's tokens only."""
+    With each unit's tokens split over the `split` ranks of `split_group`, `logits` holds this rank's part: counts
+    are summed over the group and T is the whole unit's, so the returned values are this rank's parts of the unit's
+    losses (they add up over the group), with their exact gradient."""
     units, tokens, experts = logits.shape
     if sigmoid_scores:
         scores = logits.sigmoid()
@@ -355,9 +346,8 @@ def idle_expert_parameters(model: torch.nn.Module, shape) -> int:
 
 
 def find_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every routed-experts module of an HF MoE model, in layer order: the module holding the fused expert
-    weights ([experts, ...] 3-D tensors, transformers' experts interface) of one MoE layer. Shared experts
-    are plain MLPs and are not among them."""
+    """Every routed-experts module of an HF MoE model, in layer order: one MoE layer's fused expert weights
+    ([experts, ...] 3-D tensors, transformers' experts interface), not its shared experts (plain MLPs)."""
     found = []
     for module in model.modules():
         experts = getattr(module, "num_experts", None)

@@ -1,18 +1,17 @@
 """MPT's attention through `scaled_dot_product_attention` instead of transformers' explicit scores.
 
-transformers' MPT (the only attention it has for the family) multiplies queries by keys, adds the ALiBi bias,
-and keeps the softmax of the whole [heads, seq, seq] score matrix for backward, in fp32 and again in the
-compute dtype: about 2 GiB per sequence and layer for MPT-70B at 2,048 tokens. Here the bias and the causal
-(or padding) mask go to the fused kernel as one additive mask, and the kernel keeps its output and
-log-sum-exp instead (flash / memory-efficient attention on GPUs, the flash kernel on CPUs).
+transformers' MPT (its only attention for the family) multiplies queries by keys, adds the ALiBi bias and keeps the
+softmax of the whole [heads, seq, seq] score matrix for backward, in fp32 and again in the compute dtype: about 2 GiB
+per sequence and layer for MPT-70B at 2,048 tokens. Here the bias and the causal (or padding) mask go to the fused
+kernel as one additive mask, and the kernel keeps only its output and log-sum-exp (flash / memory-efficient attention on
+GPUs, flash on CPUs).
 
-ALiBi's bias for key j is slope x (j - last position): the same shift for every key of a row, which the
-softmax ignores. In bf16 the large values far from the last position would lose the differences between
-neighbouring keys, so the mask holds slope x (j - i) instead: the same softmax, small where it matters.
+ALiBi's bias for key j is slope x (j - last position): the same shift for every key of a row, which the softmax ignores.
+In bf16 its large values far from the last position would lose the differences between neighbouring keys, so the mask
+holds slope x (j - i) instead: the same softmax, small where it matters.
 
-The mask is built once per forward, by the first layer that needs it, and shared by the others (they get the
-same bias and mask tensors); it is referenced weakly, so that it lives only as long as autograd keeps it.
-Generation with a cache, and a query shorter than its keys, take transformers' own path.
+The mask is built once per forward by the first layer that needs it, shared by the others and held weakly (it lives only
+as long as autograd keeps it); generation with a cache, or a query shorter than its keys, takes transformers' own path.
 """
 
 from __future__ import annotations

@@ -1,33 +1,29 @@
-"""Multi-token prediction (MTP, DeepSeek-V3's report section 2.2): `mtp_num_layers` (D) modules after the
-model, depth k predicting the token k + 1 ahead of each position.
+"""Multi-token prediction (MTP, DeepSeek-V3's report section 2.2): `mtp_num_layers` (D) modules after the model, depth k
+predicting the token k + 1 ahead of each position.
 
-Depth k takes the previous depth's hidden state (the main model's final one, the output head's input, for
-k = 1) and the embedding of the token k ahead, normalises each with its own norm (`hnorm`, `enorm`: the
-model's final-norm class), projects their concatenation 2H -> H (`eh_proj`, embedding first, as DeepSeek-V3's
-files and the inference engines that read them order it), runs one block of the model's own decoder-layer
-class, normalises (`shared_head.norm`) and predicts with the main model's output head; the embedding and the
-head are the main model's own, so both paths train them.
+Depth k normalises the previous depth's hidden state (for k = 1 the main model's final one, the head's input) and the
+embedding of the token k ahead, each with its own norm (`hnorm`, `enorm`: the model's final-norm class), projects their
+concatenation 2H -> H (`eh_proj`, embedding first, as DeepSeek-V3's files and the inference engines reading them order
+it), runs one block of the model's decoder-layer class, normalises (`shared_head.norm`) and predicts with the main
+model's output head. Embedding and head are the main model's own, so both paths train them.
 
-Each depth is a decoder layer of the model's class with those modules added, appended to the model's layer
-list after its `num_hidden_layers` layers (which HF decoders iterate, so the main forward never runs them).
-So its parameters are named as in DeepSeek-V3's files (`model.layers.<num_hidden_layers + k - 1>.enorm`, ...),
-HF folders load into them and export writes them without a renaming, and every engine treats a depth as a
-layer: FSDP shards it as a unit, activation checkpointing and compile wrap it, MoE routing hooks its router.
+Each depth is a decoder layer of the model's class with those modules added, appended to the layer list after the
+`num_hidden_layers` layers HF decoders iterate (so the main forward never runs it). Its parameters are thus named as in
+DeepSeek-V3's files (`model.layers.<num_hidden_layers + k - 1>.enorm`, ...), HF folders load into them and export writes
+them without renaming, and every engine treats a depth as a layer: FSDP shards it as a unit, activation checkpointing
+and compile wrap it, MoE routing hooks its router.
 
-The depths run inside the main forward, when the output head has run on the final hidden states (a forward
-hook), only in training forwards whose head was handed a call with the batch's tokens (`batch.HeadCall`: the
-model's forward hands it one, `chunked_loss.install_head_call`, as a pipeline's last stage does), not in
-evaluation, scoring or generation. They attend
-as the main layers do: the masks and rotary embeddings the last main layer received are reused. Each
-depth's summed cross-entropy and correct predictions are kept for the loop's metrics (`take_results`),
-computed by the output head itself where it computes the loss in chunks (models/chunked_loss.py), so no
-depth's full logits exist either.
+The depths run inside the main forward, after the output head (a forward hook), only in training forwards whose head was
+handed a call with the batch's tokens (`batch.HeadCall`: from the model's forward, `chunked_loss.install_head_call`, or
+a pipeline's last stage), not in evaluation, scoring or generation. They attend as the main layers do, reusing the masks
+and rotary embeddings the last main layer received. Each depth's summed cross-entropy and correct predictions are kept
+for the loop's metrics (`take_results`); a head that computes the loss in chunks (models/chunked_loss.py) does so for
+the depths too, so no depth's full logits exist either.
 
-The depths' weighted loss rides on the head's output (`AddToBackward`, as Megatron-Core's MTP loss rides on
-its hidden states): its backward starts when the main loss's reaches the model's output. So every engine runs
-it inside the backward it already runs, behind the hooks it places on the model's outputs: FSDP gathers the
-root's parameters (embedding, head) for backward there, and a pipeline schedule runs each micro-batch's
-backward itself.
+The depths' weighted loss rides on the head's output (`AddToBackward`, as Megatron-Core's MTP loss rides on its hidden
+states): its backward starts when the main loss's reaches the model's output, so every engine runs it inside its own
+backward, behind the hooks it places on the model's outputs (FSDP gathers the root's parameters, embedding and head,
+there; a pipeline schedule runs each micro-batch's backward itself).
 """
 
 from __future__ import annotations
@@ -193,8 +189,7 @@ class MtpForward:
         if not self._indices:
             raise ConfigError("mtp_num_layers: the model has no MTP depths")
         self.depths = len(self._indices)
-        # the container, read at each forward: an engine may replace its entries by wrappers (activation
-        # checkpointing), which the depths must run through
+        # read at each forward: the depths run the wrappers an engine may put on its entries (activation checkpointing)
         self._container = decoder_layer_list(model)
         install_head_call(model)  # the head is handed each batch's tokens and targets
         self.embeddings = model.get_input_embeddings()
@@ -203,8 +198,7 @@ class MtpForward:
         self._head_input: torch.Tensor | None = None
         self._results: list[list[DepthResult]] = []  # per training forward not yet taken
         self._running = False
-        # each depth's summed loss times this is its part of the backward (set by the loop for each step; None:
-        # the losses are measured, not trained)
+        # factor of each depth's summed loss in the backward (set by the loop each step; None: measured, not trained)
         self.loss_weights: torch.Tensor | None = None
         self._container[model.config.num_hidden_layers - 1].register_forward_pre_hook(
             self._keep_layer_kwargs, with_kwargs=True)

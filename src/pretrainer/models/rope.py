@@ -1,12 +1,11 @@
-"""RoPE scaling and base (`rope_scaling`, `rope_theta`) applied to an HF model config before the model is
-built, in the form its transformers version reads: `rope_parameters` (transformers 5: one dict holding
-`rope_type`, `rope_theta` and the type's fields) or `rope_scaling` + `rope_theta` (4.x).
+"""RoPE scaling and base (`rope_scaling`, `rope_theta`) applied to an HF model config before the model is built, in the
+form its transformers version reads: `rope_parameters` (transformers 5: one dict holding `rope_type`, `rope_theta` and
+the type's fields) or `rope_scaling` + `rope_theta` (4.x).
 
-Types other than `dynamic` (linear, yarn, llama3, longrope) extend the model's positions: the config's
-`max_position_embeddings` becomes `original_max_position_embeddings x factor` (the original defaults to the
-model's current `max_position_embeddings`), as the configs of models published with these scalings read.
-`dynamic` (NTK) rescales at run time past the original length, so `max_position_embeddings` keeps meaning
-the original length; `config.sizes.model_positions` counts `factor` times it.
+Types other than `dynamic` (linear, yarn, llama3, longrope) extend the model's positions: `max_position_embeddings`
+becomes `original_max_position_embeddings x factor` (the original defaults to the current `max_position_embeddings`), as
+the configs of models published with these scalings read. `dynamic` (NTK) rescales at run time past the original length,
+so `max_position_embeddings` keeps meaning the original length; `config.sizes.model_positions` counts `factor` times it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,19 @@
 """Growing a model's vocabulary to an extended tokenizer, before any engine shards the model.
 
-`plan_growth` (at preflight) decides the new size: the tokenizer's length rounded up to
-`pad_vocab_to_multiple_of` (and to the tensor-parallel degree, which splits the vocabulary), and checks
-that the tokenizer extends the model's own (every token the model's tokenizer has keeps its id).
-`grow_embeddings` (after the weights are loaded) resizes the input embedding and the output head and fills
-the new rows by `new_token_init`:
+`plan_growth` (at preflight) picks the new size, the tokenizer's length rounded up to `pad_vocab_to_multiple_of` and to
+the tensor-parallel degree (which splits the vocabulary), and checks that every token of the model's own tokenizer keeps
+its id. `grow_embeddings` (after loading) resizes the input embedding and output head and fills the new rows by
+`new_token_init`:
 
-- `subtoken_mean`: each new token's row is the mean of the rows of the pieces the model's own tokenizer
-  splits its text into (input and output rows alike), so a new token starts where the model already
-  "reads" it; a text the old tokenizer cannot split (none) gets the mean of all rows;
-- `mean`: the mean of all existing rows plus a perturbation with 1e-9 times their covariance (the
-  transformers `resize_token_embeddings` default);
+- `subtoken_mean`: the mean of the rows (input and output alike) of the pieces the model's own tokenizer splits the new
+  token's text into, so it starts where the model already "reads" it; a text the old tokenizer cannot split gets the
+  mean of all rows;
+- `mean`: the mean of all rows plus a perturbation with 1e-9 times their covariance (transformers'
+  `resize_token_embeddings` default);
 - `normal`: N(0, init_method_std or the config's initializer_range).
 
-Rows past the tokenizer's length (padding) get the mean of all rows. Random draws use a generator seeded
-with `seed`, so every rank builds the same rows.
+Padding rows (past the tokenizer's length) get the mean of all rows. Random draws use a generator seeded with `seed`, so
+every rank builds the same rows.
 """
 
 from __future__ import annotations

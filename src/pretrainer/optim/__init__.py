@@ -1,5 +1,4 @@
-"""The optimizer (AdamW, or Muon with AdamW) and the learning-rate schedule, built from their settings
-(`config.optimization`)."""
+"""The optimizer (AdamW, or Muon with AdamW) and the lr schedule, built from their settings (`config.optimization`)."""
 
 from .build import build_optimizer, muon_parameters, parameter_groups
 from .muon import MuonAdamW, orthogonalize

@@ -1,16 +1,15 @@
 """Muon for the hidden matrices, AdamW for the rest, as one optimizer.
 
-Muon (Keller Jordan, 2024; "Muon is Scalable for LLM Training", Moonshot 2025) keeps a momentum buffer per
-matrix and replaces the update by its nearest semi-orthogonal matrix, found by a few Newton-Schulz
-iterations. That iteration needs the whole matrix: a parameter sharded over ranks (FSDP2, tensor parallel,
-the distributed optimizer; all DTensors here) has its update gathered, orthogonalised on every rank that
-holds a piece, and each rank keeps its own piece, so the step equals one process's. Momentum and weight
-decay are elementwise and stay on the shards.
+Muon (Keller Jordan, 2024; "Muon is Scalable for LLM Training", Moonshot 2025) keeps a momentum buffer per matrix and
+replaces the update by its nearest semi-orthogonal matrix, found by a few Newton-Schulz iterations. That iteration needs
+the whole matrix: a parameter sharded over ranks (FSDP2, tensor parallel, the distributed optimizer; all DTensors here)
+has its update gathered and orthogonalised on every rank holding a piece, each rank keeping its own piece, so the step
+equals one process's. Momentum and weight decay are elementwise and stay on the shards.
 
-One optimizer object (an `AdamW` whose groups marked `muon` take the Muon update) so the schedule, clipping,
-skipped updates and DCP checkpoints see a single optimizer, and the AdamW groups keep torch's fused kernel
-and state names. `torch.optim.Muon` is not used directly: it takes 2-D tensors only, orthogonalises in bf16
-always and knows nothing of shards; `tests/test_optim.py` holds this update equal to it where both apply.
+One optimizer object (an `AdamW` whose groups marked `muon` take the Muon update), so the schedule, clipping, skipped
+updates and DCP checkpoints see a single optimizer and the AdamW groups keep torch's fused kernel and state names.
+`torch.optim.Muon` is not used directly: it takes 2-D tensors only, always orthogonalises in bf16 and knows nothing of
+shards; `tests/test_optim.py` holds this update equal to it where both apply.
 """
 
 from __future__ import annotations
@@ -76,10 +75,9 @@ def own_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """AdamW over the groups with `muon: False`; Muon over those with `muon: True` (each parameter at least
-    2-D; a 3-D one is a stack of matrices, one per expert). Muon groups take `momentum`, `nesterov`,
-    `ns_steps`, `adjust_lr` and `ns_dtype` (bf16 | fp32: the iteration's precision), besides `lr` and
-    `weight_decay` (decoupled, lr x wd)."""
+    """AdamW over the groups with `muon: False`, Muon over those with `muon: True` (each parameter at least 2-D; a 3-D
+    one stacks one matrix per expert). Muon groups take `momentum`, `nesterov`, `ns_steps`, `adjust_lr` and `ns_dtype`
+    (bf16 | fp32: the iteration's precision), besides `lr` and `weight_decay` (decoupled, lr x wd)."""
 
     def __init__(self, params, *, momentum: float, nesterov: bool, ns_steps: int, adjust_lr: str,
                  ns_dtype: str, **adamw):

@@ -1,12 +1,11 @@
 """The learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay (WSD).
 
-Lengths arrive in updates (`ScheduleSettings`: the config's token lengths are already divided by the tokens of
-one update, so they may be fractional). Update k (0-based) ends at position k + 1; warmup rises as
-position / warmup, so its last update reaches the peak. Cosine and linear then decay over the remaining
-updates to `min_lr` at the last one. WSD stays at the peak until the last `decay` positions and decays over
-them in the chosen shape (`decay_shape`), reaching `min_lr` at the last update. A cooldown branch from step N
-decays from the parent's lr at N the same way over its own length: with the parent stable at N, the branch's
-updates get exactly the lrs of a WSD run ending at the branch's end with a decay of the branch's length.
+Lengths arrive in updates (`ScheduleSettings` divides token lengths by the tokens of one update, so they may be
+fractional). Update k (0-based) ends at position k + 1; warmup rises as position / warmup, so its last update reaches
+the peak. Cosine and linear then decay over the remaining updates to `min_lr` at the last one. WSD stays at the peak
+until the last `decay` positions and decays over them in `decay_shape`, reaching `min_lr` at the last update. A cooldown
+branch from step N decays from the parent's lr at N the same way over its own length: with the parent stable at N, the
+branch's updates get exactly the lrs of a WSD run ending at the branch's end with a decay of the branch's length.
 """
 
 from __future__ import annotations
@@ -27,11 +26,8 @@ DECAY_SHAPES = {  # the share of (peak - min) left at decay progress p in [0, 1]
 def lr_multiplier(step: int, *, total: int, warmup: float, style: str, min_ratio: float,
                   wsd_decay_fraction: float = 0.2, decay_shape: str = "linear",
                   decay: float | None = None) -> float:
-    """Multiplier of the peak lr for the update numbered `step` (0-based).
-
-    `decay` (updates, WSD): the length of the decay phase; None: `wsd_decay_fraction` of the updates after
-    warmup (all but the first, which is the peak).
-    """
+    """Multiplier of the peak lr for the update numbered `step` (0-based). `decay` (updates, WSD): the decay phase's
+    length; None: `wsd_decay_fraction` of the updates after warmup (all but the first, which is the peak)."""
     position = step + 1
     if warmup and position < warmup:
         return position / warmup
@@ -65,9 +61,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, settings: ScheduleSettings
 
 
 def realign_to_schedule(scheduler, base_lrs: list[float]) -> None:
-    """Give each parameter group the lr its schedule sets at the scheduler's current step, from this run's
-    peaks `base_lrs`: after a resume onto another schedule (a cooldown branch, override_schedule) the
-    optimizer's and the scheduler's saved lrs are the old schedule's."""
+    """Give each group the lr its schedule sets at the current step from this run's peaks `base_lrs`: after a resume
+    onto another schedule (a cooldown branch, override_schedule) the saved lrs are the old schedule's."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         return
     scheduler.base_lrs = list(base_lrs)

@@ -1,10 +1,9 @@
 """Activation checkpointing of decoder layers, for every engine.
 
-- `full`: a layer keeps only its input; everything inside is recomputed in backward (least memory,
-  about one extra forward of compute).
-- `selective`: a layer keeps the outputs of its matrix multiplications and attention and recomputes
-  only the cheap element-wise ops (norms, activations, rotary), so most of the memory saving of
-  the element-wise activations for a few percent of compute.
+- `full`: a layer keeps only its input; everything inside is recomputed in backward (least memory, about one extra
+  forward of compute).
+- `selective`: a layer keeps the outputs of its matrix multiplications and attention and recomputes only the cheap
+  element-wise ops (norms, activations, rotary): most of the element-wise activations' memory for a few % of compute.
 
 Megatron's `recompute_method` / `recompute_num_layers` (the megatron engine's settings) group the layers of a
 pipeline stage for `full`: `uniform` checkpoints runs of `num_layers` layers as one unit, `block` the first

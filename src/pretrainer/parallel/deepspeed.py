@@ -1,10 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 (with optimizer/parameter offload, bf16/fp16) behind the Engine interface.
 
-Driven by a DeepSpeed JSON (`deepspeed: path.json`, or what an `accelerate launch` DeepSpeed config put in
-the environment) whose "auto" values are filled from the pretraining config. The JSON's own optimizer and
-scheduler blocks are used when present; otherwise the run's AdamW groups and schedule are handed to
-DeepSpeed. DeepSpeed owns accumulation boundaries, clipping, loss scaling and the schedule step, so the
-loop's calls map onto `backward`/`step` of the DeepSpeed engine.
+Driven by a DeepSpeed JSON (`deepspeed: path.json`, or what an `accelerate launch` DeepSpeed config put in the
+environment) whose "auto" values are filled from the pretraining config. The JSON's own optimizer and scheduler blocks
+are used when present; otherwise the run's AdamW groups and schedule are handed to DeepSpeed. DeepSpeed owns
+accumulation boundaries, clipping, loss scaling and the schedule step: the loop's calls map onto its `backward`/`step`.
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ def silence_deprecated_collectives() -> None:
 
 CHECKPOINT_TAG = "deepspeed"
 def ask_cpuinfo_once() -> None:
-    """DeepSpeed's CPU ops ask py-cpuinfo for the CPU's flags each time they check or load (CPU Adam under
-    offload: 3 times a rank at start), and py-cpuinfo starts a Python process per question (about 1 s of CPU
-    each). The answer cannot change while this process runs, so the first one is kept for the rest."""
+    """DeepSpeed's CPU ops ask py-cpuinfo for the CPU flags at each check or load (CPU Adam under offload: 3 times a
+    rank at start), each question costing a Python process (~1 s of CPU); the answer cannot change: keep the first."""
     try:
         import cpuinfo
     except ImportError:  # DeepSpeed then reads lscpu itself
@@ -203,8 +201,7 @@ class DeepSpeedEngine(DeepSpeedTraits, DistributedEngine):
         self.model_engine = None
 
     def held_state(self, model, optimizer) -> HeldState:
-        """Weights: the module's (ZeRO-3: each parameter's partition); optimizer: the inner optimizer's moments
-        and ZeRO's fp32 master partitions."""
+        """Weights: the module's (ZeRO-3 partitions); optimizer: inner moments and ZeRO's fp32 master partitions."""
         parameters = list(self.model_engine.module.parameters())
         weights = tensor_bytes(getattr(p, "ds_tensor", p) for p in parameters)
         masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or \

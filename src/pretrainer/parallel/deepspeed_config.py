@@ -1,9 +1,8 @@
 """DeepSpeed JSON configs: read (comments allowed), fill every "auto" from the pretraining config, check conflicts.
 
-The seeds' `ds_config_zero2.json` / `ds_config_zero3.json` are written for the HF Trainer, which fills
-"auto" values from its own arguments; here the same values come from `PreTrainingArguments`. An
-explicit value that contradicts the pretraining config (a different accumulation, say) is an error,
-since DeepSpeed would otherwise silently change the global batch.
+The seeds' `ds_config_zero2.json` / `ds_config_zero3.json` are written for the HF Trainer, which fills "auto" values
+from its own arguments; here they come from `PreTrainingArguments`. An explicit value that contradicts the pretraining
+config (a different accumulation, say) is an error: DeepSpeed would silently change the global batch.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ AUTO = "auto"
 # ZeRO bucket sizes filled from the model's hidden size (as the HF Trainer does).
 HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
-# DeepSpeed's buffer sizes, in elements, where a config leaves them unset (its defaults) or "auto" before the
-# hidden size is known.
+# DeepSpeed's default buffer sizes (elements), for keys a config leaves unset or "auto" before the hidden size is known.
 BUFFER_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                    "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
 
@@ -70,8 +68,7 @@ class DeepSpeedSettings:
         return BUFFER_DEFAULTS[key] if value == AUTO else int(value)
 
     def describe(self) -> str:
-        # parameters are offloaded at stage 3 only (DeepSpeed ignores offload_param below it, as the seed's ZeRO-2
-        # JSON sets it)
+        # parameters are offloaded at stage 3 only (DeepSpeed ignores offload_param below, which the seed's ZeRO-2 sets)
         offload = [k for k in ("optimizer", "param") if self.offloads(k) and (k == "optimizer" or self.zero_stage == 3)]
         ignored = " (offload_param ignored below stage 3)" if self.offloads("param") and self.zero_stage < 3 else ""
         return f"zero_stage={self.zero_stage} offload={','.join('offload_' + k for k in offload) or 'none'}{ignored}"
@@ -130,9 +127,8 @@ def config_from_accelerate_env() -> dict:
 
 def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int | None,
                           dtype: str | None = None) -> tuple[dict, dict]:
-    """Return the filled config and {dotted key: value} of what was filled. Without `hidden_size` (the model is
-    not known yet) the ZeRO bucket sizes derived from it stay "auto". `dtype`: the resolved compute dtype
-    (default: the config's)."""
+    """Return the filled config and {dotted key: value} of what was filled. Without `hidden_size` (model not known yet)
+    the ZeRO bucket sizes derived from it stay "auto". `dtype`: the resolved compute dtype (default: the config's)."""
     dtype = dtype or args.dtype
     config = copy.deepcopy(config)
     filled: dict = {}
@@ -197,9 +193,8 @@ def fill_hidden_size(config: dict, hidden_size: int, filled: dict) -> None:
 
 
 def scheduler_values(kind: str | None, args) -> dict:
-    """What each "auto" parameter of a DeepSpeed scheduler block becomes, from the run's lr, min_lr, warmup and
-    num_training_steps. DeepSpeed refuses warmup_num_steps 0 (and warms up over at least 2 steps), so a run
-    without warmup gets a flat one: warmup from lr to lr, which leaves the schedule the config asks for."""
+    """Each "auto" parameter of a DeepSpeed scheduler block, from the run's lr, min_lr, warmup and num_training_steps.
+    DeepSpeed refuses warmup_num_steps 0 (and warms up over 2+ steps): no warmup becomes a flat one, lr to lr."""
     if args.warmup_tokens is not None:
         raise ConfigError("warmup_tokens cannot fill the DeepSpeed JSON scheduler's \"auto\" warmup (DeepSpeed "
                           "counts steps): give warmup_steps or warmup_fraction, or remove the JSON's scheduler block")
@@ -236,9 +231,8 @@ def _fill_or_check(block: dict, key: str, value, filled: dict, prefix: str = "")
 
 
 def validate_deepspeed_config(config: dict, source: str) -> None:
-    """Check a (filled) config with DeepSpeed's own config models, as `deepspeed.initialize` will, so a bad value
-    is one line naming its JSON path, the value and what is allowed. Values still "auto" are left to
-    DeepSpeed's defaults here."""
+    """Check a (filled) config with DeepSpeed's own config models, as `deepspeed.initialize` will, so a bad value is
+    one line naming its JSON path, the value and what is allowed. Values still "auto" get DeepSpeed's defaults here."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     try:
@@ -301,8 +295,7 @@ def _without_auto(node):
 
 
 def _find_path(config: dict, location: tuple, value) -> str | None:
-    """The dotted path in `config` that ends with `location` and holds `value` (a pydantic error's location is
-    relative to the block its model reads)."""
+    """The dotted path in `config` ending in `location` and holding `value` (pydantic locations are block-relative)."""
     for path, found in _walk(config):
         parts = tuple(path.split("."))
         if parts[-len(location):] == location and found == value:

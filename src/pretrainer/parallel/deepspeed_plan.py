@@ -1,6 +1,5 @@
-"""The deepspeed engine's traits and its cost model (parallel/layout.py's questions), beside the engine: ZeRO's model
-states as DeepSpeed's own estimators count them, its buckets, the collectives of a step, the heap ZeRO-3's gathers
-leave on a CPU, and the ZeRO stages and offloads it offers for a world."""
+"""The deepspeed engine's traits and cost model (parallel/layout.py's questions): ZeRO's model states and buckets, a
+step's collectives, the heap ZeRO-3's gathers leave on a CPU, and the ZeRO stages and offloads it offers for a world."""
 
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ class DeepSpeedCosts(CostModel):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """ZeRO's model states as DeepSpeed's own estimators count them: 16-bit weights (a shard and the largest
-        live layer at stage 3), 16-bit gradients (none kept at stage 3), and per trained parameter an fp32
-        master copy, two moments and an fp32 gradient, partitioned from stage 1 (fp32 runs count their weights
-        as 4); its buffers: the reduce bucket, and the all-gather bucket (stages 1-2) or the prefetch bucket
-        and the parameters it keeps gathered (stage 3: up to stage3_max_live_parameters)."""
+        """Counted as DeepSpeed's estimators do: 16-bit weights (a shard and the largest live layer at stage 3), 16-bit
+        gradients (none at stage 3), and per trained parameter an fp32 master copy, two moments and an fp32 gradient,
+        partitioned from stage 1 (fp32 runs count weights as 4); buffers: the reduce bucket, and the all-gather bucket
+        (stages 1-2) or the prefetch bucket and the parameters kept gathered (stage3_max_live_parameters)."""
         settings, dp, c = layout.settings, layout.dims.dp, compute_bytes(layout.dtype)
         stage, n, t = settings.zero_stage, share.parameters, share.trained
         largest_layer = max(shape.layer_parameters, shape.embedding_parameters, shape.head_parameters)
@@ -79,8 +77,7 @@ class DeepSpeedCosts(CostModel):
 
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """Gradients reduced over the replicas in the compute dtype; ZeRO-3 gathers every parameter in forward
-        and backward of each micro-batch."""
+        """Gradients reduced over replicas in the compute dtype; ZeRO-3 gathers all parameters twice per micro-batch."""
         dp, c = layout.dims.dp, compute_bytes(layout.dtype)
         traffic = [Collective(2 * c * trained, dp, overlaps=True)]  # bucketed as backward produces them
         if layout.settings.zero_stage == 3:  # prefetched a few layers ahead

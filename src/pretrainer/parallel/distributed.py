@@ -69,10 +69,9 @@ class DistributedEngine(Engine):
             super().backward(loss)
 
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """One tensor at a time (see Engine.export_tensors): the ranks holding a tensor gather it whole (a
-        DTensor's shards over its own mesh), and the first of them sends it to the main rank unless that is
-        the main rank itself. Ranks that do not hold a tensor (other pipeline stages) hold it on the meta
-        device; every rank sees the same names in the same order."""
+        """One tensor at a time (see Engine.export_tensors): the ranks holding a tensor gather it whole (a DTensor's
+        shards over its own mesh), and the first of them sends it to the main rank unless it is the main rank. Ranks
+        not holding a tensor (other pipeline stages) have it on the meta device; all see the same names in order."""
         state = {parameter_name(k): v for k, v in self.unwrap(model).state_dict().items()}
         holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
         sender = {}

@@ -1,11 +1,10 @@
 """The engine interface the training loop talks to, and the single-process engine.
 
-An engine owns the process groups it builds on the world, model wrapping, mixed precision, the optimizer
-step and what goes into a checkpoint. The loop never branches on the engine's name: engines implement the
-same methods, and what differs between them is declared as capabilities (class attributes below) that the
-loop reads. An engine is built from its part of the resolved run (`EngineOptions`), never from the
-arguments. Its class inherits its traits (what it can do, parallel/layout.py's `EngineTraits`); what a layout
-costs on it is its cost model's answer, a class of its own registered beside it (parallel/registry.py).
+An engine owns the process groups it builds on the world, model wrapping, mixed precision, the optimizer step and what
+goes into a checkpoint. The loop never branches on the engine's name: engines implement the same methods, and what
+differs is declared as capabilities (class attributes below) that the loop reads. An engine is built from its part of
+the resolved run (`EngineOptions`), never from the arguments. Its class inherits its traits (parallel/layout.py's
+`EngineTraits`); its costs are a separate cost model registered beside it (parallel/registry.py).
 """
 
 from __future__ import annotations
@@ -61,13 +60,11 @@ class Engine(EngineTraits, ABC):
     name: str
 
     # ---- capabilities: what the loop and the checkpointer may rely on (subclasses override) ----
-    # Parameters are re-created as shards when the model is wrapped: an optimizer built over the
-    # unwrapped model's parameters cannot be used.
+    # Wrapping re-creates parameters as shards: an optimizer built over the unwrapped model's parameters cannot be used.
     shards_parameters = False
     # Every update handed to `step` is applied (the engine's own optimizer step cannot be skipped).
     applies_every_update = False
-    # How model/optimizer state is written: "dcp" (torch.distributed.checkpoint, reshardable onto any
-    # layout) or the engine's own format.
+    # State format: "dcp" (torch.distributed.checkpoint, reshardable onto any layout) or the engine's own.
     checkpoint_format = "dcp"
     # Checkpoints load only on the same number of processes.
     checkpoint_needs_same_world_size = False
@@ -123,9 +120,8 @@ class Engine(EngineTraits, ABC):
         return self.rank // self.dims.replica_ranks
 
     def mean_weight(self, units):
-        """The weight of a summed loss in the gradient of its mean over `units` (the global count of tokens,
-        sequences or micro-batches): 1 / units, times the ranks the engine averages each gradient over, which
-        undoes that average (it is an average, not a sum, on every engine)."""
+        """The weight of a summed loss in the gradient of its mean over `units` (global count of tokens, sequences or
+        micro-batches): 1 / units times the ranks each gradient is averaged over, undoing every engine's averaging."""
         return self.dims.gradient_ranks / units
 
     @property
@@ -174,14 +170,11 @@ class Engine(EngineTraits, ABC):
 
     def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
                          scale: float, extra_losses=None) -> torch.Tensor:
-        """Forward and backward over one accumulation window; gradients of sum(loss_fn) * scale.
-
-        `loss_fn(output, targets)` returns a micro-batch's summed token loss from its forward's `HeadOutput`.
-        `extra_losses()`, called after each forward, returns what that forward adds to the backward as it is
-        (already weighted; None: nothing), e.g. an MoE model's balancing losses; it is not part of the returned
-        loss. Returns this rank's summed
-        loss over the window (a device tensor). Only the last micro-batch communicates gradients.
-        """
+        """Forward and backward over one accumulation window: gradients of sum(loss_fn) * scale; returns this rank's
+        summed loss over the window (a device tensor). `loss_fn(output, targets)` returns a micro-batch's summed token
+        loss from its forward's `HeadOutput`. `extra_losses()`, called after each forward, returns what that forward
+        adds to the backward as it is (already weighted; None: nothing), e.g. an MoE model's balancing losses, not part
+        of the returned loss. Only the last micro-batch communicates gradients."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
@@ -196,14 +189,11 @@ class Engine(EngineTraits, ABC):
 
     def step(self, model: torch.nn.Module, optimizer, max_norm: float | None,
              skip_nonfinite: bool = True, skip_rule=None) -> tuple[torch.Tensor, bool]:
-        """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied).
-
-        With `skip_nonfinite`, a non-finite gradient norm (a NaN/inf loss or gradient on any rank: the norm
-        is global) skips the update; that check reads the norm, the one device sync of a step. fp16 runs
-        leave it to the loss scaler, which skips and lowers the scale. `skip_rule(norm)`, given (the spike
-        rules), may drop the update from the norm and the step's loss, read with it in the same sync; the norm
-        is still computed, for the log.
-        """
+        """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied). With
+        `skip_nonfinite`, a non-finite gradient norm (a NaN/inf loss or gradient on any rank: the norm is global) skips
+        the update; that check reads the norm, the one device sync of a step. fp16 runs leave it to the loss scaler,
+        which skips and lowers the scale. `skip_rule(norm)`, given (the spike rules), may drop the update from the norm
+        and the step's loss, read with it in the same sync; the norm is still computed, for the log."""
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -303,8 +293,7 @@ class Engine(EngineTraits, ABC):
         return model
 
     def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module holding the parameters this rank trains, under the HF model's names (the optimizer's
-        groups are built over it)."""
+        """The module holding this rank's trained parameters, under HF names (the optimizer groups are built on it)."""
         return self.unwrap(model)
 
     def forward_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:

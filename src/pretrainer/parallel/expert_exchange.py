@@ -1,13 +1,12 @@
 """Expert parallelism's token exchange: each token's hidden state goes to the rank holding each expert it was
 routed to, and the experts' outputs come back, weighted, to the token's rank.
 
-With `ep` ranks in a group and E experts, rank r holds experts [r * E/ep, (r + 1) * E/ep). A router call of T
-tokens, top-k, makes T * k assignments. `ExpertExchange.dispatch` sorts them by expert (so by owning rank),
-exchanges how many each rank sends to each of another's local experts (one small all-to-all), and sends the
-hidden states with `all_to_all_single` at uneven splits; the received rows are regrouped by local expert, the
-layout a grouped GEMM takes. `combine` sends the experts' outputs back the same way and sums each token's
-weighted outputs. Both directions are differentiable (torch.distributed.nn's all-to-all): a backward sends
-the gradients along the reverse routes.
+With `ep` ranks in a group and E experts, rank r holds experts [r * E/ep, (r + 1) * E/ep). A router call of T tokens,
+top-k, makes T * k assignments. `ExpertExchange.dispatch` sorts them by expert (so by owning rank), exchanges how many
+each rank sends to each of another's local experts (one small all-to-all), and sends the hidden states with
+`all_to_all_single` at uneven splits; the received rows are regrouped by local expert, the layout a grouped GEMM takes.
+`combine` sends the experts' outputs back the same way and sums each token's weighted outputs. Both directions are
+differentiable (torch.distributed.nn's all-to-all): a backward sends the gradients along the reverse routes.
 
 This module moves tokens only; the engines that hold expert slices build on it.
 """
@@ -71,8 +70,7 @@ class ExpertExchange:
 
 
 def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
-    """`send[r]` of `rows` to each rank r, `receive[r]` rows from each (differentiable: a backward sends the
-    gradients back the same way)."""
+    """`send[r]` rows to each rank r, `receive[r]` rows from each (differentiable: gradients go back the same way)."""
     return _AllToAll.apply(rows, receive, send, group)
 
 

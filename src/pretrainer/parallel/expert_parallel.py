@@ -1,18 +1,16 @@
 """Expert parallelism (`expert_parallel_degree`, ep): the routed experts of every MoE layer split over ep ranks.
 
-Each experts module (transformers' fused [experts, ...] weights) becomes DTensors sharded by expert over the
-ep mesh: rank r of an ep group holds experts [r * E/ep, (r + 1) * E/ep). Its forward keeps the interface the
-MoE block calls, (hidden states, top-k indices, top-k weights), and runs through the token exchange
-(expert_exchange.py): each rank routes its own tokens with the whole router, sends every assignment to the
-rank holding its expert, runs its local experts with the model's own experts code on its local weights (so
-eager, batched_mm and grouped_mm all work, and the arithmetic is the model's), and gets the outputs back,
-weighted. A checkpoint holds each expert tensor whole (DCP reassembles the shards), so it loads on any other
-layout; the export gathers them.
+Each experts module (transformers' fused [experts, ...] weights) becomes DTensors sharded by expert over the ep mesh.
+Its forward keeps the MoE block's interface (hidden states, top-k indices, top-k weights) and runs through the token
+exchange (expert_exchange.py): each rank routes its own tokens with the whole router, sends every assignment to the rank
+holding its expert, runs its local experts with the model's own experts code on its local weights (so eager, batched_mm
+and grouped_mm all work, with the model's arithmetic), and gets the outputs back, weighted. A checkpoint holds each
+expert tensor whole (DCP reassembles the shards), so it loads on any layout; the export gathers them.
 
-Every rank of an ep group must run every forward of the model together (the exchange is a collective), as
-FSDP's gathers already require. Gradients: an expert's gradient on its rank already sums what every rank of
-its ep group sent it, and the engine reduces it over the ranks holding the same experts only (dp / ep of
-them, where other gradients are averaged over dp): the engine's `gradient_scale` (1 / ep) evens that out.
+Every rank of an ep group must run every forward together (the exchange is a collective), as FSDP's gathers already
+require. Gradients: an expert's gradient on its rank already sums what every rank of its ep group sent it, and the
+engine reduces it over the ranks holding the same experts only (dp / ep of them, where other gradients are averaged
+over dp): the engine's `gradient_scale` (1 / ep) evens that out.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ def shard_experts(model: torch.nn.Module, mesh, gradient_scale: float) -> list[t
 
 
 def expert_ranks(model: torch.nn.Module) -> int:
-    """Ranks the routed experts of `model` are split over by expert: the size of the `ep` dimension of their
-    DTensors' mesh (1: every rank holds every expert, or a dense model). Experts this rank does not hold (another
-    pipeline stage's, on the meta device) say nothing."""
+    """Ranks `model`'s routed experts are split over by expert: the `ep` size of their DTensors' mesh (1: every rank
+    holds every expert, or a dense model). Experts this rank does not hold (another stage's, on meta) say nothing."""
     for module in find_experts(model):
         for parameter in module.parameters(recurse=False):
             if parameter.is_meta:

@@ -1,7 +1,6 @@
-"""The cost model (parallel/layout.py's questions) of a whole model under fsdp (the torch backend's FSDP2 over every
-rank, torch_backend.py): the bytes of model state a rank keeps (fp32 shards, the layers gathered in the
-compute dtype, gradients sharded or whole while micro-batches accumulate), the collectives of a step, the heap
-FSDP's gathers leave on a CPU, and the layouts of a world it offers (resharding, offload, ep, cp)."""
+"""The cost model (parallel/layout.py's questions) of a whole model under fsdp (torch_backend.py's FSDP2 over every
+rank): a rank's model states, a step's collectives, the heap FSDP's gathers leave on a CPU, and the layouts of a world
+it offers (resharding, offload, ep, cp)."""
 
 from __future__ import annotations
 

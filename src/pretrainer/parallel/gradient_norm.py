@@ -1,5 +1,4 @@
-"""The global gradient norm and clipping, for the engines that do not clip inside their own step (DeepSpeed
-does).
+"""The global gradient norm and clipping, for the engines that do not clip inside their own step (DeepSpeed does).
 
 Each gradient counts once over the ranks however it is laid out: a rank adds its local part's sum of squares
 weighted by the distinct shards of that gradient over the ranks that hold it (a DTensor's shards over its

@@ -1,14 +1,13 @@
 """A layout: how a run spreads one model over its processes; what an engine can do (`EngineTraits`), and what it
 costs there (`CostModel`).
 
-The planner (`pretrainer plan`, train's memory check) describes a run as a `Layout` and asks the engine's cost
-model, never the engine's name, what it does there: the bytes of model state a rank holds (`model_states`),
-whether it autocasts, gathers layers, offloads to the host, which gradient collectives a step runs, which other
-layouts of the same world it could use, and the `key=value` overrides that select a layout. `CostModel` holds
-the answers of a plain torch engine (whole fp32 weights on every rank, autocast, AdamW's two moments); each
-engine's own cost model (registered beside it, parallel/registry.py) overrides what it does differently, and
-`assert_layout_answers` (tests/helpers.py, run on real ranks by the engine tests) holds each answer to what the
-constructed engine really holds. An engine class inherits only its traits: it is not its cost model.
+The planner (`pretrainer plan`, train's memory check) describes a run as a `Layout` and asks the engine's cost model,
+never the engine's name, what it does there: the bytes of model state a rank holds (`model_states`), whether it
+autocasts, gathers layers or offloads to the host, a step's gradient collectives, the other layouts of the same world
+it could use, and the `key=value` overrides selecting a layout. `CostModel` answers for a plain torch engine (whole
+fp32 weights on every rank, autocast, AdamW's two moments); each engine's cost model (registered beside it,
+parallel/registry.py) overrides what differs, and `assert_layout_answers` (tests/helpers.py, run on real ranks by the
+engine tests) holds each answer to what the constructed engine really holds. An engine class inherits only its traits.
 """
 
 from __future__ import annotations
@@ -193,8 +192,7 @@ def compute_bytes(dtype: str) -> int:
 
 
 def optimizer_bytes(share: RankShare) -> int:
-    """fp32 optimizer state of a rank's trained parameters, unsharded: AdamW's two moments, Muon's one momentum
-    buffer for the matrices it updates."""
+    """Unsharded fp32 optimizer state of trained parameters: two AdamW moments, or one Muon momentum (its matrices)."""
     return 8 * (share.trained - share.muon) + 4 * share.muon
 
 
@@ -254,8 +252,7 @@ class CostModel:
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """`shape`: the planner's ModelShape of the whole model; `on_cpu`: the device is a CPU (offloading
-        moves nothing there)."""
+        """`shape`: the planner's ModelShape of the whole model; `on_cpu`: a CPU device (offloading moves nothing)."""
         c, low = compute_bytes(layout.dtype), layout.dtype != "fp32"
         t = share.trained
         notes = {"parameters": "fp32 weights" + (f" + {layout.dtype} copies autocast keeps for backward" if low
@@ -269,9 +266,8 @@ class CostModel:
 
     @classmethod
     def held_parameters(cls, layout: Layout, shape, parameters: int, layers: int) -> int:
-        """Of `parameters` of the model (a pipeline stage's, with `layers` decoder layers), those one rank holds
-        between steps as this engine lays them out: its tp share (a sharding engine's shards are counted in
-        `model_states`)."""
+        """Of `parameters` of the model (a pipeline stage's, with `layers` decoder layers), those one rank holds between
+        steps as this engine lays them out: its tp share (a sharding engine's shards are counted in `model_states`)."""
         return parameters // layout.tp
 
     @classmethod
@@ -295,16 +291,14 @@ class CostModel:
 
     @classmethod
     def stages_per_rank(cls, layout: Layout) -> int:
-        """Model chunks a pipeline rank runs (the interleaved schedule's virtual stages): its bubble is
-        (pp - 1) / (micro-batches x this) of the step."""
+        """Model chunks per pipeline rank (interleaved virtual stages); bubble: (pp - 1) / (micro-batches x this)."""
         return 1
 
     @classmethod
     def returns_freed_blocks(cls, layout: Layout) -> bool:
         """On a CPU under `host_malloc_reuse: auto`: this layout's runs give large freed blocks back to the kernel
-        instead of keeping them (perf/host_memory.py). For engines that allocate and free buffers of a layer's
-        size every micro-batch (per-layer parameter gathers, gradient reduce-scatters), whose freed blocks a heap
-        that keeps them cannot reuse for the activations in between."""
+        rather than keep them (perf/host_memory.py). For engines that allocate and free layer-sized buffers every
+        micro-batch (per-layer gathers, gradient reduce-scatters), which a keeping heap cannot reuse for activations."""
         return False
 
     @classmethod

@@ -15,10 +15,9 @@ from ..config.openmind import PLUGIN_ENGINE_KEYS
 from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# Megatron-Core's data_parallel_sharding_strategy, as this engine runs each on FSDP2 over the dp x cp ranks:
-# whole parameters, gradients all-reduced; optimizer state and gradients sharded, parameters gathered from
-# forward to backward (ZeRO-2; what use_distributed_optimizer selects); and parameters resharded after forward
-# too (ZeRO-3 / FSDP), composed with tp, sp, pp, cp and ep.
+# Megatron-Core's data_parallel_sharding_strategy, each run on FSDP2 over the dp x cp ranks, composed with tp, sp, pp,
+# cp and ep: whole parameters, gradients all-reduced; optimizer state and gradients sharded, parameters gathered from
+# forward to backward (ZeRO-2; what use_distributed_optimizer selects); parameters resharded after forward too (ZeRO-3).
 SHARDING_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
 
 # plugin_args keys that the run's own keys already cover.

@@ -1,11 +1,10 @@
 """Every device mesh and process group of a run, made here and nowhere else, from its `ParallelDims`.
 
-One world mesh, `model`: every other mesh is a slice, a flattening or an unflattening of it (the expert mesh
-splits its dp in two). An engine that runs over the world's process group is handed a `Meshes` for its dimensions
-and takes what it uses; each mesh is built on first use (every rank asks in the same order: engines build the same
-way on every rank) and kept here, so no group is made twice or made and dropped, and `release` lets go of all of
-them before the process group is destroyed. Rank order is Megatron's: tp innermost, then cp, then pp, then dp,
-so the ranks of one model replica are consecutive and every engine sees the same groups for the same dimensions.
+One world mesh, `model`: every other mesh is a slice, flattening or unflattening of it (the expert mesh splits its dp in
+two). An engine over the world's process group gets a `Meshes` for its dimensions and takes what it uses; each mesh is
+built on first use (every rank asks in the same order, as engines build alike on every rank) and kept, so no group is
+made twice or made and dropped; `release` drops them all before the process group is destroyed. Rank order is Megatron's
+(tp innermost, then cp, pp, dp): a replica's ranks are consecutive; every engine groups equal dimensions alike.
 
     model        (dp, pp, cp, tp)                      tensor, pipeline and context parallelism
     data         dp x cp flattened (or dp)             the ranks holding the same parameters

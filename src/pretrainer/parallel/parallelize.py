@@ -1,5 +1,4 @@
-"""Parallelism applied by free functions, in one order that every engine follows (as torchtitan's
-`parallelize`):
+"""Parallelism applied by free functions, in one order that every engine follows (as torchtitan's `parallelize`):
 
     context-parallel attention     the whole model (before pipeline stages are cut from it)
     pipeline stages                where tp or pp splits the model (always under megatron): this rank's stages,
@@ -31,9 +30,8 @@ from .precision import Precision
 
 logger = logging.getLogger("pretrainer")
 
-# FSDP2 warns, on every rank, whenever a wrapped module returns a view (a pipeline stage's hidden states, logits
-# of a tensor-parallel head): an in-place op on that view would skip its all-gather. pretrainer's loop, losses and
-# stages only use those outputs out of place, so the warning is known harmless here.
+# FSDP2 warns on every rank when a wrapped module returns a view (a stage's hidden states, a tensor-parallel head's
+# logits): an in-place op on it would skip its all-gather. Harmless: the loop, losses and stages use them out of place.
 WRAPPED_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
@@ -89,9 +87,8 @@ class ExpertSharding:
 def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], precision: Precision | None = None,
                  reshard_after_forward: bool = True, cpu_offload: bool = False,
                  experts: ExpertSharding | None = None) -> None:
-    """FSDP2: each decoder layer its own unit (gathered just before use), the root the rest; `experts` (expert
-    parallelism) their own units inside their layers. With `precision` below fp32, compute in it and reduce
-    gradients in fp32 (the shards stay fp32)."""
+    """FSDP2: each decoder layer its own unit (gathered just before use), the root the rest; split `experts` their own
+    units in their layers. Below fp32, compute in `precision` and reduce gradients in fp32 (shards stay fp32)."""
     options = {"reshard_after_forward": reshard_after_forward}
     if precision is not None and precision.dtype != "fp32":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
@@ -107,8 +104,7 @@ def shard_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module], p
 
 def replicate_layers(module: torch.nn.Module, mesh, layers: list[torch.nn.Module],
                      experts: ExpertSharding | None = None) -> None:
-    """Gradients all-reduced over `mesh` (DDP's semantics on FSDP2's machinery), layer by layer; `experts`
-    (expert parallelism) over their own mesh."""
+    """DDP on FSDP2's machinery: gradients all-reduced over `mesh` layer by layer; split `experts` over their mesh."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for expert_module in experts.modules if experts is not None else ():

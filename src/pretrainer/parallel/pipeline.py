@@ -1,10 +1,9 @@
 """Pipeline stages cut from an HF decoder, and the schedules that run them (`torch.distributed.pipelining`).
 
-A `DecoderStage` holds a contiguous run of decoder layers and, on the first stage, the embedding, on
-the last, the final norm and output head. It runs the layers itself (not the HF model's forward) so a
-stage can start from hidden states, and so activations between stages are plain local tensors. Its
-children keep the HF names (`embed_tokens`, `layers.<global index>`, `norm`, `lm_head`), which lets the
-engine present every stage of a rank under the model's own state-dict keys.
+A `DecoderStage` holds a contiguous run of decoder layers and, on the first stage, the embedding, on the last, the
+final norm and output head. It runs the layers itself (not the HF model's forward) so a stage can start from hidden
+states, and activations between stages are plain local tensors. Its children keep the HF names (`embed_tokens`,
+`layers.<global index>`, `norm`, `lm_head`), so the engine presents a rank's stages under the model's state-dict keys.
 
 Stage s of S lives on pipeline rank s % pp (Megatron's interleaved placement): with v virtual stages
 per rank, rank r holds stages r, r+pp, r+2pp, ...
@@ -68,9 +67,8 @@ class DecoderStage(torch.nn.Module):
         self.tied = tied
         self._no_split_modules = no_split_modules  # how activation checkpointing finds the layers
         self.sequence_shards = 1  # tp size under sequence parallelism: hidden states hold seq/tp positions
-        # the next training forward is a pipeline schedule's shape inference, no micro-batch of the run (set when
-        # the schedule is built): an MoE model's routing records nothing of it, models/moe_routing.py, and the
-        # head's call says so, for multi-token prediction's depths
+        # the next training forward is the schedule's shape inference, not a micro-batch (set when it is built): MoE
+        # routing records nothing of it (models/moe_routing.py); the head's call says so, for the MTP depths
         self.infers_shapes = False
         self.recompute_groups: list[tuple[list[str], bool]] = [(main, False)]
 
@@ -91,11 +89,10 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, call: HeadCall | None = None) -> torch.Tensor:
-        """Hidden states (token ids on the first stage) to the next stage's hidden states, or, on the last, what
-        its head returns for `call` (logits, or, from a head that computes the loss, its sums). A pipeline
-        schedule hands the last stage each micro-batch's `targets` (and its tokens, `mtp_tokens`, where
-        multi-token prediction depths follow the head, models/mtp.py), which become its head's call.
-        `attention_mask` (padding) is read by an MoE model's routing hooks only: stages attend causally."""
+        """Hidden states (token ids on the first stage) to the next stage's hidden states, or on the last what its head
+        returns for `call` (logits, or a loss-computing head's sums). A schedule hands the last stage each micro-batch's
+        `targets` (and tokens, `mtp_tokens`, where multi-token prediction depths follow the head, models/mtp.py), which
+        become its head's call. `attention_mask` (padding) is read only by MoE routing hooks: stages attend causally."""
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
@@ -148,11 +145,10 @@ def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_
 
 
 class PipelineLoss:
-    """The loss a pipeline schedule calls on the last stage for each micro-batch: the loop's summed token loss,
-    scaled for the backward, with each micro-batch's sum kept for the step's loss. `head_computes_loss`: the last
-    stage's output is its head's own sums, not logits (set when the stages are built). `infers_shapes`: the next
-    call is the schedule's shape inference on its stand-in output (its first step), which gets a zero loss of the
-    output's shape and never reaches the loop's loss function (nor the extensions that add to it)."""
+    """The loss a pipeline schedule calls on the last stage per micro-batch: the loop's summed token loss, scaled for
+    the backward, each sum kept for the step's loss. `head_computes_loss`: the last stage outputs its head's sums, not
+    logits (set when the stages are built). `infers_shapes`: the next call is the schedule's first-step shape inference
+    on a stand-in output: a zero loss of its shape, never reaching the loop's loss function or its extensions."""
 
     def __init__(self) -> None:
         self.loss_fn, self.scale, self.sums = None, 1.0, []

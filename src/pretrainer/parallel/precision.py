@@ -1,5 +1,4 @@
-"""Mixed precision as the torch engines run it: fp32 master weights, bf16/fp16 compute by autocast, and fp16's
-dynamic loss scaling."""
+"""Torch engines' mixed precision: fp32 master weights, bf16/fp16 compute by autocast, fp16's dynamic loss scaling."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The engines, registered once: every place that lists engines, names one or chooses one reads this table.
 
-An entry holds the engine's name (the `engine` key's value), its class (which reads its own settings and builds its
-dimensions), its cost model (the planner's answers: parallel/layout.py), the accelerate variable that selects it,
-the config key that selects it under `engine: auto`, and the config keys that lay a run out over processes for it
-(reset to their defaults when one process evaluates or exports a run). `select_engine` turns the config and the
-launch into an entry; an unknown name is refused here, with the nearest known one, before anything is built."""
+An `EngineEntry` holds an engine's name (the `engine` key's value), its class (which reads its own settings and builds
+its dimensions), its cost model (parallel/layout.py) and the keys and launcher variable that select it or lay a run out
+over processes for it (reset to defaults when one process evaluates or exports a run). `select_engine` turns the config
+and the launch into an entry, refusing an unknown name (with the nearest known one) before anything is built."""
 
 from __future__ import annotations
 
@@ -125,8 +124,7 @@ def single_process_layout(defaults: dict) -> list[str]:
 
 
 def create_engine(entry: EngineEntry, options: EngineOptions, world: World) -> Engine:
-    """The engine of `entry`, built from its part of the resolved run on `world`, with the device meshes its
-    dimensions need."""
+    """The engine of `entry`, built from its part of the resolved run on `world`, with the meshes its dims need."""
     meshes = Meshes(options.dims, world.device.type) if entry.cls.joins_process_group else None
     return entry.cls(options, world, meshes)
 

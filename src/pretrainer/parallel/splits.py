@@ -1,20 +1,18 @@
 """How each model family is split over ranks, kept apart from the model code and the engine.
 
 A split knows two things about a model family's module layout:
-- `parts(model)`: where its embedding, decoder layers, final norm, output head and rotary embedding live
-  (pipeline stages are cut from these);
-- `tensor_parallel(stage, mesh, sequence_parallel)`: the DTensor layouts of its linears, embeddings and
-  norms (Megatron's column/row split: q/k/v and gate/up by output features, o and down by input features,
-  so each layer needs one all-reduce — or, with sequence parallelism, one reduce-scatter and one
-  all-gather per block, and norms run on a 1/tp slice of the sequence). A Mixture-of-Experts block is not
-  split (see `moe_blocks`).
+- `parts(model)`: where its embedding, decoder layers, final norm, output head and rotary embedding live (pipeline
+  stages are cut from these);
+- `tensor_parallel(stage, mesh, sequence_parallel)`: the DTensor layouts of its linears, embeddings and norms
+  (Megatron's column/row split: q/k/v and gate/up by output features, o and down by input features, so each layer
+  needs one all-reduce — or, with sequence parallelism, one reduce-scatter and one all-gather per block, and norms run
+  on a 1/tp slice of the sequence). A Mixture-of-Experts block is not split (see `moe_blocks`).
 
-Activations between modules stay plain local tensors: [batch, seq/tp, hidden] with sequence parallelism,
-[batch, seq, hidden] without; the pipeline sends those.
+Activations between modules stay plain local tensors: [batch, seq/tp, hidden] with sequence parallelism, [batch, seq,
+hidden] without; the pipeline sends those.
 
-A model type reaches a split through its model-config parser (`pretrainer.models.registry`), which names
-it in `megatron_lm_default_args["parallel_split"]`. Add a family with `register_split(name, parts,
-tensor_parallel)`.
+A model type reaches a split through its model-config parser (`pretrainer.models.registry`), which names it in
+`megatron_lm_default_args["parallel_split"]`. Add a family with `register_split(name, parts, tensor_parallel)`.
 """
 
 from __future__ import annotations
@@ -119,10 +117,9 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 def moe_blocks(stage) -> list[torch.nn.Module]:
-    """The MoE blocks (a decoder layer's `mlp` holding routed experts) of the layers this stage holds. Tensor
-    parallelism leaves them whole (Megatron's expert tensor parallel size 1): under sequence parallelism
-    each tp rank routes its own 1/tp of the tokens through router, experts and shared experts, so these
-    parameters take gradients from different tokens on each tp rank, which the engine sums."""
+    """The MoE blocks (a decoder layer's `mlp` holding routed experts) of this stage's layers. Tensor parallelism leaves
+    them whole (Megatron's expert tensor parallel size 1): under sequence parallelism each tp rank routes its own 1/tp
+    of the tokens through router, experts and shared experts, so the engine sums their gradients over tp."""
     return [_inner(layer).mlp for layer in stage.layers.values() if find_experts(_inner(layer).mlp)]
 
 
@@ -139,6 +136,5 @@ def refuse_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
                       f"({reason}); use tp_degree 1 with pp_degree, dp and expert_parallel_degree")
 
 
-# Llama's module layout whose attention stays whole: OLMoE (q/k norms over all heads), DeepSeek-V3 (multi-head
-# latent attention); pipeline stages, dp and expert parallelism only
+# Llama's module layout with its attention kept whole (WHOLE_ATTENTION): pipeline stages, dp and expert parallelism only
 register_split("llama-whole-attention", llama_parts, refuse_tensor_parallel)

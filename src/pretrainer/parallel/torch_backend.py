@@ -7,26 +7,23 @@ then context parallelism, as in Megatron; parallel/meshes.py).
     ddp       whole model per rank, gradients all-reduced (FSDP2's `replicate`)
     fsdp      parameters, gradients and optimizer state sharded over the data ranks (FSDP2's `fully_shard`;
               `fsdp_reshard_after_forward`, `fsdp_cpu_offload`, `fsdp_shard_size` for hybrid sharding)
-    megatron  Megatron-Core's: replicated unless `use_distributed_optimizer` / `data_parallel_sharding_strategy`
-              shards (optim_grads: gradients and optimizer state; optim_grads_params: parameters too), the
-              model always run as pipeline stages
+    megatron  Megatron-Core's: replicated unless `use_distributed_optimizer` / `data_parallel_sharding_strategy` shards
+              (optim_grads: gradients and optimizer state; optim_grads_params: parameters too); always pipeline stages
 
-Every name takes every dimension: `plugin_args` tp/pp degrees (or their other_megatron_args spellings) split the
-model, `context_parallel_degree` splits sequences (context_parallel.py), `expert_parallel_degree` the experts
-(expert_parallel.py), and the sharding strategy overrides the name's default. Where the model is split (tp or pp
-above 1, or always under megatron) each rank builds only its pipeline stages (`pipeline.DecoderStage`) and the
-loop holds a `StagedModel`: those modules under the HF model's own names, so optimizer, DCP checkpoints
-(resumable on any mesh or engine) and HF export all see HF keys. Otherwise the HF model itself is parallelized and
-runs its own forward (any architecture, padding on either side, fp16 with a loss scaler).
+Every name takes every dimension: `plugin_args` tp/pp degrees (or their other_megatron_args spellings) split the model,
+`context_parallel_degree` splits sequences (context_parallel.py), `expert_parallel_degree` the experts
+(expert_parallel.py), and the sharding strategy overrides the name's default. Where the model is split (tp or pp > 1,
+or always under megatron) each rank builds only its pipeline stages (`pipeline.DecoderStage`) and the loop holds a
+`StagedModel`: those modules under the HF model's own names, so optimizer, DCP checkpoints (resumable on any mesh or
+engine) and HF export all see HF keys. Otherwise the HF model itself is parallelized and runs its own forward (any
+architecture, padding on either side, fp16 with a loss scaler).
 
-Each module (the model, or a stage) goes through parallelize.py's steps in one order: the family's tensor-parallel
-split (`splits`, chosen by the model-config parser registry), the experts' split, activation recomputation,
-compile, and data parallelism over dp x cp (the ranks holding the same parameters, as Megatron's dp-cp group).
-Mixture-of-Experts models (see `moe_blocks`): tensor parallelism leaves each MoE block whole and, under sequence
-parallelism (required), every tp rank routes its own tokens through it, so the block's gradients (like those of
-per-head norms) are summed over tp at the step; split experts' gradients are reduced over the dp / ep ranks
-holding the same ones. Micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run through a GPipe,
-1F1B or interleaved 1F1B schedule when pp > 1.
+Each module (the model, or a stage) goes through parallelize.py's steps, the family's tensor-parallel split chosen by
+the model-config parser registry (`splits`); data parallelism spans dp x cp (the ranks holding the same parameters,
+Megatron's dp-cp group). Tensor parallelism leaves MoE blocks whole (`moe_blocks`; sequence parallelism required), so
+their gradients, like per-head norms', are summed over tp at the step; split experts' gradients are reduced over the
+dp / ep ranks holding them. With pp > 1 micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run through
+a GPipe, 1F1B or interleaved 1F1B schedule.
 """
 
 from __future__ import annotations
@@ -130,13 +127,11 @@ class TorchEngine(TorchTraits, DistributedEngine):
 
     @property
     def wraps_data_ranks(self) -> bool:
-        """Data parallelism wraps the modules: over several data ranks, or to offload a model's shards to the host
-        (one process too)."""
+        """Data parallelism wraps modules: over 2+ data ranks, or to offload shards to the host (one process too)."""
         return self.data_mesh.size() > 1 or self.cpu_offload
 
     def autocast(self):
-        """Replicated modules compute under autocast; FSDP2 ones (sharded) are cast by FSDP's mixed-precision policy
-        instead."""
+        """Replicated modules compute under autocast; FSDP2 (sharded) ones are cast by FSDP's mixed-precision policy."""
         if self.settings.distributed_optimizer and self.wraps_data_ranks:
             return contextlib.nullcontext()
         return super().autocast()
@@ -267,8 +262,7 @@ class TorchEngine(TorchTraits, DistributedEngine):
         if not sequence_parallel:
             self._replicate_norms(stage)
         stage.sequence_shards = self.settings.tp if sequence_parallel else 1
-        # What is still a plain parameter now sees only this tp rank's part of the data: per-head norms (Qwen3's
-        # q_norm/k_norm) its heads, an MoE block its tokens. Its gradient is summed over tp at the step.
+        # still-plain parameters see only this tp rank's heads (Qwen3's q/k norms) or tokens (MoE): summed at the step
         self._tp_partial += [(module, name) for module in stage.modules()
                              for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
 
@@ -299,9 +293,8 @@ class TorchEngine(TorchTraits, DistributedEngine):
 
     def _data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
         """Gradients over dp x cp: all-reduced (`replicate`), or reduce-scattered with the optimizer state sharded
-        (FSDP2, parameters resharded after forward with optim_grads_params; offloaded to the host with
-        fsdp_cpu_offload). Each decoder layer is its own unit; split experts are units over the ranks holding the
-        same ones."""
+        (FSDP2, parameters resharded after forward with optim_grads_params; offloaded to host with fsdp_cpu_offload).
+        Each decoder layer is its own unit; split experts are units over the ranks holding the same ones."""
         self._start_as_first_data_rank(module)
         layers = list(module.layers.values()) if isinstance(module, DecoderStage) else decoder_layers(module)
         experts = ExpertSharding(self._experts, self.expert_mesh["expert_replicas"]) \
@@ -314,10 +307,9 @@ class TorchEngine(TorchTraits, DistributedEngine):
         return module
 
     def _start_as_first_data_rank(self, module: torch.nn.Module) -> None:
-        """Weights each rank built itself (a user's model, one loaded whole) start as the first data rank's, as
-        DDP's broadcast makes them: a rank seeded otherwise would train a replica of its own. Split experts come
-        from the first of the ranks holding the same ones; a model on the meta device is materialised from one
-        seed on every rank instead."""
+        """Weights each rank built itself (a user's model, one loaded whole) start as the first data rank's, as DDP's
+        broadcast makes them: a rank seeded otherwise would train a replica of its own. Split experts come from the
+        first of the ranks holding them; a meta-device model is instead materialised from one seed on every rank."""
         if any(p.is_meta for p in module.parameters()):
             return
         experts = {id(p) for m in self._experts for p in m.parameters()}
@@ -476,13 +468,12 @@ class TorchEngine(TorchTraits, DistributedEngine):
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
     def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
-        """Gradients that hold only this tp rank's part, summed over tp once per step (Megatron's
-        finalize_model_grads does the same), in one flat all-reduce:
-        - the parameters tensor parallelism left whole but fed this rank's part of the data (per-head norms,
-          MoE blocks: router, experts, shared experts); data parallelism may have replaced them since, so they
-          are read by module and name;
-        - DTensor gradients left Partial over tp (sequence-parallel norms): made Replicate here, so the
-          gradient norm and clipping see their sums, not one rank's part."""
+        """Sum over tp, once per step in one flat all-reduce (as Megatron's finalize_model_grads), the gradients that
+        hold only this tp rank's part:
+        - parameters tensor parallelism left whole but fed this rank's part of the data (per-head norms, MoE blocks:
+          router, experts, shared experts), read by module and name (data parallelism may have replaced them since);
+        - DTensor gradients left Partial over tp (sequence-parallel norms), made Replicate so the gradient norm and
+          clipping see their sums, not one rank's part."""
         if self.settings.tp == 1:
             return
         plain = [module._parameters[name].grad for module, name in self._tp_partial]
@@ -533,8 +524,7 @@ class TorchEngine(TorchTraits, DistributedEngine):
         return counts
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Loss sums: one copy per replica (per cp rank: each holds its tokens' part), from its last pipeline
-        stage, first tp rank."""
+        """Loss sums: one copy per replica (per cp rank: each holds its tokens' part), from last stage, tp rank 0."""
         value = value * self.loss_weight
         dist.all_reduce(value)
         return value
@@ -619,8 +609,7 @@ def _release_other_stages(parts, stages: list[DecoderStage]) -> None:
 
 
 def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    """Right-pad [batch, seq] to `length` (padded targets are ignored; causal attention keeps real tokens
-    from seeing the padding)."""
+    """Right-pad [batch, seq] to `length` (targets there are ignored; causal attention hides it from real tokens)."""
     extra = length - tensor.shape[1]
     return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra > 0 else tensor
 

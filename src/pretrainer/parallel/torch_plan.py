@@ -1,9 +1,8 @@
-"""The torch backend's traits (its `dp x pp x cp x tp` dimensions, where it runs pipeline stages) and two of its
-cost models (parallel/layout.py's questions), beside the backend (torch_backend.py): ddp's, a whole model replicated
-over every context-parallel degree, and the one of a model run as stages (megatron's, and ddp's or fsdp's where the
-model is split): which stages a pipeline rank holds, the bytes of model state a rank keeps (the distributed
-optimizer's FSDP2 shards, or replicated states over the stage's tp share), the collectives of a step, and the
-tp x pp (x cp, x ep) layouts of a world it offers. fsdp's whole-model cost model is in fsdp_plan.py."""
+"""The torch backend's traits (its `dp x pp x cp x tp` dimensions, where it runs pipeline stages) and two of its cost
+models (parallel/layout.py's questions), beside the backend (torch_backend.py): ddp's, a whole model replicated over
+every context-parallel degree, and that of a model run as stages (megatron's, and ddp's or fsdp's where the model is
+split: which stages a pipeline rank holds, the distributed optimizer's FSDP2 shards or replicated states over the
+stage's tp share, the tp x pp (x cp, x ep) layouts it offers). fsdp's whole-model cost model is in fsdp_plan.py."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class TorchTraits(EngineTraits):
 
     @classmethod
     def shards_gradients(cls, settings: MegatronSettings) -> bool:
-        """The distributed optimizer reduce-scatters gradients (FSDP2 over dp x cp); without it they are all-reduced
-        whole."""
+        """The distributed optimizer reduce-scatters gradients (FSDP2 over dp x cp); else they are all-reduced whole."""
         return settings.distributed_optimizer
 
     @classmethod
@@ -61,8 +59,7 @@ class TorchTraits(EngineTraits):
 
 
 class DDPCosts(CostModel):
-    """A whole model replicated over the data ranks: a plain torch engine's answers, over every context-parallel
-    degree."""
+    """A whole model replicated over the data ranks: a plain torch engine's answers, for every cp degree."""
 
     traits = TorchTraits
 
@@ -100,11 +97,10 @@ class MegatronCosts(CostModel):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """With the distributed optimizer each stage is FSDP2 over dp x cp: fp32 shards, the layers gathered in the
-        compute dtype (FSDP's mixed-precision policy, no autocast) from forward to backward (every layer), or only
-        those being computed when parameters are resharded after forward (optim_grads_params); the gradients
-        reduce-scattered (one layer whole before it, all whole while micro-batches accumulate unsharded), the
-        moments sharded. Otherwise a torch engine's states over the stage's tp share."""
+        """With the distributed optimizer each stage is FSDP2 over dp x cp: fp32 shards; layers gathered in the compute
+        dtype (FSDP's mixed precision, no autocast), all from forward to backward, or only those computing under
+        optim_grads_params; gradients reduce-scattered (one layer whole before it; all whole while micro-batches
+        accumulate unsharded); moments sharded. Else a torch engine's states over the stage's tp share."""
         shards = layout.dims.shard
         if not cls.shards_over_data(layout):
             return super().model_states(layout, shape, share, on_cpu)
@@ -149,9 +145,8 @@ class MegatronCosts(CostModel):
 
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """An all-reduce of the stage's gradients over dp x cp (every micro-batch when they accumulate sharded); with
-        expert parallelism the experts' over the dp / ep ranks holding them; the MoE blocks' (tp leaves them whole)
-        summed over tp."""
+        """An all-reduce of the stage's gradients over dp x cp (every micro-batch if they accumulate sharded); with ep
+        the experts' over the dp / ep ranks holding them; the MoE blocks' (tp leaves them whole) summed over tp."""
         dims, each = layout.dims, layout.accumulates_sharded
         blocks, experts = shape.moe_block_parameters, shape.expert_parameters
         split = dims.ep > 1
@@ -178,9 +173,8 @@ class MegatronCosts(CostModel):
 
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp
-        within a node and cp across. An MoE model (whole sequences): tp by pp by ep, ep dividing the experts and
-        the dp ranks."""
+        """tp within a node (dividing the heads and the MLP) by pp; and Megatron's long-context layout, tp within a
+        node and cp across. An MoE model (whole sequences): tp by pp by ep, ep dividing the experts and the dp ranks."""
         if world_size == 1:
             return []
         tensor_parallel = [tp for tp in divisors(min(devices_per_node, 8), 8) if tp > 1 and not (

@@ -176,8 +176,7 @@ def _idle(syscall: list[str]) -> bool:
 
 def _restart_store(timeout: datetime.timedelta) -> dict:
     """After `torchrun --max-restarts` restarts the workers, the store can still hold the previous attempt's
-    process-group keys (a dead rank's address); a fresh key prefix per attempt keeps the new group from
-    connecting to them."""
+    process-group keys (a dead rank's address): a fresh key prefix per attempt keeps the new group off them."""
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     return {"store": dist.PrefixStore(f"pretrainer/attempt{attempt}/", store), "rank": rank,

@@ -1,10 +1,8 @@
-"""A processor's matmul peak: measured (several short trials, the best kept, with how busy the CPU was) and
-bounded from the CPU itself (cores x clock x FLOPs per cycle of its widest vector or matrix unit).
-
-A measurement taken while other processes share the cores reads low; it is recognised (this process got less
-than 85% of the CPU time its trials took, more runnable tasks than cores, or trials that disagree by more
-than 1.5x) and marked provisional, so the next run measures again (peak.py).
-"""
+"""A processor's matmul peak: measured (several short trials, the best kept, with how busy the CPU was) and bounded from
+the CPU itself (cores x clock x FLOPs per cycle of its widest vector or matrix unit). A measurement taken while other
+processes share the cores reads low; it is recognised (this process got less than 85% of the CPU time its trials took,
+more runnable tasks than cores, or trials that disagree by more than 1.5x) and marked provisional, so the next run
+measures again (peak.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Whether low precision pays on this device, decided from the hardware rather than assumed.
 
-On CPUs, bf16 matmuls are fast only where the cores have bf16 units (Intel AMX `amx_bf16`, AVX-512
-`avx512_bf16`): measured, 2-7x fp32 there and about 1/20 of fp32 elsewhere (an AMD EPYC without them).
-`cpu_speedup` measures the ratio with small square matmuls (a second or less) and caches it per
-processor, thread count and torch version beside the GEMM peak; `choose_dtype` and `slow_dtype_warning`
-turn it into `dtype: auto`'s choice and the warning an explicit low-precision dtype gets, as pure
-functions of their inputs (tested without the machine they describe).
+On CPUs, bf16 matmuls are fast only where the cores have bf16 units (Intel AMX `amx_bf16`, AVX-512 `avx512_bf16`):
+measured, 2-7x fp32 there and about 1/20 of fp32 elsewhere (an AMD EPYC without them). `cpu_speedup` measures the ratio
+with small square matmuls (a second or less) and caches it per processor, thread count and torch version beside the GEMM
+peak; `choose_dtype` and `slow_dtype_warning` turn it into `dtype: auto`'s choice and the warning an explicit
+low-precision dtype gets, as pure functions of their inputs (tested without the machine they describe).
 """
 
 from __future__ import annotations

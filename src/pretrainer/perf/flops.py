@@ -1,17 +1,13 @@
-"""Model FLOPs per trained token: `6 N + 12 L H Q T` (PaLM appendix B; what torchtitan reports), the figure
-MFU is computed with.
+"""Model FLOPs per trained token, the figure MFU uses: `6 N + 12 L H Q T` (PaLM appendix B; what torchtitan reports).
 
-N counts the parameters of every matrix multiply a token goes through — all parameters except the input
-embedding table (a lookup), with the output projection counted even when it is tied to the embedding
-(the lm_head matmul is still done). 6 = forward (2) + backward (4) FLOPs per parameter per token. The
-attention term covers the score and value matmuls (L layers, H heads, Q head size, T sequence length),
-counted over the full square as PaLM's formula does, also for causal attention, which computes half of it:
-MFUs stay comparable with published ones. Recomputation is not counted (model FLOPs, not hardware FLOPs).
-Frozen parameters (`trainable_parameters`) get no weight gradient: 4 FLOPs per parameter per token instead
-of 6 (the backward still computes the gradient of their inputs).
+N counts the parameters of every matmul a token goes through: all but the input embedding table (a lookup), with the
+output projection counted even when tied to it (the lm_head matmul is still done). 6 = forward (2) + backward (4) FLOPs
+per parameter per token; frozen parameters (`trainable_parameters`) get no weight gradient, so 4 (their inputs' gradient
+is still computed). The attention term covers the score and value matmuls (L layers, H heads, Q head size, T sequence
+length) over the full square, as PaLM's formula does, even for causal attention, which computes half of it: MFUs stay
+comparable with published ones. Recomputation is not counted (model FLOPs, not hardware FLOPs).
 
-`performed_per_token` is what the hardware does instead: causal attention's half of the square, and a
-recomputed forward; a measured peak is never below it (peak.py's `raise_peak`).
+`performed_per_token` is what the hardware does instead; a measured peak is never below it (peak.py's `raise_peak`).
 """
 
 from __future__ import annotations
@@ -63,10 +59,9 @@ class FlopsCount:
 
 def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_parameters: int = 0,
                     mtp_depths: int = 0) -> FlopsCount:
-    """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its
-    active parameters: `idle_expert_parameters` (the routed experts' a token does not use) are left out. Each
-    multi-token prediction depth (models/mtp.py; its parameters are the model's) adds one layer's attention and
-    one more pass through the output head."""
+    """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its active
+    parameters (`idle_expert_parameters`, the routed experts' a token does not use, are left out). Each multi-token
+    prediction depth (models/mtp.py; its parameters are the model's) adds one layer's attention and one head pass."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight

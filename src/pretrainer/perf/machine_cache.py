@@ -33,8 +33,7 @@ def write_entry(key: str, value) -> None:
 
 
 def cached_measurement(key: str, measure) -> float:
-    """A measurement of this machine, taken once under `key` (measured again where the cache cannot be
-    written)."""
+    """A measurement of this machine, taken once under `key` (again where the cache cannot be written)."""
     value = read_entry(key)
     if value is None:
         value = measure()

@@ -1,8 +1,5 @@
-"""Per-interval training figures: loss, useful tokens/s (overall and per device), MFU, step-phase times.
-
-Everything is accumulated as device tensors and read once per logged row, so steps between log rows
-never wait for the device.
-"""
+"""Per-interval training figures (loss, useful tokens/s overall and per device, MFU, step-phase times), accumulated as
+device tensors and read once per logged row, so no other step waits for the device."""
 
 from __future__ import annotations
 
@@ -68,10 +65,9 @@ class IntervalMeter:
 
 
     def _check_peak(self, tokens_per_s_per_device: float) -> None:
-        """A device that did more than its peak says which figure is wrong: a measured peak (taken while the
-        CPU was busy) is raised to what was done, counted as MFU counts it when that is more (MFU then stays at
-        or below 100%); a rated or configured one is reported; MFU above 100% from PaLM's full attention square
-        alone is explained. Every rank decides alike (the rate is global)."""
+        """When a device does more than its peak: a measured peak (from a busy CPU) is raised to what was done, in MFU's
+        count when that is more (so MFU stays at most 100%); a rated or configured one is reported; MFU above 100% from
+        PaLM's full attention square alone is explained. Every rank decides alike (the rate is global)."""
         done = tokens_per_s_per_device * self.performed_per_token / 1e12
         counted = tokens_per_s_per_device * self.flops.per_token / 1e12
         if max(done, counted) > self.peak.tflops and self.peak.cache_key is not None:

@@ -1,10 +1,6 @@
-"""The peak FLOP/s that MFU is measured against: a table of rated dense peaks for common accelerators,
-a measured GEMM rate (cached; cpu_peak.py) on CPUs and unknown devices, or the config's `peak_tflops`. A run
-that does more than a measured peak raises it (`raise_peak`): the peak is at least what was done.
-
-Table values are the vendors' dense figures (never the 2:4-sparsity ones) in TFLOP/s per device, for
-bf16/fp16 tensor cores, TF32, and plain fp32.
-"""
+"""The peak FLOP/s that MFU is measured against: a table of rated dense peaks for common accelerators, a measured GEMM
+rate (cached; cpu_peak.py) on CPUs and unknown devices, or the config's `peak_tflops`. A run that does more than a
+measured peak raises it (`raise_peak`): the peak is at least what was done."""
 
 from __future__ import annotations
 
@@ -23,7 +19,8 @@ from .machine_cache import cache_path, read_entry, write_entry
 
 logger = logging.getLogger(__name__)
 
-# (name pattern, bf16/fp16, tf32, fp32); checked in order, so specific names come before their prefixes.
+# the vendors' dense TFLOP/s per device (never the 2:4-sparsity figures): (name pattern, bf16/fp16 tensor cores, tf32,
+# fp32); checked in order, so specific names come before their prefixes.
 RATED_TFLOPS = (
     (r"GB200|B200", 2250.0, 1100.0, 80.0),
     (r"H100.*PCIe", 756.0, 378.0, 51.0),

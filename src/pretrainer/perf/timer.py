@@ -1,9 +1,8 @@
 """Where a step's time goes: data wait, compute (forward + backward), communication, optimizer.
 
-Host phases (waiting for the DataLoader, host-side collectives) are timed with the host clock. Device
-phases are timed with CUDA events on GPUs, read only when a row is logged (that read is the one sync), and
-with the host clock on CPU, where work is synchronous. Gradient all-reduces that DDP/FSDP overlap with
-backward are part of compute: they are not separable without a profiler.
+Host phases (waiting for the DataLoader, host-side collectives) are timed with the host clock; device phases with CUDA
+events on GPUs, read only when a row is logged (the one sync), and with the host clock on CPU, where work is
+synchronous. Gradient all-reduces that DDP/FSDP overlap with backward count as compute (only a profiler separates them).
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
 """Activation memory of one decoder layer and of the rest of the model, measured on fake tensors.
 
-The model's own forward runs under `FakeTensorMode` (shapes and dtypes, no storage, no arithmetic) with
-one and with two decoder layers, at one sequence of the run's local length; every tensor autograd saves
-for backward is counted once (by storage). Parameters are not activations; neither are the compute-dtype
-copies of weights that autocast keeps (the estimate counts those with the parameters). The difference
-between the two models is one layer; the rest is the embedding, the final norm and the rotary tables.
-`selective` recomputation keeps the outputs of the matmuls and attention (parallel/activation_checkpoint.py):
-those are summed separately. Everything scales with the micro-batch, so probes run at one sequence.
+The model's own forward runs under `FakeTensorMode` (shapes and dtypes, no storage, no arithmetic) with one and with two
+decoder layers, at one sequence of the run's local length (everything scales with the micro-batch); every tensor
+autograd saves for backward is counted once (by storage). Parameters are not activations; neither are the weight
+copies autocast keeps in the compute dtype (the estimate counts those with the parameters). The difference between the
+two models is one layer; the rest is the embedding, the final norm and the rotary tables. `selective` recomputation
+keeps the outputs of the matmuls and attention (parallel/activation_checkpoint.py): those are summed separately.
 
-With `compile: true` the decoder layers are traced as the run compiles them, and what the compiled forward saves
-is counted: the graph is split into forward and backward by the partitioner inductor uses (min-cut
-rematerialization), which recomputes cheap element-wise work in backward instead of saving its results (HF's
-RMSNorm keeps an fp32 copy of its input in eager mode; compiled, only the input and the inverse RMS are kept).
-Nothing is generated or run: the trace is on fake tensors too.
+With `compile: true` the decoder layers are traced as the run compiles them, and what the compiled forward saves is
+counted: inductor's partitioner (min-cut rematerialization) splits the graph into forward and backward, recomputing
+cheap element-wise work in backward instead of saving its results (HF's RMSNorm keeps an fp32 copy of its input in
+eager mode; compiled, only the input and the inverse RMS). Nothing is generated or run: the trace is on fake tensors.
 
-Tensor parallelism is probed on the shard itself: the config with heads, kv heads and ffn width divided by
-tp gives the split part; what stays whole on every rank (norms, residual) is the rest, divided by tp again
-under sequence parallelism.
+Tensor parallelism is probed on the shard itself: the config with heads, kv heads and ffn width divided by tp gives the
+split part; what stays whole on every rank (norms, residual) is the rest, divided by tp again under sequence
+parallelism.
 """
 
 from __future__ import annotations
@@ -68,10 +66,9 @@ class _MatmulOutputs(TorchDispatchMode):
 @contextlib.contextmanager
 def as_on_real_tensors():
     """transformers takes fake tensors for a compiler's trace: it then cannot read the positions to rule out packed
-    sequences, nor the offset that lets it skip the mask, and builds an explicit causal mask (repeating GQA keys)
-    where a real training forward runs the mask-free causal kernel. During a probe it is told what it would find
-    on real tensors: positions without packed sequences, and a readable offset (tests/test_plan.py compares the
-    probe with real tensors, so a transformers release that changes this is caught)."""
+    sequences, nor the offset that lets it skip the mask, and builds an explicit causal mask (repeating GQA keys) where
+    a real forward runs the mask-free causal kernel. A probe tells it what real tensors show: no packed sequences, a
+    readable offset (tests/test_plan.py compares with real tensors, catching transformers changes)."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -151,11 +148,10 @@ def tensor_parallel_config(config, tp: int):
 
 
 def shard_reference(config, tp: int):
-    """(reference, shard): `config` and its tensor-parallel shard where the family builds the shard's layer from
-    the divided heads and width (its matrices then hold 1/tp of the whole layer's); else a Llama layer of the same
-    shape and its shard, from which the share tensor parallelism splits is taken. GPT-2's fused attention keeps
-    its full width whatever the heads, and Falcon's head_dim follows hidden / heads, so their configs cannot
-    describe a shard."""
+    """(reference, shard): `config` and its tensor-parallel shard where the family builds the shard's layer from the
+    divided heads and width (its matrices then hold 1/tp of the whole layer's); else a Llama layer of the same shape and
+    its shard, from which the share tensor parallelism splits is taken. GPT-2's fused attention keeps its full width
+    whatever the heads, and Falcon's head_dim follows hidden / heads, so their configs cannot describe a shard."""
     try:
         shard = tensor_parallel_config(config, tp)
         whole_layer, shard_layer = (model_shape(c).layer_parameters for c in (config, shard))
@@ -228,8 +224,7 @@ def with_plain_rope(config):
 
 
 def active_ffn_width(config) -> int:
-    """The MLP width a token goes through: the dense MLP's, or an MoE layer's top_k experts and shared experts (at
-    an even load)."""
+    """The MLP width a token goes through: the dense MLP's, or an MoE layer's top_k and shared experts (even load)."""
     ffn = Architecture.of(config).intermediate
     shape = expert_shape(config, "the model config")
     if shape is None:
@@ -267,12 +262,9 @@ def on_tensor_parallel_rank(whole: float, shard: float, tp: int, sequence_parall
 
 def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
           sequence_parallel: bool = False, compiled: bool = False) -> ActivationProfile:
-    """Activation bytes of one sequence of `seq_length` tokens on one rank.
-
-    `autocast`: fp32 parameters computed in `dtype` under autocast (the residual stream stays fp32);
-    otherwise the parameters themselves are in `dtype` (DeepSpeed, FSDP mixed precision).
-    `compiled`: the decoder layers run compiled (`compile: true`).
-    """
+    """Activation bytes of one sequence of `seq_length` tokens on one rank. `autocast`: fp32 parameters computed in
+    `dtype` under autocast (the residual stream stays fp32); otherwise the parameters themselves are in `dtype`
+    (DeepSpeed, FSDP mixed precision). `compiled`: the layers run compiled."""
     low = dtype != "fp32"
     autocast_name = dtype if (autocast and low) else None
     param_name = "fp32" if (autocast or not low) else dtype

@@ -69,10 +69,9 @@ class DeviceSpec:
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
                 baseline_engine: str = SingleEngine.name, memory_key: str = "--device-memory",
                 host_memory: str | None = None, links: tuple[str | None, str | None] = (None, None)) -> DeviceSpec:
-    """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size that
-    replaces the device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run
-    measures a CPU process's runtime (the run's engine class says which). `links`: bandwidths per second that
-    replace the table's, within and between machines (--intra-node-bandwidth, --inter-node-bandwidth)."""
+    """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size replacing the
+    device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run measures a CPU process's
+    runtime (the run's engine class says which). `links`: bytes/s replacing the table's, within and between machines."""
     if name is None:
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if name.lower() == "cpu":
@@ -166,9 +165,8 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 
 
 def runtime_baseline(kind: str) -> int:
-    """Peak RSS of a training process with a tiny model on engine `kind` (`pretrainer.plan.baseline_run`:
-    interpreter, torch, transformers, the data pipeline, the engine, one process), measured once per machine and
-    torch version and cached with the GEMM peak."""
+    """Peak RSS of a training process with a tiny model on engine `kind` (`pretrainer.plan.baseline_run`: interpreter,
+    torch, transformers, data pipeline, engine; one process), measured once per machine and torch version, cached."""
 
     def measure() -> float:
         env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}

@@ -1,18 +1,17 @@
 """Bytes the element-wise kernels of one decoder layer move, measured on fake tensors.
 
-Everything in a layer that is not a matmul or the attention kernel (norms, rotary, activations, residual adds,
-casts, copies, their backward) reads and writes its tensors once per kernel, and on an accelerator runs at memory
-speed. Those bytes depend on the family's own code (HF's eager RMSNorm upcasts to fp32 and makes about 16 passes
-over a hidden row per norm; MPT has no rotary, a fused LayerNorm and an ungated GELU MLP), so they are counted
-rather than assumed: the model's forward and backward run under `FakeTensorMode` (shapes and dtypes, nothing
-computed) with one and with two decoder layers, and a dispatch mode adds up the input and output bytes of every
-op that is neither a matmul, the attention kernel, the embedding, nor a view or allocation. The difference is
-one layer. Forward and backward are kept apart: recomputation runs the forward's again.
+Everything in a layer that is not a matmul or the attention kernel (norms, rotary, activations, residual adds, casts,
+copies, their backward) reads and writes its tensors once per kernel, and on an accelerator runs at memory speed. Those
+bytes depend on the family's own code (HF's eager RMSNorm upcasts to fp32 and makes about 16 passes over a hidden row
+per norm; MPT has no rotary, a fused LayerNorm and an ungated GELU MLP), so they are counted, not assumed: the model's
+forward and backward run under `FakeTensorMode` with one and with two decoder layers, and a dispatch mode adds up the
+input and output bytes of every op but matmuls, attention, the embedding, views and allocations. The difference is one
+layer. Forward and backward are kept apart: recomputation runs the forward's again.
 
-Tensor parallelism is measured on the shard as the activation probe does (activations.py): what the shard moves
-beside the whole layer gives the part tensor parallelism splits and the part every rank repeats (norms, residual
-adds), which sequence parallelism splits too. A Mixture-of-Experts layer (its routing reads token values), or a
-layer that does not run on fake tensors, is counted by a Llama-layer formula of its widths.
+Tensor parallelism is measured on the shard as the activation probe does (activations.py): what the shard moves beside
+the whole layer gives the part tensor parallelism splits and the part every rank repeats (norms, residual adds), which
+sequence parallelism splits too. A Mixture-of-Experts layer (its routing reads token values), or a layer that does not
+run on fake tensors, is counted by a Llama-layer formula of its widths.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ class _ElementwiseBytes(TorchDispatchMode):
 
 
 def decoder_traffic(model, seq_length: int, autocast_dtype=None) -> tuple[int, int]:
-    """(forward bytes, backward bytes) the element-wise ops of `model`'s decoder move over one sequence (fake or
-    real tensors alike)."""
+    """(forward, backward) bytes `model`'s decoder element-wise ops move per sequence (fake or real tensors alike)."""
     ids = torch.zeros((1, seq_length), dtype=torch.long)
     cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     with as_on_real_tensors():

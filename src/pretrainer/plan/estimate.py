@@ -2,25 +2,23 @@
 pre-launch check share.
 
 Memory per rank, in the engines' own terms: the engine's cost model answers for its model states
-(`CostModel.model_states`, in each engine's plan module: fp32 master weights whole, sharded or split by stage
-and tp, the copies it makes to compute, gradients, optimizer state, its buffers); the rest is counted here
-from the layout's dimensions:
+(`CostModel.model_states`, in each engine's plan module: fp32 master weights whole, sharded or split by stage and tp,
+compute copies, gradients, optimizer state, buffers); the rest is counted here from the layout's dimensions:
 - activations: the probed bytes (activations.py) x micro-batch x layers on the rank x micro-batches in flight
   (pipeline), plus the recomputed layer in backward;
 - logits: the output head's fp32 logits, log-softmax and their gradients (or one chunk of them);
 - runtime: the process before the model (device_spec.py).
-The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of
-backward (activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate)
-and its end (every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's
-overhead (CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and engines that
-gather layers add what the heap keeps of the gathers (their `cpu_gather_retention`, measured) where it keeps
-freed blocks (`host_malloc_reuse: on`; by default those engines' runs return them: `Layout.cpu_heap`). A model loaded
-from weights is first read whole in fp32 on every rank (`build_model`), which can be the peak itself for
-engines that shard it afterwards. Pipeline stages differ: the first holds the embedding and the most
-micro-batches in flight, the last the head and its logits; the higher of their peaks is the estimate.
+The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of backward
+(activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate) and its end
+(every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's overhead
+(CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and engines that gather layers add
+what the heap keeps of the gathers (their `cpu_gather_retention`, measured) where it keeps freed blocks
+(`host_malloc_reuse: on`; by default those engines' runs return them: `Layout.cpu_heap`). A model loaded from weights
+is first read whole in fp32 on every rank (`build_model`), which can be the peak itself for engines that shard it
+afterwards. Pipeline stages differ: the first holds the embedding and the most micro-batches in flight, the last the
+head and its logits; the higher of their peaks is the estimate.
 
-Step time: step_time.py (kernels timed from the device's rates, collectives on their links, overlap as the
-engines do it).
+Step time: step_time.py (kernels timed from the device's rates, collectives on their links, overlap as engines do it).
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ LOSS_BYTES_PER_LOGIT = 12    # fp32 logits (or log-softmax), and two gradients o
 # requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
 # with and without recompute: 1.14-1.25), checked on the other sizes.
 CPU_HEAP_OVERHEAD = 1.2
-# Megatron's tensor-parallel layers under full recomputation fragment the heap further: each layer recomputed
-# in backward allocates its DTensor temporaries (shards, all-reduced outputs) among the gradients as they are
-# created, and later requests do not fit the holes. Fitted on bench/plan_accuracy.py's 27M model (tp=2, full
-# recompute: 1.45), checked on its 5M and 82M models (1.44-1.66).
+# Tensor-parallel layers under full recomputation fragment the heap further: each layer recomputed in backward allocates
+# DTensor temporaries (shards, all-reduced outputs) among the new gradients, leaving holes later requests do not fit.
+# Fitted on bench/plan_accuracy.py's 27M model (tp=2, full: 1.45), checked on its 5M and 82M (1.44-1.66).
 CPU_HEAP_OVERHEAD_TP_RECOMPUTE = 1.45
 
 
@@ -107,21 +104,17 @@ class Estimate:
 
 def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable: str | list = "all",
              weights: str = "none") -> Estimate:
-    """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`;
-    `weights`: how the run reads its weights: "none" (random init), "whole" (every rank loads the whole
-    model) or "slices" (an engine that lays the model out first reads only its own slices).
-
-    Under pipeline parallelism the ranks differ (the first stage's hold the embedding and the most micro-batches
-    in flight, the last stage's the head and its logits): the rank with the highest peak is the estimate."""
+    """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`; `weights`: how
+    the run reads its weights: "none" (random init), "whole" (every rank loads the whole model) or "slices" (an engine
+    that lays the model out first reads only its own slices). A pipeline's highest-peak rank is the estimate."""
     return max((_estimate_rank(layout, shape, config, device, trainable, weights, part)
                 for part in rank_parts(layout, shape, trainable)), key=lambda e: e.peak)
 
 
 def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankShare]:
-    """The kinds of rank a layout has: one, or a pipeline's first and last stages (the middle ones hold less
-    than either), each as its engine splits it (`held_parameters`). With 1F1B a stage s of pp holds min(pp - s,
-    micro-batches) forwards before its first backward; GPipe runs every forward first; the interleaved schedule is
-    counted as 1F1B's first stage."""
+    """The kinds of rank a layout has: one, or a pipeline's first and last stages (the middle ones hold less than
+    either), each as its engine splits it (`held_parameters`). With 1F1B stage s of pp holds min(pp - s, micro-batches)
+    forwards before its first backward; GPipe runs every forward first; interleaved counts as 1F1B's first stage."""
     share = _trained_share(shape, trainable)
     muon = layout.optimizer == "muon"
     held = functools.partial(layout.costs.held_parameters, layout, shape)
@@ -182,8 +175,7 @@ def _muon_buffers(layout: Layout, shape: ModelShape, part: RankShare, notes: dic
 
 
 def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes: dict) -> int:
-    """Bytes the CPU heap keeps of an engine's per-layer gathers (its `cpu_gather_retention`), where it keeps
-    freed blocks for reuse."""
+    """Bytes the CPU heap keeps of an engine's per-layer gathers (`cpu_gather_retention`) if it keeps freed blocks."""
     keeps = device.kind == "cpu" and layout.cpu_heap != "return"
     factor = layout.costs.cpu_gather_retention(layout) if keeps else 0.0
     if not factor:

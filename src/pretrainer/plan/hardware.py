@@ -1,6 +1,5 @@
 """Accelerators and their links, as data: memory, memory bandwidth, the link between GPUs of one machine and the
-network share of one GPU between machines. Peaks per dtype live in perf/peak.py (RATED_TFLOPS), beside the
-rest of the FLOP/s bookkeeping.
+network share of one GPU between machines. Peaks per dtype live in perf/peak.py (RATED_TFLOPS).
 
 Figures are the vendors' per-direction numbers for the usual server of each part (SXM boards on an
 NVLink/NVSwitch or Infinity Fabric mesh, one 400 Gb/s NIC per GPU for H100/H200, 800 Gb/s for B200,

@@ -1,6 +1,5 @@
 """A plan for one resolved run: its layout's estimate and the alternatives, from what `train` resolves first
-(`run.resolve_run`: the engine's settings and dimensions, the model config, the sizes, the loss chunk),
-without building the model."""
+(`run.resolve_run`: engine settings and dimensions, model config, sizes, loss chunk), without building the model."""
 
 from __future__ import annotations
 

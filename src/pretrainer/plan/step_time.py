@@ -2,21 +2,19 @@
 links they cross, and what the engines overlap hidden behind compute.
 
 On an accelerator, one rank's micro-batch costs:
-- GEMMs: 6 FLOPs per matmul parameter per token (8 with full recomputation) at a share of the rated peak that
-  grows with the rows of the GEMMs (tokens of the micro-batch): GEMM_PEAK_SHARE x T / (T + GEMM_HALF_TOKENS);
-- attention: the causal half of the QK^T and PV products (forward, 2.5x that in backward) at the flash kernels'
-  share of the peak;
+- GEMMs: 6 FLOPs per matmul parameter per token (8 with full recomputation) at a share of the rated peak that grows
+  with the rows of the GEMMs (tokens of the micro-batch): GEMM_PEAK_SHARE x T / (T + GEMM_HALF_TOKENS);
+- attention: the causal half of the QK^T and PV products (forward; 2.5x that in backward) at flash kernels' peak share;
 - element-wise ops (norms, activations, rotary, residual adds, casts): memory-bound, the bytes the family's own layer
   moves through them on the rank, measured (elementwise.py), the forward's again where recomputation runs it,
   COMPILED_ELEMENTWISE of it when `compile` fuses them;
 then the optimizer step streams its states once. A pipeline adds its bubble.
 
-Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine; across
-machines the network cards of the group's ranks on one machine together, see ring_bandwidth). Those the
-engines overlap with compute (FSDP's prefetched all-gathers and reduce-scatters, DDP's and ZeRO's bucketed
-gradient reductions, ring attention's key/value passing) hide behind up to OVERLAP_SHARE of the compute; the
-rest (tensor-parallel all-reduces in the layer's path, pipeline sends, expert all-to-alls, Muon's gathers)
-adds to it.
+Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine; across machines the
+network cards of the group's ranks on one machine together, see ring_bandwidth). Those the engines overlap with compute
+(FSDP's prefetched all-gathers and reduce-scatters, DDP's and ZeRO's bucketed gradient reductions, context parallelism's
+key/value all-gathers) hide behind up to OVERLAP_SHARE of the compute; the rest (tensor-parallel all-reduces in the
+layer's path, pipeline sends, expert all-to-alls, Muon's gathers) adds to it.
 
 The constants are set from published H100 measurements (bench/plan_vs_published.py prints the table, with its
 sources, that docs/plan.md shows). On CPU the step is the model FLOPs at CPU_MFU of the measured GEMM peak plus
@@ -32,10 +30,9 @@ from .device_spec import CPU_MFU, DeviceSpec
 from .elementwise import LayerTraffic
 from .model_shape import ModelShape
 
-# Fitted together on the published rows (bench/plan_vs_published.py): a training step's GEMMs reach about 55% of
-# the rated peak at large micro-batches (cuBLAS alone reaches 70-80%; the rest is launch gaps, the optimizer's
-# and loss's small kernels, the data loader), and torch.compile's fusion leaves 40% of the element-wise traffic
-# (torchtitan measured +16% tokens/s from compile on 8B).
+# Fitted together on the published rows (bench/plan_vs_published.py): a training step's GEMMs reach about 55% of the
+# rated peak at large micro-batches (cuBLAS alone: 70-80%; the rest: launch gaps, small optimizer/loss kernels, the data
+# loader); torch.compile's fusion leaves 40% of the element-wise traffic (torchtitan: +16% tokens/s on 8B).
 GEMM_PEAK_SHARE = 0.55       # of the rated dense peak
 GEMM_HALF_TOKENS = 1024      # GEMM rows (tokens of a micro-batch on a rank) at which half of that is reached
 ATTENTION_PEAK_SHARE = 0.35  # FlashAttention-2 forward and backward on H100 (about 35% of peak in its paper)
@@ -147,7 +144,7 @@ def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: Ra
         exposed += micro * layers * ring(2 * 4 * activation, layout.tp, 1)
     if layout.pp > 1:
         exposed += micro * 2 * activation / device.bandwidth(layout.tp * layout.pp <= per_node)
-    if layout.cp > 1:  # ring attention passes keys and values while it computes
+    if layout.cp > 1:  # context parallelism all-gathers keys and values (context_parallel.py)
         kv = 2 * tokens * shape.kv_heads * shape.head_dim * c
         hideable += micro * layers * 2 * ring(kv * layout.cp, layout.cp, 1)
     if layout.dims.ep > 1:  # per MoE layer, each token's top_k hidden states out and back, forward and backward

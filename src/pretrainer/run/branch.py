@@ -1,9 +1,9 @@
 """Where a cooldown branch starts (`cooldown_from: RUN/checkpoints/step-N`, `cooldown_tokens: T`).
 
-A branch is a new run that continues a run in its stable phase from one of its checkpoints (weights,
-optimizer state, data position, token count) and decays the learning rate from the parent's value at step N
-to `min_lr` over T tokens (`ScheduleSettings`; the loading is any resume's). One long stable run then
-serves several budgets. This module reads the branch point and names the branch's own folder.
+A branch is a new run that continues a run in its stable phase from one of its checkpoints (weights, optimizer state,
+data position, token count) and decays the learning rate from the parent's value at step N to `min_lr` over T tokens
+(`ScheduleSettings`; the loading is any resume's), so one long stable run serves several budgets. This module reads the
+branch point and names the branch's own folder.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ BRANCHES = "branches"  # a run's branches live in RUN/branches/<name> unless giv
 
 
 def read_branch_point(args) -> BranchPoint | None:
-    """The checkpoint `cooldown_from` names (a folder, or its URL): its step, its run and the lr multiplier its
-    schedule had reached (None without `cooldown_from`)."""
+    """The checkpoint `cooldown_from` names (a folder, or its URL): its step, its run and the lr multiplier its schedule
+    had reached (None without `cooldown_from`)."""
     if args.cooldown_from is None:
         return None
     folder = args.cooldown_from
@@ -52,8 +52,7 @@ def local_branch_state(folder: Path) -> tuple[dict, dict]:
 
 
 def remote_branch_state(args) -> tuple[dict, dict]:
-    """As local_branch_state, read from object storage (the checkpoint itself is downloaded when the branch
-    starts, as any resume's)."""
+    """As local_branch_state, from object storage (the checkpoint itself is downloaded when the branch starts)."""
     url = args.cooldown_from
     remote = RemoteFolder(url, args.storage_retries)
     try:
@@ -92,9 +91,8 @@ def find_branches(save_dir: str | Path) -> list[Path]:
 
 @contextmanager
 def no_folder_left_if_refused(args, branch: BranchPoint | None):
-    """A branch refused while it starts (a bad key, a model that does not load) leaves no empty folder behind:
-    the folders this start creates for it (RUN/branches/<name>, and RUN/branches) are removed again when they
-    hold no file; an empty one would read as a branch that exists."""
+    """A branch refused at start (a bad key, a model that fails to load) leaves no empty folder: the folders it creates
+    (RUN/branches/<name>, RUN/branches) are removed if empty, since an empty one reads as an existing branch."""
     first_new = None
     if branch is not None and args.save_dir is not None and not is_url(args.save_dir):
         folder = Path(args.save_dir).absolute()

@@ -1,10 +1,8 @@
-"""The resolved run: the loaded arguments, the launch (or a planned world) and the model's config turned into
-frozen, typed parts, once. `train`, `pretrainer plan` and `pretrainer export` all call `resolve_run`, so
-what the planner predicts is what the run does: the engine and its settings, the parallel dimensions, the
-dtype, the padded vocabulary, the sizes, the loss chunk, the optimizer and the schedule.
-
-Nothing writes to the arguments afterwards; each consumer takes its part (`options` for the engine, `sizes`
-for the data builders, `optimizer` and `schedule` for the optimizer builder, `layout()` for the planner).
+"""The resolved run: the loaded arguments, the launch (or a planned world) and the model's config turned into frozen,
+typed parts, once. `train`, `pretrainer plan` and `pretrainer export` all call `resolve_run`, so what the planner
+predicts is what the run does (engine and settings, parallel dimensions, dtype, padded vocabulary, sizes, loss chunk,
+optimizer, schedule). Nothing writes to the arguments afterwards; each consumer takes its part (`options`: the engine,
+`sizes`: the data builders, `optimizer` and `schedule`: the optimizer builder, `layout()`: the planner).
 """
 
 from __future__ import annotations
@@ -140,8 +138,7 @@ def check_experts_first(args, config, where: str) -> None:
 
 
 def moe_settings(args, config, where: str, dims: ParallelDims) -> MoeSettings | None:
-    """The MoE part of a model with experts (its expert parallelism checked first: check_experts_first), refused
-    where this layout cannot train it yet."""
+    """The MoE part of a model with experts (after check_experts_first), refused if this layout cannot train it yet."""
     moe = MoeSettings.of(args, config, where)
     if moe is not None and dims.cp > 1:
         raise ConfigError("key 'context_parallel_degree': a Mixture-of-Experts model is trained with whole "
@@ -160,8 +157,7 @@ def accumulation_mode(args, entry: EngineEntry, settings, sizes: BatchSizes) -> 
 
 
 def launch_world(args) -> World:
-    """The processes of this launch: the device from `device`, the process group joined where the engine the
-    config asks for runs over one."""
+    """The processes of this launch: the device from `device`; the process group joined if its engine runs over one."""
     device = resolve_device(args.device)
     if select_engine(args).cls.joins_process_group:
         return join_world(device, args.distributed_timeout_minutes)
@@ -171,11 +167,10 @@ def launch_world(args) -> World:
 def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | None = None,
                 check_model: bool = True, check_dp: bool = True, warn: bool = True) -> ResolvedRun:
     """The run `args` describes on `world`. `model_config`: the config of a model built by the caller (a
-    custom_model_provider_function, or a model passed to PreTrainer); `check_model` False: the caller brings
-    its own model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: for
-    a planned GPU, whether it has bf16 (`dtype: auto`). `check_dp` False: the world is another than the one
-    the config's `dp` describes (`pretrainer plan --world-size`). `warn` False: its warnings are left to the
-    workers that will resolve it again (the launcher's check before it starts them)."""
+    custom_model_provider_function, or a model passed to PreTrainer); `check_model` False: the caller brings its own
+    model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: whether a planned GPU
+    has bf16 (`dtype: auto`). `check_dp` False: the world is not the config's `dp` one (`pretrainer plan --world-size`).
+    `warn` False: warnings are left to the workers that resolve it again (the launcher's check before starting them)."""
     entry = select_engine(args, world.size)
     cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)
@@ -232,8 +227,7 @@ def schedule_settings(args, sizes: BatchSizes, branch: BranchPoint | None = None
 
 
 def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp: bool = True) -> ParallelDims:
-    """The engine's dimensions for `world_size` processes, checked against `context_parallel_degree` and the
-    config's `dp`."""
+    """The engine's dims for `world_size` processes, checked against `context_parallel_degree` and the config's `dp`."""
     cls, cp = entry.cls, args.context_parallel_degree
     if cp > 1 and world_size % cp:
         raise ConfigError(f"key 'context_parallel_degree': {cp} does not divide the {world_size} processes; launch "

@@ -9,8 +9,7 @@ its default or set to a neutral value asks for nothing and never trips a row), a
   key and the engine where the user chose the engine (the `engine` key or an `accelerate launch` config); where
   `engine: auto` chose it, one warning says why the key has no effect, and the run goes on.
 
-Rows read what engine classes declare (their capabilities and `own_keys`), never an engine's name, so the table
-holds whatever engines the registry lists.
+Rows read what engine classes declare (capabilities, `own_keys`), never names: the table holds any registered engine.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ MEGATRON = "plugin_args.other_megatron_args."
 SPLITTING_KEYS = ("plugin_args.tp_degree", "plugin_args.pp_degree", f"{MEGATRON}tensor_model_parallel_size",
                   f"{MEGATRON}pipeline_model_parallel_size")
 SWITCH_KEYS = ("plugin_args.sequence_parallelism", f"{MEGATRON}sequence_parallel")
-# a whole model's data ranks do what the engine's name says: a value that asks otherwise (`no_shard` or false
-# under fsdp too) has no effect
+# whole-model data ranks do as the engine's name says: asking otherwise (`no_shard`/false under fsdp too) has no effect
 SHARDING_KEYS = ("plugin_args.use_distributed_optimizer", "plugin_args.data_parallel_sharding_strategy",
                  f"{MEGATRON}use_distributed_optimizer", f"{MEGATRON}data_parallel_sharding_strategy")
 SETTING_KEYS = ("plugin_args.num_layers_per_virtual_pipeline_stage", "plugin_args.pipeline_layers",
@@ -178,8 +176,7 @@ def engine_chosen_by_user(args) -> bool:
 
 
 def check_rules(args, entry: EngineEntry, settings, world_size: int, warn: bool = True) -> None:
-    """Refuse (or, under `engine: auto`, warn of, where `warn`) every key the chosen engine cannot use or does
-    not read."""
+    """Refuse (under `engine: auto`, warn of, where `warn`) every key the chosen engine cannot use or does not read."""
     choice = Choice(args, entry, settings, world_size)
     for rule in RULES:
         if not set_by_user(args, rule.key) or not rule.asks(value_of(args, rule.key)) or rule.holds(choice):

@@ -1,9 +1,8 @@
 """Objects copied to local disk on first use, once per machine, and again only when the object changes.
 
-For what is read at random offsets (a prepared `.bin`, whose samples are spread over the whole file) or read
-whole many times (a task file): one GET per sample would cost a round trip each, so the object is copied into
-a local cache and memory-mapped from there. The copy's folder is named by the object's identity (URL, size,
-ETag or modification time), so a replaced object is fetched again into a new folder.
+For what is read at random offsets (a prepared `.bin`'s samples) or whole many times (a task file), a GET per read would
+cost a round trip each: the object is copied into a local cache and memory-mapped from there, in a folder named by its
+identity (URL, size, ETag or modification time), so a replaced object is fetched again into a new folder.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ def identity_key(identities: list[list]) -> str:
 
 
 def download_once(url: str, target: Path, size: int, attempts: int = 4) -> Path:
-    """`url` at `target`, unless a copy of `size` bytes is there already. Processes of one machine that ask at
-    once take turns on a lock beside it: the first downloads (into a temporary name, renamed when whole), the
-    others find the copy."""
+    """`url` at `target`, unless a copy of `size` bytes is there. Processes of one machine asking at once take turns on
+    a lock beside it: the first downloads (into a temporary name, renamed when whole), the others find it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if _whole(target, size):
         return target

@@ -141,9 +141,8 @@ class RemoteFolder:
 
     # ------------------------------------------------------------ trees
     def put_tree(self, local: Path, rel: str, names: list[str] | None = None) -> None:
-        """Upload the files under `local` (or only `names`, relative to it) to `rel`, several at once. The first
-        upload that gives up stops the others' retries, and its error is the one raised (the others then fail
-        for the cancellation, not for the cause)."""
+        """Upload the files under `local` (or only `names`, relative to it) to `rel`, several at once. The first upload
+        that gives up stops the others' retries, and its error is raised (theirs would name the cancellation)."""
         names = names if names is not None else sorted(
             p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
         cancel, lock, failures = threading.Event(), threading.Lock(), []

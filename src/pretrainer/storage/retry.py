@@ -15,9 +15,8 @@ PERMANENT = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirector
 
 
 def retried(action, what: str, attempts: int = 4, delay: float = 1.0, cancel: threading.Event | None = None):
-    """`action()`, tried up to `attempts` times with `delay`, 2 x `delay`, ... between tries; then a
-    StorageError whose one line says `what` failed and why. `cancel` set (another upload of the same batch gave
-    up) stops further tries."""
+    """`action()`, tried up to `attempts` times with `delay`, 2 x `delay`, ... between tries, then a StorageError whose
+    one line says `what` failed and why. `cancel` set (another upload of the batch gave up) stops further tries."""
     for attempt in range(1, attempts + 1):
         try:
             return action()

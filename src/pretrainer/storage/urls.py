@@ -1,8 +1,7 @@
 """What a URL is (the config's one parser, config/urls.py), and the fsspec filesystem that serves it.
 
-Endpoint and credentials come from each filesystem's own configuration (for S3: `AWS_ENDPOINT_URL`,
-`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `~/.aws`, or fsspec's `FSSPEC_S3_*`); nothing here logs, copies or
-stores them.
+Endpoint and credentials come from each filesystem's own configuration (for S3: `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `~/.aws`, or fsspec's `FSSPEC_S3_*`); nothing here logs, copies or stores them.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ def join_url(url: str, *parts: str) -> str:
 
 
 def filesystem(url: str):
-    """(the fsspec filesystem of `url`, its path there): a fresh instance, so the environment of this moment
-    (endpoint, credentials) applies."""
+    """(fsspec filesystem, path) of `url`: a fresh instance, so the current endpoint and credentials apply."""
     import fsspec
 
     url = parse_url(url) or url

@@ -1,9 +1,8 @@
 """How a checkpoint's model and optimizer state is written and read (checkpoint.py decides when and where).
 
-Torch-native engines: torch.distributed.checkpoint over the model's and optimizer's state dicts as the engine
-laid them out (DTensor shards, pipeline stages), with optimizer state keyed by parameter name, so that ranks
-holding different parameters save their own and a checkpoint loads on any other layout or engine. An engine
-whose `checkpoint_format` is its own (DeepSpeed's ZeRO shards) writes and reads it itself.
+Torch-native engines: torch.distributed.checkpoint over model and optimizer state dicts as laid out (DTensor shards,
+pipeline stages), optimizer state keyed by parameter name, so ranks save the parameters they hold and a checkpoint loads
+on any layout or engine. An engine with its own `checkpoint_format` (DeepSpeed's ZeRO shards) handles it itself.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint or an export could not be written (no space, a failing disk); the previous checkpoint is
-    untouched."""
+    """A checkpoint or export could not be written (no space, a failing disk); the previous checkpoint is untouched."""
 
 
 class OutputError(RuntimeError):

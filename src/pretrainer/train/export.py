@@ -23,9 +23,8 @@ logger = logging.getLogger(__name__)
 
 @contextmanager
 def deepspeed_left_unimported():
-    """`save_pretrained` unwraps the model through accelerate, which imports DeepSpeed (0.2 s and a log
-    line) only to test `isinstance(model, DeepSpeedEngine)`; no such engine exists unless DeepSpeed was
-    already imported, so the check is skipped then."""
+    """`save_pretrained` unwraps the model through accelerate, which imports DeepSpeed (0.2 s and a log line) only to
+    test `isinstance(model, DeepSpeedEngine)`: pointless unless DeepSpeed is already imported, so skipped then."""
     if "deepspeed" in sys.modules:
         yield
         return
@@ -44,11 +43,10 @@ def deepspeed_left_unimported():
 
 def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dtype: str,
               max_shard_size: str | int) -> Path | None:
-    """Write an HF folder from the engine's model (all ranks call; the main rank writes; its path, None on the
-    others). The weights stream tensor by tensor into the safetensors files `save_pretrained` would write (the
-    same split by `max_shard_size`, names, metadata and index), so no rank holds the whole model. Where the
-    engine cannot stream (FSDP with CPU offload on GPUs) or transformers converts the tensors on saving (fused
-    MoE experts), the whole state is gathered on the main rank and `save_pretrained` writes it."""
+    """Write an HF folder from the engine's model (all ranks call; the main rank writes and gets its path, others None).
+    Weights stream tensor by tensor into the safetensors files `save_pretrained` would write (split by `max_shard_size`,
+    names, metadata, index), so no rank holds the whole model. Where the engine cannot stream (FSDP with CPU offload on
+    GPUs) or saving converts tensors (fused MoE experts), the main rank gathers all for `save_pretrained`."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     torch_dtype = dtype_to_torch(dtype)
@@ -90,9 +88,8 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
 
 @contextmanager
 def _failed_writes_explained(out_dir: Path, tmp: Path, unread_tensors):
-    """A write that fails (no space, a file-size limit, a failing disk) ends the export with one line and no
-    half-written folder. The tensors still to come are read first: the other ranks are gathering them with us,
-    and a main rank that left would make them fail in a collective instead of finishing."""
+    """A failed write (no space, a file-size limit, a failing disk) ends the export with one line, no half-written
+    folder. Tensors still to come are read first: the other ranks gather them with us and would fail in a collective."""
     from safetensors import SafetensorError
 
     try:
@@ -156,15 +153,13 @@ def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch
 
 
 def _parameter_count(hf_model: torch.nn.Module) -> int:
-    """The model's parameters, as `num_parameters` counts them (each once), ZeRO-3's partitioned ones included
-    (whose placeholders are empty)."""
+    """Parameters counted as `num_parameters` does (each once), with ZeRO-3's partitioned ones (empty placeholders)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in hf_model.parameters())
 
 
 def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard_size):
-    """Which file each tensor goes to, as `save_pretrained` decides it: the tied output head left out, the
-    names in the order transformers saves them (its own reverse conversion, run on meta tensors), split by
-    huggingface_hub's function. None when saving would convert tensors (names that the model does not have)."""
+    """Each tensor's file as `save_pretrained` picks it: no tied output head, transformers' saving order (its reverse
+    conversion on meta tensors), huggingface_hub's split. None if saving converts tensors (names the model lacks)."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     tied = set(tied_output_names(hf_model))

@@ -3,13 +3,12 @@ folder, through a pretrainer engine: no conversion to an HF folder first.
 
     python -m pretrainer.train.harness --model pretrainer --model_args path=runs/quickstart --tasks hellaswag
 
-`python -m pretrainer.train.harness` is lm-evaluation-harness's own command line with this model registered
-(importing this module registers it for `lm_eval.simple_evaluate` too). `model_args`: `path` (a save_dir or
-HF folder), and any config key as `key=value` (`dtype=fp32`, `seq_length=2048`, `micro_batch_size=8`: each
-scored batch holds at most micro_batch_size x seq_length tokens). Log-likelihood requests are tokenized and
-scored as `pretrainer evaluate` scores them (train/scoring.py); rolling log-likelihoods (perplexity tasks) use
-the harness's windows of seq_length tokens. Generation tasks are not served: export the run (save_dir/hf)
-and use `--model hf` for them. Needs the `lm_eval` package (`pip install lm_eval`).
+`python -m pretrainer.train.harness` is lm-evaluation-harness's own command line with this model registered (importing
+this module registers it for `lm_eval.simple_evaluate` too). `model_args`: `path` (a save_dir or HF folder), and any
+config key as `key=value` (`dtype=fp32`, `seq_length=2048`, `micro_batch_size=8`: each scored batch holds at most
+micro_batch_size x seq_length tokens). Log-likelihood requests are tokenized and scored as `pretrainer evaluate` scores
+them (train/scoring.py); rolling log-likelihoods (perplexity tasks) use the harness's windows of seq_length tokens.
+Generation tasks are not served: export the run (save_dir/hf) and use `--model hf`. Needs `pip install lm_eval`.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ from .scoring import Request, encode_request, prefix_token, score_requests
 class PretrainerLM(LM):
     def __init__(self, path: str, batch_size: int | str | None = None, device: str | None = None,
                  max_batch_size: int | None = None, **config):
-        """`config`: key=value overrides of the run's config; `batch_size` (an integer) sets micro_batch_size,
-        `device` the device key, except the harness's default cuda:0 on a machine without CUDA (pretrainer's
-        `device: auto` then picks). The full-vocabulary logits are kept (loss_chunk_size=0): the harness asks
-        whether greedy decoding yields each continuation."""
+        """`config`: key=value overrides of the run's config; `batch_size` (an integer) sets micro_batch_size, `device`
+        the device key (not the harness's default cuda:0 on a machine without CUDA: `device: auto` picks). Full logits
+        are kept (loss_chunk_size=0): the harness asks if greedy decoding yields each continuation."""
         import torch
 
         super().__init__()

@@ -1,12 +1,11 @@
-"""`pretrainer train|evaluate ... --nproc-per-node N`: check the run for its world size here, then start the
-workers through torch's elastic launcher and end with one line and one exit code.
+"""`pretrainer train|evaluate ... --nproc-per-node N`: check the run for its world size here, then start the workers
+through torch's elastic launcher and end with one line and one exit code.
 
-The parent resolves the config for the launched world (the same checks a worker makes before any allocation),
-so most mistakes end before any worker starts. The workers are the same command without the launcher flags,
-started by `torch.distributed.launcher.api.launch_agent` (what torchrun runs). Each worker leaves its exit
-code and, for an error, its one-line message in a status folder the parent names (`WORKER_STATUS_ENV`); the
-parent prints each distinct message once, for the ranks that gave it, and exits with the code the failing
-ranks agree on (a rank killed by a signal, or one that crashed, is named with its code).
+The parent resolves the config for the launched world (a worker's checks before any allocation), so most mistakes end
+before any worker starts. The workers, started by `torch.distributed.launcher.api.launch_agent` (what torchrun runs),
+run the same command without the launcher flags. Each leaves its exit code (and an error's one-line message) in a status
+folder the parent names (`WORKER_STATUS_ENV`); the parent prints each distinct message once, for the ranks that gave it,
+and exits with the code the failing ranks agree on (a crashed or signalled rank is named with its code).
 """
 
 from __future__ import annotations
@@ -89,9 +88,8 @@ class LaunchPlan:
 
 
 def launch_plan(ns) -> LaunchPlan | None:
-    """The launch the command line asks for, or None: run as this one process. The launcher's other flags
-    without --nproc-per-node are refused (they would do nothing), and so is a launch from a process that a
-    launcher started (its workers would each start workers of their own)."""
+    """The launch the command line asks for, or None: run as this one process. Launcher flags without --nproc-per-node
+    are refused (they would do nothing), as is a launch from a launcher's worker (each would start its own)."""
     if not getattr(ns, "nproc_per_node", None):
         given = [name for name in LAUNCHER_DEFAULTS if getattr(ns, name, None) is not None]
         if given:
@@ -136,8 +134,7 @@ def check_before_launch(args, world_size: int, local_size: int) -> None:
 
 
 def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-m", "pretrainer.cli")) -> int:
-    """Run `pretrainer ARGV` (`python PYTHON_ARGS ARGV`) as `plan.world_size` workers (this machine's share of
-    them) and return the exit code."""
+    """Run `python PYTHON_ARGS ARGV` as this machine's share of `plan.world_size` workers; returns the exit code."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -150,9 +147,8 @@ def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-
     single = plan.nnodes == 1 and plan.endpoint is None
     config = LaunchConfig(
         min_nodes=plan.nnodes, max_nodes=plan.nnodes, nproc_per_node=plan.nproc_per_node, run_id=plan.run_id,
-        # One machine: the store binds a free port itself (torchrun --standalone). Several: node 0 hosts it at
-        # the endpoint and each machine says its index (torchrun's static rendezvous, whose store waits
-        # `timeout` seconds for the machines).
+        # One machine: the store binds a free port itself (torchrun --standalone). Several: node 0 hosts it at the
+        # endpoint and each machine says its index (torchrun's static rendezvous; its store waits `timeout` s for them).
         rdzv_backend="c10d" if single else "static", rdzv_endpoint="localhost:0" if single else plan.endpoint,
         rdzv_configs={"join_timeout": plan.rdzv_timeout} if single else
         {"rank": plan.node_rank, "timeout": max(1, round(deadline - time.monotonic()))},
@@ -223,9 +219,8 @@ def read_statuses(folder: Path) -> dict[int, dict]:
 
 def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float] | None = None) -> int:
     """Print what went wrong, causes first, each distinct line once, and return the launch's exit code (the first
-    cause's). `statuses`: what the workers that ended on their own said (code, error line, and whether the error
-    follows from another rank's failure); `failures`: the exit codes torch saw for the ranks that failed;
-    `failed_at`: when torch saw each (orders the crashes)."""
+    cause's). `statuses`: what workers that ended on their own said (code, error line, whether it follows another rank's
+    failure); `failures`: failed ranks' exit codes; `failed_at`: when torch saw each (orders the crashes)."""
     errors = {rank: status for rank, status in statuses.items() if status.get("message")}
     causes = [rank for rank in sorted(errors) if not errors[rank].get("consequence")]
     consequences = [rank for rank in sorted(errors) if errors[rank].get("consequence")]

@@ -18,9 +18,8 @@ logger = logging.getLogger("pretrainer")
 
 
 class _StdoutHandler(logging.StreamHandler):
-    """Writes to `sys.stdout` as it is when each record is emitted, not as it was when logging was set up: a
-    caller that replaces it (a notebook cell, a test's output capture) gets the lines, and a stream it has since
-    closed is never written to."""
+    """Writes to `sys.stdout` as of each record, not as of logging's setup: a caller that replaces it (a notebook cell,
+    a test's output capture) gets the lines, and a stream it has since closed is never written to."""
 
     def __init__(self):
         super().__init__()

@@ -1,10 +1,9 @@
 """A trained model outside the training loop: an HF folder's, or a checkpoint's weights in the model its run
 configured, placed by an engine. `pretrainer export` writes it out, `pretrainer evaluate` scores tasks on it.
 
-`pretrainer evaluate` takes a run's save_dir (a local folder or a URL) or an HF folder. A save_dir's model is
-rebuilt from the `config.yaml` its newest checkpoint holds; in a single process (not under torchrun) the run's
-layout is replaced by the single engine, so a checkpoint written by many ranks is read by one (DCP reshards it).
-A checkpoint in object storage is downloaded first; an export to a URL is written locally, then uploaded.
+`pretrainer evaluate` takes a run's save_dir (a local folder or a URL) or an HF folder. A save_dir's model is rebuilt
+from the `config.yaml` its newest checkpoint holds; in a single process (not under torchrun) the run's layout is
+replaced by the single engine, so a checkpoint written by many ranks is read by one (DCP reshards it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The run report: `save_dir/report/report.html` (self-contained) and the SVG plots beside it.
 
-Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be
-made at any time, also while a run is going: `pretrainer report SAVE_DIR`. Plots: train and eval loss,
-learning rate, tokens/s, MFU and peak memory over steps, each downstream task's accuracy against the
-tokens trained on, a Mixture-of-Experts model's routing (imbalance, dead experts, a per-layer heatmap), a
-data mixture's tokens per source (stacked) and train and eval loss per source, and, for a run with cooldown branches
-(RUN/branches/*, or given), their losses over the run's; a table gives the config, engine, hardware, lineage
-and final figures. The plots are SVG drawn by `svg_plot` (no plotting library to import: the report is
-written in milliseconds at the end of every run).
+Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be made any time,
+even mid-run: `pretrainer report SAVE_DIR`. Plots: train and eval loss, learning rate, tokens/s, MFU and peak memory
+over steps; each downstream task's accuracy against tokens trained on; a Mixture-of-Experts model's routing (imbalance,
+dead experts, a per-layer heatmap); a data mixture's tokens (stacked) and train and eval loss per source; cooldown
+branches' losses (RUN/branches/*, or given) over the run's. A table gives the config, engine, hardware, lineage and
+final figures. The plots are SVG drawn by `svg_plot` (no plotting library: written in milliseconds at every run's end).
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
 
 
 def mixture_charts(train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
-    """A mixture's tokens per source, stacked (each line is the sum of the sources up to it), and each
-    source's train and eval loss."""
+    """A mixture's stacked tokens (a line sums the sources up to it) and each source's train and eval loss."""
     names = [key.split("/", 1)[1] for key in (train[-1] if train else {}) if key.startswith("source_tokens/")]
     if not names:
         return []

@@ -51,8 +51,7 @@ def folder_name(folder: str | None) -> str | None:
 
 
 def mixture_values(args, lineage) -> dict:
-    """The blend: each stage's normalised weights by source and where it ends, and each source's files (None:
-    plain files, no blend)."""
+    """The blend: each stage's end and normalised weights by source, each source's files (None: plain files)."""
     mixture = args.mixture
     if mixture is None:
         return {"mixture": None, "sources": None}
@@ -115,10 +114,9 @@ def saved_keys(state: dict, checkpoint) -> dict:
 
 def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bool, shown: str | None = None) \
         -> list[str]:
-    """Refuse, in one line naming every change, a resume (or a branch's start) whose keys differ from what
-    `checkpoint` recorded, unless the group's override key is set; returns the overridden changes (to log).
-    A branch's start is compared with its parent's checkpoint, less the keys the branch sets for itself.
-    `shown`: the checkpoint as the user knows it (its URL, for one downloaded from object storage)."""
+    """Refuse, in one line naming every change, a resume (or branch start) whose keys differ from `checkpoint`'s record,
+    unless the group's override key is set; returns accepted changes (to log). A branch start is checked against the
+    parent's checkpoint minus the branch's own keys. `shown`: the checkpoint as the user knows it (a URL if fetched)."""
     if checkpoint is None:
         return []
     saved, current = saved_keys(read_trainer_state(checkpoint), shown or checkpoint), recorded_keys(args, branch)

@@ -1,10 +1,9 @@
 """A save_dir URL's files other than checkpoints (remote_checkpoints.py has those).
 
-The run writes them in its local staging folder as it would in a local save_dir; the bucket holds the run's
-truth. At the start the main rank takes `metrics.jsonl` from the bucket (a resumed run continues it, as a local
-one does); after every checkpoint commit it uploads `metrics.jsonl` again (an object is replaced whole: S3 cannot
-append), and at the end of the run the report, the HF export (`hf/`, replacing the previous one) and
-TensorBoard's event files as well.
+The run writes them in its local staging folder as it would in a local save_dir; the bucket holds the run's truth. At
+the start the main rank takes `metrics.jsonl` from the bucket (a resumed run continues it, as a local one does); after
+every checkpoint commit it uploads `metrics.jsonl` again (an object is replaced whole: S3 cannot append), and at the end
+of the run the report, the HF export (`hf/`, replacing the previous one) and TensorBoard's event files as well.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """What a checkpoint keeps of a run beside the engine's model and optimizer state: registered components.
 
-Each piece of saved state (the schedule, the loss scaler, the RNG, the data position, counters, the loss-spike
-history, and whatever a later feature adds) registers once with a key, how to read it and how to put it back.
-A component is either the run's (one value for every rank, JSON, in `trainer_state.json`) or each rank's own
-(pickled into `extra_state_rank<R>.pt`). Adding saved state is one `register` call: neither the loop nor the
-checkpointer changes. A checkpoint written before a component existed loads it from the component's default;
-a component with no default is required and its absence is an error naming the checkpoint.
+Each piece of saved state (the schedule, loss scaler, RNG, data position, counters, loss-spike history, whatever a later
+feature adds) registers once: a key, how to read it, how to put it back. A component is either the run's (one value for
+all ranks, JSON in `trainer_state.json`) or each rank's own (pickled into `extra_state_rank<R>.pt`). Adding saved state
+is one `register` call: neither the loop nor the checkpointer changes. A checkpoint written before a component existed
+loads the component's default; one with no default is required (its absence is an error naming the checkpoint).
 """
 
 from __future__ import annotations

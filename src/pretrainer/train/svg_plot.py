@@ -1,8 +1,7 @@
 """Line charts and heatmaps as SVG text: what the run report needs, without a plotting library.
 
-A chart is a title, an axis label and one or more series of (step, value) points; the axes get
-"nice" ticks (1, 2 or 5 times a power of ten), non-finite values are left out. A heatmap is columns of
-values (one per step), shaded by value.
+A chart is a title, an axis label and one or more series of (step, value) points; the axes get "nice" ticks (1, 2 or 5
+times a power of ten), non-finite values are left out. A heatmap is columns of values (one per step), shaded by value.
 """
 
 from __future__ import annotations

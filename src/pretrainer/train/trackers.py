@@ -1,9 +1,8 @@
 """Where metric rows go besides `metrics.jsonl`: TensorBoard event files and Weights & Biases.
 
-`report_to` names them (`tensorboard`, `wandb`, several comma-separated or as a list; `jsonl`/`none`
-add nothing: metrics.jsonl is always written). Train rows become `train/<name>` scalars, eval rows
-`eval/<name>` and downstream rows keep their `eval/<task>/<metric>` names (with `eval/downstream_seconds`),
-at the row's step; event rows (start, resume) are not plotted.
+`report_to` names them (`tensorboard`, `wandb`, several: comma-separated or a list; `jsonl`/`none` add nothing:
+metrics.jsonl is always written). Train rows become `train/<name>` scalars, eval rows `eval/<name>`, downstream rows
+keep `eval/<task>/<metric>` (with `eval/downstream_seconds`), at the row's step; event rows (start, resume) are skipped.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A per-step watchdog for multi-process runs: a step that runs far longer than the collective timeout
-allows is reported by the rank that waits, with the step, before the collective fails.
-
-Whichever process the failure then reaches first (gloo and NCCL may abort a process from their own
-threads), every rank's log already says which step stalled where.
+"""A per-step watchdog for multi-process runs: a step that runs far longer than the collective timeout allows is
+reported by the waiting rank, with the step, before the collective fails. Whichever process the failure reaches first
+(gloo and NCCL may abort a process from their own threads), every rank's log already says which step stalled where.
 """
 
 from __future__ import annotations

@@ -89,9 +89,8 @@ def tokenizer_command(ns) -> int:
 
 @contextmanager
 def written_whole(output: Path):
-    """A folder to write the tokenizer files into, beside `output`; they are moved into `output` once all are
-    written. A write that fails (a full disk) leaves `output` as it was, never a truncated tokenizer.json that
-    a later run fails to parse, and is one line."""
+    """A staging folder beside `output`, its files moved into `output` once all are written: a failed write (a full
+    disk) leaves `output` as it was, not a truncated tokenizer.json a later run cannot parse, and is one line."""
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:

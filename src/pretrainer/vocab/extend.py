@@ -1,16 +1,14 @@
-"""`pretrainer tokenizer extend`: new tokens learned on a corpus (or taken from another tokenizer), appended
-to a base tokenizer so that every base token keeps its id.
+"""`pretrainer tokenizer extend`: new tokens learned on a corpus (or taken from another tokenizer), appended to a base
+tokenizer so that every base token keeps its id. Two kinds of base, the ones Llama-family models ship:
 
-Two kinds of base, the ones Llama-family models ship:
-- a SentencePiece BPE `tokenizer.model` (Llama-2): new pieces are appended with scores below every base
-  piece, so SentencePiece merges them only after every base merge; `tokenizer.json` is converted from the
-  merged model by transformers, so slow and fast tokenizers agree;
-- an HF byte-level BPE `tokenizer.json` (Llama-3, Qwen): new merges are appended after the base's, each a
-  merge of two tokens the merged vocabulary already has.
+- a SentencePiece BPE `tokenizer.model` (Llama-2): new pieces are appended scored below every base piece, so they merge
+  only after every base merge; transformers converts the result to `tokenizer.json`, so slow and fast tokenizers agree;
+- an HF byte-level BPE `tokenizer.json` (Llama-3, Qwen): new merges are appended after the base's, each a merge of two
+  tokens the merged vocabulary already has.
 
-A candidate is kept only if it holds a character of a target script (see `scripts`), is not a base token,
-and can be built from tokens already kept, so text without target-script characters tokenizes exactly as
-before. Candidates come in the order they were learned (most frequent first) until `add` are kept.
+A candidate is kept only if it holds a character of a target script (see `scripts`), is not a base token, and can be
+built from tokens already kept, so text without target-script characters tokenizes exactly as before. Candidates come in
+the order they were learned (most frequent first) until `add` are kept.
 """
 
 from __future__ import annotations
@@ -220,9 +218,8 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
 
 
 def _byte_level_text(token: str) -> str:
-    """A byte-level token's text, with partial characters at its ends decoded as far as they go (a token
-    holding only part of a multi-byte character counts as that character's script when its lead byte is
-    there)."""
+    """A byte-level token's text, partial characters at its ends decoded as far as they go (a token holding part of a
+    multi-byte character counts as that character's script when its lead byte is there)."""
     from .bytes_map import token_bytes
 
     raw = token_bytes(token)

@@ -1,8 +1,7 @@
 """`pretrainer tokenizer inspect`: tokenizers side by side on the same documents.
 
-Per tokenizer: vocabulary size, characters per token, tokens per document, the share of tokens that are
-byte-fallback pieces (`<0xE4>`) or unknown, and the share that are new, i.e. ids at or above the first
-tokenizer's vocabulary size (the first one named is the base)."""
+Per tokenizer: vocabulary size, characters per token, tokens per document, the share of tokens that are byte-fallback
+pieces (`<0xE4>`) or unknown, and the share that are new (ids >= the vocabulary size of the first, base tokenizer)."""
 
 from __future__ import annotations
 

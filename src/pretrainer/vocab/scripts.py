@@ -1,10 +1,9 @@
-"""Which writing systems a tokenizer extension targets.
+"""Which writing systems a tokenizer extension targets: a new token must hold a character of one, so text without such
+characters (English, when extending for Chinese) tokenizes exactly as before.
 
-A new token is accepted only if it holds a character of a target script, so text without such characters
-(English, when extending for Chinese) tokenizes exactly as before. By default the targets are the scripts
-whose characters the base tokenizer leaves uncovered (byte fallback, or more than one token for a single
-character) in at least `UNCOVERED_SHARE` of their occurrences in the corpus, among the scripts that make
-up at least `MIN_CORPUS_SHARE` of its characters.
+By default the targets are the scripts whose characters the base tokenizer leaves uncovered (byte fallback, or more than
+one token for a single character) in at least `UNCOVERED_SHARE` of their occurrences in the corpus, among the scripts
+that make up at least `MIN_CORPUS_SHARE` of its characters.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def count_characters(texts: Iterable[str]) -> Counter:
 
 def detect_target_scripts(counts: Counter, covers: Callable[[str], bool]) -> dict[str, float]:
     """The scripts the base tokenizer covers poorly, with the share of their characters' occurrences it leaves
-    uncovered; `counts` are the corpus's characters, `covers(char)` says whether the base has a single token
-    for one."""
+    uncovered; `counts`: the corpus's characters; `covers(char)`: whether the base has a single token for it."""
     seen, uncovered = Counter(), Counter()
     for char, count in counts.items():
         if char.isspace():

@@ -1,11 +1,10 @@
 """`pretrainer tokenizer train`: a tokenizer learned from a corpus, written as an HF folder.
 
 Two families, the ones Llama-family models ship:
-- `--type bpe` (default): a byte-level BPE (`tokenizers`), as Llama-3 and Qwen ship: every text is
-  representable, no unknown token;
-- `--type bpe --byte-fallback` and `--type unigram`: a SentencePiece model trained with `sentencepiece`
-  and Llama-2's settings (digits split, whitespace kept, byte fallback), written as `tokenizer.model` plus
-  the `tokenizer.json` that transformers converts from it, so slow and fast tokenizers both load it.
+- `--type bpe` (default): a byte-level BPE (`tokenizers`; Llama-3, Qwen): every text is representable, no unknown token;
+- `--type bpe --byte-fallback` and `--type unigram`: a SentencePiece model trained with `sentencepiece` and Llama-2's
+  settings (digits split, whitespace kept, byte fallback), written as `tokenizer.model` plus the `tokenizer.json` that
+  transformers converts from it, so slow and fast tokenizers both load it.
 """
 
 from __future__ import annotations
