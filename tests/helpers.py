@@ -142,14 +142,21 @@ def assert_resume_reproduces(config: dict, folder: Path) -> None:
     assert train_losses(interrupted) == train_losses(straight)
 
 
+@contextmanager
 def cpu_engine(dtype: str = "fp32"):
-    """A single-process CPU engine, as a one-process run resolves it."""
+    """A single-process CPU engine, as a one-process run resolves it, on a process group of one (closed after)."""
     import torch
 
     from pretrainer.config import ParallelDims
-    from pretrainer.parallel import EngineOptions, SingleEngine, planned_world
+    from pretrainer.parallel import EngineOptions, SingleEngine, join_world
+    from pretrainer.parallel.meshes import Meshes
 
-    return SingleEngine(EngineOptions(ParallelDims(1), dtype), planned_world(1, 1, torch.device("cpu")))
+    options = EngineOptions(ParallelDims(1), dtype, SingleEngine.read_settings(None, None, 1, dtype))
+    engine = SingleEngine(options, join_world(torch.device("cpu"), 1.0), Meshes(ParallelDims(1), "cpu"))
+    try:
+        yield engine
+    finally:
+        engine.close(barrier=False)
 
 
 def layout_check(trainer) -> dict:

@@ -128,7 +128,8 @@ def test_the_streamed_export_writes_what_save_pretrained_writes(checkpoints, tmp
 
     for folder in ("untied", "tied"):
         model = AutoModelForCausalLM.from_pretrained(checkpoints / folder, dtype=torch.float32)
-        ours = export_hf(cpu_engine(), model, None, tmp_path / f"ours-{folder}", "bf16", "300KB")
+        with cpu_engine() as engine:
+            ours = export_hf(engine, model, None, tmp_path / f"ours-{folder}", "bf16", "300KB")
         model.config.use_cache = True
         theirs = tmp_path / f"theirs-{folder}"
         model.to(torch.bfloat16).save_pretrained(theirs, max_shard_size="300KB")

@@ -223,7 +223,7 @@ def test_the_heap_policy_follows_the_layout_and_host_malloc_reuse():
         ["return", "reuse", "reuse", "reuse", "system", "system"]
     optim_grads = MegatronSettings(tp=1, pp=1, distributed_optimizer=True)
     cases = [
-        ("single", None, "reuse"), ("ddp", MegatronSettings(), "reuse"), ("fsdp", sharded(), "return"),
+        ("single", MegatronSettings(), "reuse"), ("ddp", MegatronSettings(), "reuse"), ("fsdp", sharded(), "return"),
         ("deepspeed", DeepSpeedSettings.for_zero(2, False, False), "reuse"),
         ("deepspeed", DeepSpeedSettings.for_zero(3, False, False), "reuse"),  # see deepspeed_plan.py
         ("megatron", optim_grads, "return"), ("megatron", MegatronSettings(tp=2, pp=1), "reuse"),
@@ -277,8 +277,8 @@ def test_hf_export_does_not_import_deepspeed():
         "from helpers import cpu_engine\n"
         "from pretrainer.train.export import export_hf\n"
         f"model = LlamaForCausalLM(AutoConfig.from_pretrained({str(QUICKSTART_MODEL)!r}))\n"
-        "engine = cpu_engine()\n"
-        "export_hf(engine, model, None, sys.argv[1], 'fp32', '5GB')\n"
+        "with cpu_engine() as engine:\n"
+        "    export_hf(engine, model, None, sys.argv[1], 'fp32', '5GB')\n"
         "print('deepspeed' in sys.modules)\n")
     with tempfile.TemporaryDirectory() as out:
         done = subprocess.run([sys.executable, "-c", program, f"{out}/hf"], capture_output=True, text=True, check=True)

@@ -194,6 +194,19 @@ class Recorder(Callback):
 
     def __init__(self):
         self.results, self.rows, self.saves, self.steps_counted = [], [], [], 0
+        self.calls = []  # (hook, step) of the loop's after_step / on_stop / at_end
+
+    def after_step(self, result, state, loop) -> None:
+        self.calls.append(("after_step", state.step))
+        if state.step == 2:  # a user's own row, written through the run's log
+            loop.log.record({"step": 2, "weights_norm": float(sum(p.detach().float().norm() for p in
+                                                                  loop.model.parameters()))})
+
+    def on_stop(self, state, loop) -> None:
+        self.calls.append(("on_stop", state.step))
+
+    def at_end(self, state, loop) -> None:
+        self.calls.append(("at_end", state.step))
 
     def register_state(self, state) -> None:
         state.register("recorder", lambda: self.steps_counted, self._load, default=0)
@@ -221,10 +234,13 @@ def test_a_users_callbacks_hear_each_step_row_and_save_and_keep_their_state(base
     logged = {row["step"]: row["loss"] for row in read_metrics(base_config["save_dir"]) if "loss" in row}
     assert [loss for _, loss, _ in first.results] == pytest.approx([logged[s] for s in (1, 2, 3)], rel=1e-6)
     assert first.rows == trainer.log_history and first.saves == [(3, "step-3")]
+    assert first.calls == [("after_step", 1), ("after_step", 2), ("after_step", 3), ("on_stop", 3)]
+    assert [row["weights_norm"] > 0 for row in read_metrics(base_config["save_dir"]) if "weights_norm" in row] == [True]
     again = Recorder()
     PreTrainer(PreTrainingArguments(**base_config), callbacks=[again]).train()
     assert [step for step, _, _ in again.results] == [4, 5, 6] and again.steps_counted == 6  # 3 of them resumed
     assert [step for step, _ in again.saves] == [6]
+    assert again.calls == [("after_step", 4), ("after_step", 5), ("after_step", 6), ("at_end", 6)]
 
 
 def test_callbacks_that_are_not_callbacks_are_refused(base_config):
@@ -348,13 +364,13 @@ def test_resume_refuses_a_checkpoint_of_another_format_or_process_count(base_con
     was recorded) is refused by a DCP engine; a DCP checkpoint of 2 ranks is resharded."""
     from pretrainer.train.checkpoint import check_resumable
 
-    engine = cpu_engine()
-    for state in ({"engine": "deepspeed", "world_size": 2},
-                  {"engine": "deepspeed", "world_size": 1, "checkpoint_format": "deepspeed"}):
-        with pytest.raises(ConfigError, match="was written by engine deepspeed; engine single cannot read it"):
-            check_resumable(tmp_path, state, engine)
-    check_resumable(tmp_path, {"engine": "fsdp", "world_size": 2, "checkpoint_format": "dcp"}, engine)
-    check_resumable(tmp_path, {"engine": "ddp", "world_size": 2}, engine)
+    with cpu_engine() as engine:
+        for state in ({"engine": "deepspeed", "world_size": 2},
+                      {"engine": "deepspeed", "world_size": 1, "checkpoint_format": "deepspeed"}):
+            with pytest.raises(ConfigError, match="was written by engine deepspeed; engine single cannot read it"):
+                check_resumable(tmp_path, state, engine)
+        check_resumable(tmp_path, {"engine": "fsdp", "world_size": 2, "checkpoint_format": "dcp"}, engine)
+        check_resumable(tmp_path, {"engine": "ddp", "world_size": 2}, engine)
 
 
 def test_unreadable_weights_are_a_config_error_naming_the_folder(base_config, tmp_path):

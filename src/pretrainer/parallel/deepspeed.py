@@ -21,7 +21,7 @@ from ..config.names import parameter_name
 from ..models import has_meta_tensors, materialize
 from .deepspeed_config import DeepSpeedSettings, read_deepspeed_settings
 from .deepspeed_plan import DeepSpeedTraits
-from .distributed import DistributedEngine
+from .engine import Engine
 from .layout import HeldState, tensor_bytes
 from .parallelize import parallelize
 
@@ -58,7 +58,7 @@ def require_deepspeed() -> None:
             from None
 
 
-class DeepSpeedEngine(DeepSpeedTraits, DistributedEngine):
+class DeepSpeedEngine(DeepSpeedTraits, Engine):
     """Its traits and its cost model (the planner's answers) are in deepspeed_plan.py."""
 
     name = "deepspeed"
@@ -67,7 +67,7 @@ class DeepSpeedEngine(DeepSpeedTraits, DistributedEngine):
     checkpoint_format = "deepspeed"  # its own ZeRO shards, written by save_checkpoint
     checkpoint_needs_same_world_size = True
     supports_async_save = False
-    own_keys = (*DistributedEngine.own_keys, "deepspeed")
+    own_keys = (*Engine.own_keys, "deepspeed")
 
     def __init__(self, options, world, meshes):
         require_deepspeed()

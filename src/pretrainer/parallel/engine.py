@@ -1,4 +1,5 @@
-"""The engine interface the training loop talks to, and the single-process engine.
+"""The engine interface the training loop talks to, over the world's process group (parallel/world.py joins it; one
+process is a group of one): the collectives, context parallelism's groups and the tensor-by-tensor export.
 
 An engine owns the process groups it builds on the world, model wrapping, mixed precision, the optimizer step and what
 goes into a checkpoint. The loop never branches on the engine's name: engines implement the same methods, and what
@@ -16,24 +17,28 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..batch import HeadOutput, batch_targets, forward_head
 from ..config import ParallelDims
 from ..config.names import parameter_name
 from ..models import has_meta_tensors, materialize, takes_head_call
+from . import context_parallel
 from .activation_checkpoint import RecomputeSettings
 from .expert_parallel import expert_ranks
 from .gradient_norm import clip_, global_norm
-from .layout import CostModel, EngineTraits, HeldState, tensor_bytes
-from .parallelize import Parallelism, parallelize
+from .layout import EngineTraits, HeldState, tensor_bytes
+from .parallelize import Parallelism
 from .precision import Precision
 from .world import World
 
 logger = logging.getLogger(__name__)
+
 
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
@@ -71,17 +76,20 @@ class Engine(EngineTraits, ABC):
     supports_async_save = True
     # The HF export streams the weights tensor by tensor (`export_tensors`) instead of one full state dict.
     exports_tensor_by_tensor = True
-    # Runs over the world's process group (joined before the run is resolved; one process is a group of one).
-    joins_process_group = False
+    # Runs one process only (a launch of several is refused before anything is built).
+    one_process = False
     # Config keys only engines of this kind read (run/rules.py refuses or warns of them under other engines).
-    own_keys: tuple[str, ...] = ()
+    own_keys: tuple[str, ...] = ("distributed_timeout_minutes",)
 
-    def __init__(self, options: EngineOptions, world: World, meshes=None):
+    def __init__(self, options: EngineOptions, world: World, meshes):
         self.options, self.world, self.meshes = options, world, meshes
         self.dims, self.settings = options.dims, options.settings
         self.device = world.device
         self.precision = Precision(options.dtype, self.device)
         self.rank, self.world_size = world.rank, world.size
+        cp = self.dims.cp
+        self.context = context_parallel.ContextParallel(cp, meshes.context_rank(), meshes.context(),
+                                                        multiple=self.context_multiple) if cp > 1 else None
 
     # ---- what an engine is built from: the resolver asks the class (nothing is launched yet) ----
     @classmethod
@@ -130,8 +138,27 @@ class Engine(EngineTraits, ABC):
         return self.dims.dp
 
     def shard_batch(self, batch: dict) -> dict:
-        """This rank's part of a host batch (context parallelism splits sequences; others keep it whole)."""
-        return batch
+        """This rank's part of a host batch (context parallelism splits sequences; otherwise it is kept whole)."""
+        return self.context.shard(batch) if self.context else batch
+
+    @property
+    def context_multiple(self) -> int:
+        """What each rank's piece of a sequence must be a multiple of (sequence parallelism splits it again)."""
+        return 1
+
+    def install_context_parallel(self, model: torch.nn.Module) -> None:
+        """Context-parallel attention on the whole model (the first of the parallelize steps)."""
+        if self.context:
+            context_parallel.install(model, self.context.degree)
+
+    def sequence_layout(self, batch: dict | None = None):
+        """Context: attention runs on the context-parallel layout of `batch` (or of the last batch given, for its
+        backward, where activation checkpointing recomputes attention); nothing without cp."""
+        if not self.context:
+            return contextlib.nullcontext()
+        if batch is not None:
+            self._window = batch["cp_length"]
+        return self.context.active(self._window)
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -161,12 +188,14 @@ class Engine(EngineTraits, ABC):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.scale(loss).backward()
+        with self.sequence_layout():
+            self.precision.scale(loss).backward()
 
     def forward(self, model: torch.nn.Module, batch: dict, per_token: bool = False) -> HeadOutput | None:
         """A device batch's forward (None on ranks that produce none, e.g. early pipeline stages); `per_token`: a
         head that computes the loss returns each target's loss (scoring)."""
-        return forward_head(model, batch, takes_head_call(self.unwrap(model)), per_token)
+        with self.sequence_layout(batch):
+            return forward_head(model, batch, takes_head_call(self.unwrap(model)), per_token)
 
     def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
                          scale: float, extra_losses=None) -> torch.Tensor:
@@ -233,18 +262,25 @@ class Engine(EngineTraits, ABC):
 
     def sum_over_ranks(self, value: torch.Tensor) -> None:
         """Sum a device tensor over every rank, in place."""
+        dist.all_reduce(value)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.clone()
+        dist.all_reduce(value)
         return value
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Host-side integer counts, summed over ranks, as a device tensor. Never waits for the device: the
-        copy is asynchronous from pinned memory and the all-reduce (distributed engines) is queued."""
-        return to_device_async(counts, self.device)
+        copy is asynchronous from pinned memory and the all-reduce is queued."""
+        counts = to_device_async(counts, self.device)
+        dist.all_reduce(counts)
+        return counts
 
     def reduce_max(self, value: float) -> float:
         """The largest of a host-side number over ranks."""
-        return value
+        tensor = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def barrier(self) -> None:
         self.world.barrier()
@@ -259,7 +295,9 @@ class Engine(EngineTraits, ABC):
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (a host-side collective: never waits for the device)."""
-        return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.meshes.host())
+        return bool(value.item())
 
     def save_own_state(self, folder) -> None:
         """Write model and optimizer state in the engine's own format (engines whose checkpoint_format is not
@@ -274,11 +312,31 @@ class Engine(EngineTraits, ABC):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """The model's weights under their HF names, in its state-dict order, one whole tensor at a time: on
-        the main rank on the CPU, None on the others. Every rank iterates to the end (each takes part in
-        gathering each tensor), and no rank holds more than one whole tensor at a time."""
-        for name, tensor in self.unwrap(model).state_dict().items():
-            yield parameter_name(name), tensor.detach().cpu()
+        """The model's weights under their HF names, in its state-dict order, one whole tensor at a time: on the main
+        rank on the CPU, None on the others. Every rank iterates to the end: the ranks holding a tensor gather it
+        whole (a DTensor's shards over its own mesh) and the first of them sends it to the main rank; ranks that do
+        not hold it (other pipeline stages) hold it on the meta device. No rank holds more than one whole tensor."""
+        state = {parameter_name(k): v for k, v in self.unwrap(model).state_dict().items()}
+        holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
+        sender = {}
+        for rank, names in enumerate(holders):
+            for name in names:
+                sender.setdefault(name, rank)
+        for name, tensor in state.items():
+            whole = None
+            if not tensor.is_meta:
+                whole = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            if sender[name] == 0:
+                yield name, whole.cpu() if self.is_main else None
+            elif self.rank == sender[name]:
+                dist.send(whole.contiguous(), dst=0)
+                yield name, None
+            elif self.is_main:
+                received = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+                dist.recv(received, src=sender[name])
+                yield name, received.cpu()
+            else:
+                yield name, None
 
     def materialize_if_meta(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         if has_meta_tensors(model):
@@ -333,6 +391,8 @@ class Engine(EngineTraits, ABC):
     def release(self) -> None:
         """Drop this engine's references to process groups and meshes, so that destroying the process group
         frees them (their worker threads are joined while the interpreter is alive)."""
+        self.context = None
+        self.meshes.release()
 
     def close(self, barrier: bool = True) -> None:
         """Release the engine and leave the world (the process group is destroyed once, last)."""
@@ -345,27 +405,5 @@ class Engine(EngineTraits, ABC):
                                                                      options.accumulate_reason else "") \
             if self.shards_gradients(self.settings) else ""
         return (f"engine={self.name} world_size={self.world_size} device={self.device} dtype={self.precision.dtype} "
-                f"activation_checkpointing={options.recompute.describe()}{accumulate}")
-
-
-class SingleEngine(Engine):
-    """One process, one device."""
-
-    name = "single"
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        def place(module: torch.nn.Module) -> torch.nn.Module:
-            self.materialize_if_meta(module)
-            return module.to(self.device)
-
-        return parallelize(model, self.parallelism(data_parallel=place))
-
-
-class SingleCosts(CostModel):
-    """The single engine's cost model: a plain torch engine's answers, on one process."""
-
-    traits = SingleEngine
-
-    @classmethod
-    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        return [{"dims": cls.traits.parallel_dims(1, 1, None)}] if world_size == 1 else []
+                f"activation_checkpointing={options.recompute.describe()}{accumulate}"
+                + (f" context_parallel_degree={self.context.degree}" if self.context else ""))

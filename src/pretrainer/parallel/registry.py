@@ -15,13 +15,13 @@ from ..config import ConfigError, key_error
 from ..config.loading import suggestion
 from .deepspeed import DeepSpeedEngine
 from .deepspeed_plan import DeepSpeedCosts
-from .engine import Engine, EngineOptions, SingleCosts, SingleEngine
+from .engine import Engine, EngineOptions
 from .fsdp_plan import FSDPCosts
 from .layout import CostModel
 from .megatron_settings import splits_model
 from .meshes import Meshes
-from .torch_backend import DDPEngine, FSDPEngine, MegatronEngine
-from .torch_plan import DDPCosts, MegatronCosts
+from .torch_backend import DDPEngine, FSDPEngine, MegatronEngine, SingleEngine
+from .torch_plan import DDPCosts, MegatronCosts, SingleCosts
 from .world import World, launch_world_size
 
 AUTO = "auto"
@@ -105,10 +105,10 @@ def select_engine(args, world_size: int | None = None) -> EngineEntry:
         if entry.selecting_key and entry is not chosen and getattr(args, entry.selecting_key) is not None:
             raise ConfigError(f"key {entry.selecting_key!r} is set but the engine is {chosen.name!r}; remove one of "
                               "them")
-    if not chosen.cls.joins_process_group and world_size > 1:
+    if chosen.cls.one_process and world_size > 1:
         started = f"{world_size} processes are planned" if planned else \
             f"the launch started {world_size} processes (WORLD_SIZE={world_size})"
-        many = [e.name for e in ENGINES if e.cls.joins_process_group and not e.selecting_key][:2]
+        many = [e.name for e in ENGINES if not e.cls.one_process and not e.selecting_key][:2]
         raise ConfigError(f"engine: {chosen.name} runs one process, but {started}; use engine: {' or '.join(many)}, "
                           f"or {'--world-size 1' if planned else 'launch one process'}")
     return chosen.for_layout(args)
@@ -125,8 +125,7 @@ def single_process_layout(defaults: dict) -> list[str]:
 
 def create_engine(entry: EngineEntry, options: EngineOptions, world: World) -> Engine:
     """The engine of `entry`, built from its part of the resolved run on `world`, with the meshes its dims need."""
-    meshes = Meshes(options.dims, world.device.type) if entry.cls.joins_process_group else None
-    return entry.cls(options, world, meshes)
+    return entry.cls(options, world, Meshes(options.dims, world.device.type))
 
 
 def engines_that(capable, conjunction: str = "or") -> str:

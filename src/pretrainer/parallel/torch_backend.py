@@ -2,8 +2,9 @@
 machinery (DTensor, FSDP2, `torch.distributed.pipelining`), over one device mesh `dp x pp x cp x tp` (tp innermost,
 then context parallelism, as in Megatron; parallel/meshes.py).
 
-`engine: ddp | fsdp | megatron` name this backend's defaults, not different code:
+`engine: single | ddp | fsdp | megatron` name this backend's defaults, not different code:
 
+    single    one process (a group of one): the model as it is, nothing split or wrapped
     ddp       whole model per rank, gradients all-reduced (FSDP2's `replicate`)
     fsdp      parameters, gradients and optimizer state sharded over the data ranks (FSDP2's `fully_shard`;
               `fsdp_reshard_after_forward`, `fsdp_cpu_offload`, `fsdp_shard_size` for hybrid sharding)
@@ -45,14 +46,13 @@ from ..models.hf_weights import carry_checkpoint
 from ..models.mtp import decoder_layer_list
 from ..models.registry import parse_model_config
 from .activation_checkpoint import RecomputeSettings, decoder_layers
-from .distributed import DistributedEngine
-from .engine import to_device_async
+from .engine import Engine, to_device_async
 from .expert_parallel import shard_experts
 from .megatron_settings import MegatronSettings, read_settings, splits_model, unused_keys
 from .parallelize import ExpertSharding, Parallelism, parallelize, replicate_layers, shard_layers
 from .pipeline import DecoderStage, PipelineLoss, build_schedule, forward_in_order, split_layers, stages_of_rank
 from .splits import get_split, moe_blocks
-from .torch_plan import TorchTraits
+from .torch_plan import SingleTraits, TorchTraits
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class StagedModel(torch.nn.Module):
         return getattr(self, "lm_head", None)
 
 
-class TorchEngine(TorchTraits, DistributedEngine):
+class TorchEngine(TorchTraits, Engine):
     """The backend; `DDPEngine`, `FSDPEngine` and `MegatronEngine` below are its defaults under their names. Its
     traits and cost models (the planner's answers) are in torch_plan.py and fsdp_plan.py."""
 
@@ -535,6 +535,24 @@ class TorchEngine(TorchTraits, DistributedEngine):
             + self.settings.describe()
 
 
+class SingleEngine(SingleTraits, TorchEngine):
+    """`engine: single`: the backend on one process (a process group of one): the HF model runs as it is, on one
+    device, loaded whole; nothing splits it and nothing wraps its parameters."""
+
+    name = "single"
+    one_process = True
+    own_keys = ()
+    shards_parameters = False  # an optimizer built over the model's own parameters is used as it is
+
+    @classmethod
+    def read_settings(cls, args, model_config, world_size: int, dtype: str) -> MegatronSettings:
+        return MegatronSettings()  # plugin_args' layout is not read here: run/rules.py refuses or warns of it
+
+    @classmethod
+    def replica_ranks(cls, args) -> int:
+        return args.context_parallel_degree
+
+
 class DDPEngine(TorchEngine):
     """`engine: ddp`: the model (or its stages) replicated over the data ranks, gradients all-reduced."""
 
@@ -547,7 +565,7 @@ class FSDPEngine(TorchEngine):
     `fsdp_shard_size`: hybrid sharding, `fsdp_cpu_offload`: shards and optimizer step on the host."""
 
     name = "fsdp"
-    own_keys = (*DistributedEngine.own_keys, "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_shard_size")
+    own_keys = (*Engine.own_keys, "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_shard_size")
 
     @classmethod
     def default_strategy(cls, args) -> str:
@@ -568,7 +586,7 @@ class MegatronEngine(TorchEngine):
     for), the model always run as pipeline stages."""
 
     name = "megatron"
-    own_keys = (*DistributedEngine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer
+    own_keys = (*Engine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer
     stages_always = True
 
 

@@ -58,6 +58,28 @@ class TorchTraits(EngineTraits):
         return True
 
 
+class SingleTraits(TorchTraits):
+    """One process: nothing to split sequences, experts, gradients or layers over, HF weights read whole."""
+
+    supports_context_parallel = supports_expert_parallel = can_shard_gradients = reads_plugin_layout = False
+
+    @classmethod
+    def reads_weight_slices(cls, settings) -> bool:
+        return False
+
+
+class SingleCosts(CostModel):
+    """The single engine's cost model: the backend's answers on one process."""
+
+    traits = SingleTraits
+
+    @classmethod
+    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
+        if world_size != 1:
+            return []
+        return [{"dims": cls.traits.parallel_dims(1, 1, MegatronSettings()), "settings": MegatronSettings()}]
+
+
 class DDPCosts(CostModel):
     """A whole model replicated over the data ranks: a plain torch engine's answers, for every cp degree."""
 

@@ -93,14 +93,14 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
     if device.type != "cpu":
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
+    if launch_world_size() > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the processes with "
+                          "torchrun, accelerate launch or deepspeed")
     if not dist.is_initialized():
         backend = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
         # A rank that dies or hangs makes the others' next collective fail after this long.
         options = {"backend": backend, "timeout": datetime.timedelta(minutes=timeout_minutes)}
         if "MASTER_ADDR" not in os.environ:
-            if launch_world_size() > 1:
-                raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the "
-                                  "processes with torchrun, accelerate launch or deepspeed")
             # A group of one meets in this process's memory: no port to pick, none another process could take.
             options.update(store=dist.HashStore(), rank=0, world_size=1)
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:

@@ -1,11 +1,13 @@
 """Callbacks: the one way to add to a training run without changing the loop. A callback is told of each step
-(before it, with the step's global counts and this rank's batches; after it, with the step's typed result and
-the run's `TrainState`), may add losses to each micro-batch's backward (already weighted) or a term to its loss,
-adds metrics to the logged rows, sees every row written and every checkpoint saved, and registers its own saved
-state. The model's features are callbacks the run makes for itself: a Mixture-of-Experts model's routing
-(balancing losses, routing statistics, aux-loss-free bias updates), the output z-loss (a term on each
-micro-batch's loss), multi-token prediction (its depths' losses), a mixture's accounting. A user's come in
-through `PreTrainer(..., callbacks=[...])` and are called after those, in the order given.
+(before it, with the step's global counts and this rank's batches; after it, with the step's typed result and the
+run's `TrainState`; once the step is measured, with the loop's parts, to log, evaluate or save), may add losses to
+each micro-batch's backward (already weighted) or a term to its loss, adds metrics to the logged rows, sees every
+row written and every checkpoint saved, and registers its own saved state. The loop's own parts are callbacks
+(train/: the interval's metrics row, evaluation, downstream scoring, checkpoints), and so are the model's features,
+made by the run for itself: a Mixture-of-Experts model's routing (balancing losses, routing statistics,
+aux-loss-free bias updates), the output z-loss (a term on each micro-batch's loss), multi-token prediction (its
+depths' losses), a mixture's accounting. A user's come in through `PreTrainer(..., callbacks=[...])` and are
+called after those, in the order given.
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ class Callback:
 
     def end_step(self, result: StepResult, state: TrainState) -> None:
         """After the optimizer step (`state.step` already counts it)."""
+
+    def after_step(self, result: StepResult, state: TrainState, loop) -> None:
+        """Once the step is measured and before the next is timed: where rows are logged, evaluations run and
+        checkpoints are saved. `loop`: the model and optimizer being trained, the run's log (`RunLog`) and
+        `count_tokens()` (moves the trained target count into `state.tokens`; it reads the device)."""
+
+    def on_stop(self, state: TrainState, loop) -> None:
+        """The loop leaves before its last step (a stop request, exit_interval), after `after_step`."""
+
+    def at_end(self, state: TrainState, loop) -> None:
+        """After the last step, before the HF export and the report."""
 
     def interval_row(self) -> dict:
         """Metrics over the steps since the last logged row."""

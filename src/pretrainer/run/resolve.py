@@ -35,7 +35,7 @@ from ..models import (
     reads_checkpoint_in_slices,
     resolve_loss_chunk,
 )
-from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, planned_world, select_engine
+from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, select_engine
 from ..parallel.activation_checkpoint import RecomputeSettings
 from .branch import read_branch_point
 from .device import resolve_device, resolve_dtype
@@ -157,11 +157,9 @@ def accumulation_mode(args, entry: EngineEntry, settings, sizes: BatchSizes) -> 
 
 
 def launch_world(args) -> World:
-    """The processes of this launch: the device from `device`; the process group joined if its engine runs over one."""
-    device = resolve_device(args.device)
-    if select_engine(args).cls.joins_process_group:
-        return join_world(device, args.distributed_timeout_minutes)
-    return planned_world(1, 1, device)
+    """The processes of this launch, their process group joined (a group of one without a launcher), on `device`."""
+    select_engine(args)  # the engine against the launch first (engine: single under several processes)
+    return join_world(resolve_device(args.device), args.distributed_timeout_minutes)
 
 
 def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | None = None,

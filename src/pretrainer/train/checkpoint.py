@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import ConfigError, extra_state_file, staging_folder, write_text_whole
 from ..parallel.registry import BY_NAME
+from ..run.callbacks import Callback
 from ..storage import RemoteFolder, StorageError, is_url
 from . import checkpoint_io
 from .checkpoint_files import (
@@ -56,8 +57,9 @@ RESUME_DOWNLOADS = ".resume"  # where a checkpoint in object storage is download
 FORMAT_NAMES = {DCP: "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeRO"}  # for messages
 
 
-class Checkpointer:
-    """Writes checkpoints; with `async_save`, the model/optimizer shards are written in the background.
+class Checkpointer(Callback):
+    """Writes checkpoints: as the loop's callback, every `save_interval` steps, when the loop stops early and at
+    the end (once a step); with `async_save`, the model/optimizer shards are written in the background.
 
     An asynchronous save copies the state to host memory and returns; the write finishes while training
     goes on, and the folder is completed (trainer_state.json, rename, `latest`) when the write is done:
@@ -102,12 +104,16 @@ class Checkpointer:
                    checksums=args.checkpoint_checksums, interval=args.save_interval, uploads=uploads,
                    callbacks=callbacks)
 
-    def is_due(self, step: int) -> bool:
-        """Whether `save_interval` asks for a checkpoint after this step."""
-        return bool(self.interval) and step % self.interval == 0
+    def after_step(self, result, state, loop) -> None:
+        if self.interval and state.step % self.interval == 0:
+            self.on_stop(state, loop)
 
-    def saved(self, step: int) -> bool:
-        return self.last_saved_step == step
+    def on_stop(self, state, loop) -> None:
+        if self.last_saved_step != state.step:  # a step already saved is not written again
+            loop.count_tokens()
+            self.save(state.step, model=loop.model, optimizer=loop.optimizer)
+
+    at_end = on_stop
 
     def save(self, step: int, *, model, optimizer) -> Path:
         """Model and optimizer through the engine, and every registered component, as of `step`."""

@@ -21,6 +21,7 @@ import numpy as np
 from ..config import BatchSizes, ConfigError, DownstreamTask
 from ..data.readers import DataError
 from ..data.tasks import ChoiceRecord, read_task
+from ..run.callbacks import Callback
 from .scoring import Request, encode_request, loglikelihoods
 
 logger = logging.getLogger("pretrainer")
@@ -87,17 +88,17 @@ def format_scores(scores: dict[str, dict]) -> str:
                       for name, v in scores.items())
 
 
-class DownstreamEvaluator:
-    """When each task is scored (every `every` steps, default `eval_interval`, and once at the end), the rows
-    it writes and the time it takes (kept apart from the training steps')."""
+class DownstreamEvaluator(Callback):
+    """Downstream scoring as the loop's callback: each task every `every` steps (default `eval_interval`) and once
+    at the end; the rows it writes and the time it takes (kept apart from the training steps')."""
 
     def __init__(self, tasks: tuple[DownstreamTask, ...], tokenizer, engine, sizes: BatchSizes,
-                 default_every: int | None):
+                 default_every: int | None, run_started: float):
         """Scored batches hold as many tokens as a training micro-batch; contexts are cut to seq_length."""
         if tasks and tokenizer is None:
             raise ConfigError("downstream_evals: scoring tasks needs the tokenizer; set tokenizer_path (or "
                               "model_path to a folder with one)")
-        self.engine, self.batch_tokens = engine, sizes.micro_batch_tokens
+        self.engine, self.batch_tokens, self.run_started = engine, sizes.micro_batch_tokens, run_started
         started = time.perf_counter()
         self.tasks = [ScoredTask.load(task, tokenizer, sizes.seq_length) for task in tasks]
         self.every = {t.task.name: t.task.every or default_every for t in self.tasks}
@@ -108,11 +109,21 @@ class DownstreamEvaluator:
                         ", ".join(f"{t.task.name} ({len(t.records)} records)" for t in self.tasks),
                         sum(len(t.requests) for t in self.tasks), self.seconds)
 
-    def due(self, step: int) -> list[ScoredTask]:
-        return [t for t in self.tasks if self.every[t.task.name] and step % self.every[t.task.name] == 0]
+    def after_step(self, result, state, loop) -> None:
+        self._score([t for t in self.tasks if self.every[t.task.name] and state.step % self.every[t.task.name] == 0],
+                    state, loop)
 
-    def due_at_end(self, step: int) -> list[ScoredTask]:
-        return self.tasks if self.last_step != step else []
+    def at_end(self, state, loop) -> None:
+        self._score(self.tasks if self.last_step != state.step else [], state, loop)
+        if self.tasks and self.engine.is_main:  # the time scoring took, next to the run's (kept out of step times)
+            seconds = time.perf_counter() - self.run_started
+            logger.info("downstream evaluation took %.1f s in all, %.1f%% of the run's %.1f s so far (kept out of "
+                        "step times and tokens/s)", self.seconds, 100 * self.seconds / seconds, seconds)
+
+    def _score(self, tasks: list[ScoredTask], state, loop) -> None:
+        if tasks:
+            loop.log.record({**self.run(loop.model, state.step, tasks), "tokens": loop.count_tokens()})
+            loop.model.train()
 
     def run(self, model, step: int, tasks: list[ScoredTask]) -> dict:
         """The metrics row after scoring `tasks` at `step` (the scores logged by the main rank)."""
@@ -124,9 +135,3 @@ class DownstreamEvaluator:
         if self.engine.is_main:
             logger.info("downstream step %d (%.1f s): %s", step, seconds, format_scores(scores))
         return {"step": step, **metric_row(scores), "downstream_seconds": seconds}
-
-    def log_total(self, run_seconds: float) -> None:
-        """At the end: the time scoring took, next to the run's (it is kept out of step times and tokens/s)."""
-        if self.tasks and self.engine.is_main:
-            logger.info("downstream evaluation took %.1f s in all, %.1f%% of the run's %.1f s so far (kept out of "
-                        "step times and tokens/s)", self.seconds, 100 * self.seconds / run_seconds, run_seconds)

@@ -1,12 +1,16 @@
 """The run's rows, in one place: metrics.jsonl and the trackers (main rank), the history kept in memory
 (`PreTrainer.log_history`), rows produced inside a step and written after it, the throughput meter and the
-progress bar."""
+progress bar; the interval's train row as the loop's callback, and what the loop hands its callbacks."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+import torch
 
 from ..perf import IntervalMeter, device_peak
+from ..run.callbacks import Callback, TrainState
 from .metrics import MetricsLog, Progress, format_eval_line, format_train_line
 from .trackers import open_trackers
 
@@ -61,3 +65,34 @@ class RunLog:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+@dataclass
+class LoopParts:
+    """What the loop hands its callbacks once a step is measured."""
+    model: torch.nn.Module
+    optimizer: object
+    log: RunLog
+    state: TrainState
+
+    def count_tokens(self) -> int:
+        """Move the meter's target count into the train state (a device read: only at log, save and end)."""
+        self.state.tokens += self.log.meter.take_targets()
+        return self.state.tokens
+
+
+class IntervalRows(Callback):
+    """The train row every `log_interval` steps and at the last: the meter's interval figures, the step's lr and
+    gradient norm, the tokens so far, and each callback's own metrics of the interval; the progress bar."""
+
+    def __init__(self, every: int, total_steps: int, stream, callbacks):
+        self.every, self.total_steps, self.stream, self.callbacks = every, total_steps, stream, callbacks
+
+    def after_step(self, result, state, loop: LoopParts) -> None:
+        if state.step % self.every == 0 or state.step == self.total_steps:
+            row = {"step": state.step, **loop.log.meter.row(), "lr": result.lr, "grad_norm": float(result.grad_norm),
+                   "tokens": loop.count_tokens(), "epoch": self.stream.epoch}
+            for callback in self.callbacks:
+                row.update(callback.interval_row())
+            loop.log.train_row(row)
+        loop.log.progress.update(state.step)

@@ -3,10 +3,10 @@
 Construction is a list of steps, cheapest checks first: the launch, the checkpoint to resume from (elected by the
 main rank), the seed, one assembly of the run (`run.assemble_run`: the resolved run, the engine with its meshes,
 the memory check, the data, the model, optimizer and schedule, the callbacks: the model features' and the user's),
-then what the loop delegates to: the saved state, the validator, the downstream evaluator, the checkpointer.
-`train()` resumes, then runs optimizer steps, each returning a `StepResult`; after a step the checkpointer says
-when to save, the validator when to evaluate, the stop rules when to leave. At the end it evaluates, saves,
-exports an HF folder and writes the report.
+then the train module (train_module.py: the step), the saved state and the loop's own callbacks (the interval's
+row, the validator, the downstream evaluator, the checkpointer). `train()` resumes, then runs optimizer steps, each
+returning a `StepResult` that every callback is handed; the stop rules say when to leave. At the end the callbacks
+evaluate and save; the loop exports an HF folder and writes the report.
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ import time
 import weakref
 from pathlib import Path
 
-import torch
-
-from ..batch import count_inputs, count_targets, to_device
 from ..config import PreTrainingArguments
 from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
 from ..run.branch import branch_args, no_folder_left_if_refused
-from ..run.callbacks import StepResult, TrainState, combined_loss, combined_losses
+from ..run.callbacks import StepResult, TrainState
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
@@ -37,12 +34,13 @@ from .metrics import setup_logging
 from .remote_checkpoints import check_save_dir
 from .report import write_report_logged
 from .run_files import RunFiles
-from .run_log import RunLog
+from .run_log import IntervalRows, LoopParts, RunLog
 from .run_state import seed_everything
 from .signals import StopRequests, TrainingInterrupted
 from .skips import SkippedUpdates
 from .spikes import SpikeGuard
 from .start import check_inputs, model_ready_row, prepare_process, print_banner, start_row
+from .train_module import TrainModule
 from .validation import Validator
 from .watchdog import open_watchdog
 
@@ -94,8 +92,6 @@ class PreTrainer:
         self.facts, self.callbacks, self.predicted_memory, self.host_heap = run.facts, run.callbacks, \
             run.predicted_memory, run.host_heap
         self.total_steps = run.resolved.sizes.num_training_steps  # a cooldown branch derives its own
-        self.extra_losses = combined_losses(self.callbacks)  # what the callbacks add to each backward
-        self.loss_fn = combined_loss(self.hooks.loss, self.callbacks)  # with the callbacks' terms (z-loss)
         self.model_memory = model_ready_row(self.engine, run.facts.load_stats)
         self._setup_loop()
 
@@ -106,16 +102,21 @@ class PreTrainer:
         self.skips = SkippedUpdates(args.max_skipped_updates)
         self.stop_requests = StopRequests()
         self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
+        self.module = TrainModule(engine, self.model, self.optimizer, self.lr_scheduler, self.hooks.loss,
+                                  self.callbacks, args.clip_grad, self.skips, self.spike_guard)
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.state = loop_state(self)
-        self.validator = Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
-                                   self.eval_sources)
-        self.downstream = DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
-                                              args.eval_interval)
         self.files = RunFiles(args, engine.is_main)  # a save_dir URL's metrics, report and export, uploaded
         self.files.pull_metrics()
         self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics,
                                                      self.callbacks) if args.save_dir else None
+        # the loop's own callbacks, in this order (HF Trainer's: log, evaluate, save), then the features' and user's
+        self.callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
+                          Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
+                                    self.eval_sources),
+                          DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
+                                              args.eval_interval, self._started),
+                          *([self.checkpointer] if self.checkpointer is not None else []), *self.callbacks]
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -153,8 +154,9 @@ class PreTrainer:
         checkpointer, engine = getattr(self, "checkpointer", None), getattr(self, "engine", None)
         if checkpointer is not None:
             checkpointer.abandon()  # a clean end has completed it already
-        self.model = self.optimizer = self.lr_scheduler = None
-        self.train_stream = self.eval_dataloader = self.validator = None
+        self.model = self.optimizer = self.lr_scheduler = self.module = None
+        self.train_stream = self.eval_dataloader = self.loop = None
+        self.callbacks = []
         if engine is not None:
             engine.close(barrier)
         else:  # it failed before the engine was built
@@ -171,6 +173,7 @@ class PreTrainer:
         resume_run(self)
         self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history,
                                 self.callbacks)
+        self.loop = LoopParts(self.model, self.optimizer, log, state)
         log.record(start_row(self, log.meter, resumed=state.step > 0 and not self.starting_branch))
         if state.step >= self.total_steps:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
@@ -182,11 +185,12 @@ class PreTrainer:
         print_banner(self, log.meter)
         watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
         try:
-            stop = self._steps(log.start_progress(self.total_steps, state.step), watchdog)
+            log.start_progress(self.total_steps, state.step)
+            stop = self._steps(watchdog)
         finally:  # on every way out: the watchdog thread is stopped and joined, the bar closed
             log.close_progress()
             watchdog.close()
-        self._count_tokens()
+        self.loop.count_tokens()
         if stop is None:
             self._finish()
         if self.checkpointer is not None:  # the last save and upload complete; what is only in staging is named
@@ -200,75 +204,33 @@ class PreTrainer:
             raise TrainingInterrupted(state.step, name)
         return {"exited_early": stop == "exit_interval", "step": state.step, "tokens": state.tokens}
 
-    def _steps(self, progress, watchdog) -> str | None:
+    def _steps(self, watchdog) -> str | None:
         """The step loop; returns why it left early: "interrupted", "exit_interval" or None (the last step)."""
-        args, log, state = self.pretrain_args, self.log, self.train_state
+        log, state = self.log, self.train_state
         self.model.train()
         step_start = time.perf_counter()
         while state.step < self.total_steps:
             with watchdog.watching(state.step + 1):
                 result = self._train_step(log.meter.phases)
-            step = state.step
             log.meter.add(result.loss_sum, result.counts, time.perf_counter() - step_start)
             log.write_deferred()
-            if step % args.log_interval == 0 or step == self.total_steps:
-                self._log_step(result)
-            progress.update(step)
-            if self.checkpointer is not None and self.checkpointer.is_due(step):
-                self._save_checkpoint()
-            if self.validator.is_due(step):
-                self._evaluate()
-            if tasks := self.downstream.due(step):
-                self._score_downstream(tasks)
-            stop = self._stop_reason(step)
+            for callback in self.callbacks:  # the row, evaluations, checkpoints, the user's
+                callback.after_step(result, state, self.loop)
+            stop = self._stop_reason(state.step)
             if stop is not None:
-                if self.checkpointer is not None:
-                    self._save_checkpoint()
+                for callback in self.callbacks:
+                    callback.on_stop(state, self.loop)
                 return stop
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         return None
 
     def _train_step(self, phases: StepPhases) -> StepResult:
-        """One optimizer step over the step's micro-batches (`gradient_accumulation_steps`, or a batch ramp's),
-        averaged over all their tokens; the train state counts it before the callbacks hear of it. Nothing here
-        waits for the device (the result's tensors are device tensors)."""
-        args, engine, state = self.pretrain_args, self.engine, self.train_state
+        """One optimizer step over the step's micro-batches (`gradient_accumulation_steps`, or a batch ramp's)."""
+        engine, state = self.engine, self.train_state
         with phases.host("data"):
             host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
                             for _ in range(self.resolved.sizes.accumulation(state.step))]
-            local_counts = torch.tensor([sum(int(count_targets(b)) for b in host_batches),
-                                         sum(count_inputs(b) for b in host_batches),
-                                         sum(len(b["input_ids"]) for b in host_batches)], dtype=torch.int64)
-            micro_batches = [to_device(b, engine.device) for b in host_batches]
-        # Token-weighted mean over the whole window: the loss of one big batch, whatever the split. The counts
-        # are taken on the host batches and summed over ranks on the device, so no step waits for the device.
-        with phases.host("comm"):
-            counts = engine.reduce_counts(local_counts)
-        scale = engine.mean_weight(counts[0].clamp(min=1))  # the gradient of the mean over every rank's tokens
-        for callback in self.callbacks:
-            callback.begin_step(counts, host_batches)
-        with phases.device("compute"):
-            local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
-        guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
-        rule = guard.rule(engine.reduce_sum(local_loss), counts[0]) if guard is not None else None
-        lr = self.optimizer.param_groups[0]["lr"]
-        with phases.device("optimizer"):
-            grad_norm, applied = engine.step(self.model, self.optimizer, args.clip_grad,
-                                             skip_nonfinite=args.max_skipped_updates > 0, skip_rule=rule)
-            if applied:
-                engine.finish_step(self.optimizer, self.lr_scheduler)
-            else:
-                self.optimizer.zero_grad(set_to_none=True)  # the schedule stays where it was, as in Megatron
-            state.step += 1
-            result = StepResult(state.step, local_loss, counts[:2], grad_norm, lr, applied)
-            for callback in self.callbacks:
-                callback.end_step(result, state)
-        if guard is not None:
-            guard.after_update(applied, grad_norm)
-        skipped = self.skips.record(state.step, applied, grad_norm, guard and guard.reason)
-        if skipped is not None:
-            self.log.defer(skipped)
-        return result
+        return self.module.step(host_batches, state, phases, self.log.defer)
 
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""
@@ -282,47 +244,11 @@ class PreTrainer:
             return "exit_interval"
         return None
 
-    # ---------------------------------------------------- what a step delegates
-    def _count_tokens(self) -> None:
-        """Move the meter's target count into the train state (a device read: only at log, save and end)."""
-        self.train_state.tokens += self.log.meter.take_targets()
-
-    def _log_step(self, result: StepResult) -> None:
-        self._count_tokens()
-        row = {"step": result.step, **self.log.meter.row(), "lr": result.lr, "grad_norm": float(result.grad_norm),
-               "tokens": self.train_state.tokens, "epoch": self.train_stream.epoch}
-        for callback in self.callbacks:
-            row.update(callback.interval_row())
-        self.log.train_row(row)
-
-    def _score_downstream(self, tasks) -> None:
-        self._count_tokens()
-        state = self.train_state
-        self.log.record({**self.downstream.run(self.model, state.step, tasks), "tokens": state.tokens})
-        self.model.train()
-
-    def _evaluate(self) -> None:
-        self.log.eval_row(self.validator.run(self.model, self.train_state.step))
-        self.model.train()
-
-    def _save_checkpoint(self) -> None:
-        """Save after the current step (once: a step already saved is not written again)."""
-        step = self.train_state.step
-        if self.checkpointer.saved(step):
-            return
-        self._count_tokens()
-        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer)
-
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:
         args = self.pretrain_args
-        if self.validator.is_due_at_end(self.train_state.step):
-            self._evaluate()
-        if tasks := self.downstream.due_at_end(self.train_state.step):
-            self._score_downstream(tasks)
-        self.downstream.log_total(time.perf_counter() - self._started)
-        if self.checkpointer is not None:
-            self._save_checkpoint()
+        for callback in self.callbacks:  # the last evaluation, scores and checkpoint
+            callback.at_end(self.train_state, self.loop)
         self._export_to_save_dir()
         if args.save_dir and args.write_report and self.engine.is_main:
             write_report_logged(args.run_dir)

@@ -8,6 +8,7 @@ from itertools import islice
 import torch
 
 from ..batch import IGNORE, batch_targets, to_device
+from ..run.callbacks import Callback
 
 
 @torch.no_grad()
@@ -35,20 +36,26 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
             "eval_tokens": int(totals[2].item())}
 
 
-class Validator:
-    """When to evaluate (every `interval` steps, and once at the end unless the last step just did) and the
-    row an evaluation writes."""
+class Validator(Callback):
+    """Evaluation as the loop's callback: every `interval` steps, and once at the end unless the last step just
+    did; each writes an eval row."""
 
     def __init__(self, batches, engine, interval: int | None, max_batches: int | None, sources: dict | None = None):
         self.batches, self.engine, self.interval, self.max_batches = batches, engine, interval, max_batches
         self.sources = sources or {}  # a mixture's sources: each one's eval batches, for eval_loss/<name>
         self.last_step: int | None = None
 
-    def is_due(self, step: int) -> bool:
-        return self.batches is not None and bool(self.interval) and step % self.interval == 0
+    def after_step(self, result, state, loop) -> None:
+        if self.batches is not None and self.interval and state.step % self.interval == 0:
+            self._evaluate(state.step, loop)
 
-    def is_due_at_end(self, step: int) -> bool:
-        return self.batches is not None and self.last_step != step
+    def at_end(self, state, loop) -> None:
+        if self.batches is not None and self.last_step != state.step:
+            self._evaluate(state.step, loop)
+
+    def _evaluate(self, step: int, loop) -> None:
+        loop.log.eval_row(self.run(loop.model, step))
+        loop.model.train()
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         self.last_step = step
