@@ -5,8 +5,9 @@ the allowed names of a choice, each key's description on hover) and for checking
     .venv/bin/python scripts/build_config_schema.py --check   # exit 1 where it differs from what the code gives
 
 The keys, their types and defaults come from `PreTrainingArguments`, the allowed names from its `CHOICES`, the
-descriptions from the key tables of docs/configuration.md. The loader stays the authority: it also checks ranges,
-paths, and the rules between keys (config/features.py, run/rules.py), which a schema cannot say.
+numbers' ranges from its `BOUNDS`, the descriptions from the key tables of docs/configuration.md. The loader stays the
+authority: it also checks paths and the rules between keys (config/features.py, run/rules.py), which a schema cannot
+say.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def descriptions() -> dict[str, str]:
 
 
 def key_schema(field, described: dict[str, str]) -> dict:
-    from pretrainer.config.arguments import CHOICES
+    from pretrainer.config.arguments import BOUNDS, CHOICES, bound_limits
     from pretrainer.config.loading import allowed_types
 
     types = allowed_types(field.type)
@@ -47,6 +48,11 @@ def key_schema(field, described: dict[str, str]) -> dict:
         # a YAML `off` reads as false: such keys take true/false for on/off
         schema["enum"] = [*CHOICES[field.name], *([None] if type(None) in types else []),
                           *([True, False] if bool in types else [])]
+    if field.name in BOUNDS:  # numeric keywords hold for numbers only (a null passes them)
+        low, low_allowed, high, high_allowed = bound_limits(BOUNDS[field.name][0])
+        schema["minimum" if low_allowed else "exclusiveMinimum"] = int(low) if low.is_integer() else low
+        if high is not None:
+            schema["maximum" if high_allowed else "exclusiveMaximum"] = int(high) if high.is_integer() else high
     if float in types:
         schema = {"anyOf": [schema, {"type": "string", "pattern": SCIENTIFIC}]}
     if field.default is not dataclasses.MISSING:

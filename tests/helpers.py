@@ -143,6 +143,19 @@ def assert_resume_reproduces(config: dict, folder: Path) -> None:
 
 
 @contextmanager
+def leaves_no_process_group():
+    """The block leaves no run of its own holding the process group: it is up exactly as far as runs of earlier tests
+    in this process left open keep it (a trainer not closed holds it until exit)."""
+    import torch.distributed as dist
+
+    from pretrainer.parallel.world import open_worlds
+
+    before = open_worlds()
+    yield
+    assert open_worlds() == before and dist.is_initialized() == bool(before)
+
+
+@contextmanager
 def cpu_engine(dtype: str = "fp32"):
     """A single-process CPU engine, as a one-process run resolves it, on a process group of one (closed after)."""
     import torch

@@ -380,7 +380,8 @@ def test_an_object_storage_url_is_refused_naming_the_key(keys, named):
 
 def test_the_shipped_json_schema_is_current_and_takes_every_shipped_config_and_refuses_bad_ones():
     """docs/config.schema.json is what scripts/build_config_schema.py makes of today's keys; the seeds' and the
-    examples' configs validate against it, and an unknown key, a wrong type and an unknown choice do not."""
+    examples' configs validate against it, and an unknown key, a wrong type, an unknown choice and a number out of
+    its range (the loader's own table) do not."""
     import jsonschema
 
     sys.path.insert(0, str(REPO / "scripts"))
@@ -396,5 +397,9 @@ def test_the_shipped_json_schema_is_current_and_takes_every_shipped_config_and_r
     for path in configs:
         assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
     good = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
-    for bad in ({"learning_rate": 1e-4}, {"micro_batch_size": "two"}, {"optimizer": "adam"}, {"lr": "fast"}):
+    for bad in ({"learning_rate": 1e-4}, {"micro_batch_size": "two"}, {"optimizer": "adam"}, {"lr": "fast"},
+                {"micro_batch_size": 0}, {"adam_beta2": 1.0}, {"wsd_decay_fraction": 0}):  # the loader's BOUNDS
         assert list(validator.iter_errors({**good, **bad})), bad
+        with pytest.raises(ConfigError):
+            PreTrainingArguments.from_dict({**good, **bad})
+    assert not list(validator.iter_errors({**good, "adam_beta2": 0.0, "warmup_fraction": 1, "seq_length": None}))

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EXAMPLES, cpu_engine, eval_losses, read_metrics, train_losses, write_tiny_model
+from helpers import (
+    EXAMPLES,
+    cpu_engine,
+    eval_losses,
+    leaves_no_process_group,
+    read_metrics,
+    train_losses,
+    write_tiny_model,
+)
 from pretrainer import Callback, ConfigError, DataError, PreTrainer, PreTrainingArguments
 from pretrainer.train.checkpoint import find_latest
 
@@ -198,6 +206,7 @@ class Recorder(Callback):
 
     def after_step(self, result, state, loop) -> None:
         self.calls.append(("after_step", state.step))
+        self.steps_counted += 1  # saved with the step: the checkpoint comes after the user's after_step
         if state.step == 2:  # a user's own row, written through the run's log
             loop.log.record({"step": 2, "weights_norm": float(sum(p.detach().float().norm() for p in
                                                                   loop.model.parameters()))})
@@ -217,7 +226,6 @@ class Recorder(Callback):
     def end_step(self, result, state) -> None:
         assert state.step == result.step
         self.results.append((result.step, float(result.loss_sum) / float(result.counts[0]), result.applied))
-        self.steps_counted += 1
 
     def on_row(self, row) -> None:
         self.rows.append(row)
@@ -241,6 +249,30 @@ def test_a_users_callbacks_hear_each_step_row_and_save_and_keep_their_state(base
     assert [step for step, _, _ in again.results] == [4, 5, 6] and again.steps_counted == 6  # 3 of them resumed
     assert [step for step, _ in again.saves] == [6]
     assert again.calls == [("after_step", 4), ("after_step", 5), ("after_step", 6), ("at_end", 6)]
+
+
+def test_one_process_runs_share_the_group_of_one_and_the_last_to_close_destroys_it(base_config, tmp_path,
+                                                                                    monkeypatch):
+    """A trainer left open keeps training when another in the same process fails to build or closes; a shell's
+    leftover MASTER_ADDR / MASTER_PORT are not read by a run of one process; a failed load leaves no group."""
+    import torch.distributed as dist
+
+    from pretrainer.train.offline import load_model
+
+    monkeypatch.setenv("MASTER_ADDR", "203.0.113.1")  # never reached: a group of one meets in memory
+    monkeypatch.setenv("MASTER_PORT", "1")
+    config = {**base_config, "num_training_steps": 2, "eval_interval": 0, "save_interval": 0}
+    with leaves_no_process_group():
+        first = PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(tmp_path / "first")}))
+        with pytest.raises(ConfigError, match="seq_length"):
+            PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(tmp_path / "refused"), "seq_length": 4096}))
+        second = PreTrainer(PreTrainingArguments(**{**config, "save_dir": str(tmp_path / "second")}))
+        assert first.train()["step"] == 2
+        first.close()
+        assert dist.is_initialized() and second.train()["step"] == 2
+        second.close()
+    with leaves_no_process_group(), pytest.raises(ConfigError, match="seq_length"):
+        load_model(PreTrainingArguments(**{**config, "seq_length": 4096}), None)
 
 
 def test_callbacks_that_are_not_callbacks_are_refused(base_config):

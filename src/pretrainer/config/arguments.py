@@ -41,7 +41,7 @@ from .loading import (
     top_level_key_lines,
 )
 from .mixture import Mixture, is_mixture, read_mixture
-from .moe import check_moe_keys
+from .moe import AUX_LOSS_TYPES, DROP_POLICIES, EXPERTS_IMPLEMENTATIONS
 from .mtp import DEFAULT_LOSS_COEFF, check_mtp_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
@@ -62,6 +62,47 @@ CHECKPOINT_FAILURES = ("fatal", "warn")  # see train/remote_checkpoints.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
+_COUNTS = ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval", "eval_iters",
+           "storage_retries", "fsdp_shard_size", "tokenize_workers", "pad_vocab_to_multiple_of",
+           "context_parallel_degree", "expert_parallel_degree")
+_INTERVALS = ("save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints", "keep_checkpoints_every",
+              "max_skipped_updates")
+# Each number's range, in one table: ">= 1", "> 0", "[0, 1)" (brackets: the end is allowed, parentheses: not), and
+# what to say beside it. A null (where the key takes one) is not checked; what torch, DeepSpeed or the DataLoader
+# would otherwise refuse with a traceback from deep inside is refused here, naming the key.
+BOUNDS: dict[str, tuple[str, str]] = {
+    **{key: (">= 1", "") for key in _COUNTS}, **{key: (">= 0", "0 or null disables") for key in _INTERVALS},
+    "seq_length": (">= 1", "or null: the model's context length"),
+    **{key: (">= 0", "") for key in ("num_workers", "weight_decay", "adam_eps", "clip_grad")},
+    **{key: ("> 0", "or null for the default") for key in ("init_method_std", "peak_tflops")},
+    **{key: ("> 0", "a number of tokens, e.g. 2e9") for key in ("warmup_tokens", "wsd_decay_tokens",
+                                                                 "cooldown_tokens")},
+    "warmup_fraction": ("[0, 1]", "a share of the run"), "wsd_decay_fraction": ("(0, 1]", ""),
+    "adam_beta1": ("[0, 1)", ""), "adam_beta2": ("[0, 1)", ""), "muon_momentum": ("[0, 1)", ""),
+    "muon_ns_steps": ("[1, 99]", "5 is usual"), "muon_lr": ("> 0", "or null: lr"),
+    "z_loss_coeff": (">= 0", "1e-4 is PaLM's and OLMo 2's"),
+    "loss_spike_factor": ("> 1", "a step is skipped when its loss exceeds this many times the running mean; or null"),
+    "spike_zscore": ("> 0", "standard deviations; 6 is OLMo-core's"), "spike_window": (">= 4", "accepted steps"),
+    "rope_theta": ("> 0", ""),
+    "moe_capacity_factor": ("> 0", "1.0: an even share of the tokens per expert; null: dropless"),
+    **{key: (">= 0", "0 turns it off") for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff",
+                                                    "moe_expert_bias_update_rate")},
+}
+
+
+def bound_limits(bound: str) -> tuple[float, bool, float | None, bool]:
+    """(low, whether low is allowed, high or None, whether high is allowed) of a BOUNDS range."""
+    if bound[0] in "[(":
+        low, high = (float(end) for end in bound[1:-1].split(","))
+        return low, bound[0] == "[", high, bound[-1] == "]"
+    op, limit = bound.split()
+    return float(limit), op == ">=", None, False
+
+
+def out_of_bounds(value, bound: str) -> bool:
+    low, low_allowed, high, high_allowed = bound_limits(bound)
+    return not ((value >= low if low_allowed else value > low) and
+                (high is None or (value <= high if high_allowed else value < high)))
 
 
 # Keys whose paths may be URLs (a run's folders, its data and task files), and keys read from local disk only.
@@ -95,7 +136,9 @@ CHOICES = {"lr_decay_style": DECAY_STYLES, "wsd_decay_shape": WSD_DECAY_SHAPES, 
            ACTIVATION_CHECKPOINTING, "preflight_memory_check": MEMORY_CHECKS, "txt_mode": TXT_MODES,
            "new_token_init": NEW_TOKEN_INITS, "on_error": ON_ERROR, "export_dtype": DTYPES, "optimizer": OPTIMIZERS,
            "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES, "accumulate_gradients":
-           ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES, "host_malloc_reuse": HOST_MALLOC_REUSE}
+           ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES, "host_malloc_reuse": HOST_MALLOC_REUSE,
+           "moe_aux_loss_type": AUX_LOSS_TYPES, "moe_token_drop_policy": DROP_POLICIES,
+           "moe_experts_implementation": EXPERTS_IMPLEMENTATIONS}
 
 
 @dataclass
@@ -448,13 +491,16 @@ class PreTrainingArguments:
                                 f"({type(value).__name__}){finite}")
 
     def _check_values(self) -> None:
-        self._check_counts()
+        for key, (bound, hint) in BOUNDS.items():
+            value = getattr(self, key)
+            if value is not None and out_of_bounds(value, bound):
+                within = f"must be {bound}" if bound[0] not in "[(" else f"must be in {bound}"
+                raise key_error(key, f"{key} {within}, got {value}" + (f" ({hint})" if hint else ""))
         self._check_choices()
         self._check_sizes()
         self._check_long_context()
         self._check_optimization()
         self._check_loop()
-        self._check_ranges()
         self._check_path_lists()
         self._read_paths()
         check_features(self)
@@ -502,19 +548,6 @@ class PreTrainingArguments:
                                     "path, a glob or a folder" + (" (or a blend weight)" if numbers else "")
                                     + ", e.g. [data/a.jsonl, 'data/b/*.txt']")
 
-    def _check_counts(self) -> None:
-        for name in ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval",
-                     "eval_iters", "storage_retries"):
-            if getattr(self, name) < 1:
-                raise key_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seq_length", "save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints",
-                     "keep_checkpoints_every", "max_skipped_updates"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise key_error(name, f"{name} must be >= 0 (0 or null disables), got {value}")
-        if self.seq_length is not None and self.seq_length == 0:
-            raise key_error("seq_length", "seq_length must be >= 1")
-
     def _check_choices(self) -> None:
         if isinstance(self.preflight_memory_check, bool):  # YAML reads a bare `off` as false (and `on` as true)
             self.preflight_memory_check = "error" if self.preflight_memory_check else "off"
@@ -554,18 +587,17 @@ class PreTrainingArguments:
                             f"and {given[1]}")
         self._check_wsd()
         self._check_batch_ramp()
-        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction <= 1:
-            raise key_error("warmup_fraction", f"warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps_resolved() > self.num_training_steps:
             raise key_error("warmup_steps", f"warmup ({self.warmup_steps_resolved()} steps) is longer than "
                              f"num_training_steps ({self.num_training_steps}); give fewer warmup_steps, or "
                             "warmup_fraction (a share of the run, which scales with it)")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise key_error("min_lr", f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise key_error("adam_beta2", "adam_beta1 and adam_beta2 must be in [0, 1)")
-        self._check_muon()
-        check_moe_keys(self)
+        for name in ("muon_params", "adamw_params"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
+                raise key_error(name, f"{name} is a list of glob patterns over parameter names (e.g. "
+                                 f"['model.layers.*.mlp.*']), got {value!r}")
 
     def _check_batch_ramp(self) -> None:
         stages = self.batch_size_schedule
@@ -592,49 +624,17 @@ class PreTrainingArguments:
         self.batch_size_schedule = [[int(start), int(seqs)] for start, seqs in stages]
 
     def _check_wsd(self) -> None:
-        for key in ("warmup_tokens", "wsd_decay_tokens"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise key_error(key, f"{key} must be a number of tokens > 0 (e.g. 2e9), got {value}")
-        if not 0 < self.wsd_decay_fraction <= 1:
-            raise key_error("wsd_decay_fraction", "wsd_decay_fraction must be in (0, 1]")
         if (self.cooldown_from is None) != (self.cooldown_tokens is None):
             given, missing = ("cooldown_from", "cooldown_tokens") if self.cooldown_tokens is None else \
                 ("cooldown_tokens", "cooldown_from")
             raise key_error(missing, f"{given} needs {missing}: a cooldown branch starts at a checkpoint "
                             "(cooldown_from=RUN/checkpoints/step-N) and decays over a number of tokens "
                             "(cooldown_tokens=T)")
-        if self.cooldown_tokens is not None and self.cooldown_tokens <= 0:
-            raise key_error("cooldown_tokens", f"cooldown_tokens must be > 0, got {self.cooldown_tokens}")
         if self.wsd_decay_tokens is not None and self.wsd_decay_fraction != 0.2:
             raise key_error("wsd_decay_tokens", "set wsd_decay_tokens or wsd_decay_fraction, not both")
 
-    def _check_muon(self) -> None:
-        if not 0 <= self.muon_momentum < 1:
-            raise key_error("muon_momentum", f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
-        if not 1 <= self.muon_ns_steps < 100:
-            raise key_error("muon_ns_steps", f"muon_ns_steps must be in [1, 99] (5 is usual), got {self.muon_ns_steps}")
-        if self.muon_lr is not None and self.muon_lr <= 0:
-            raise key_error("muon_lr", f"muon_lr must be > 0 (or null: lr), got {self.muon_lr}")
-        for name in ("muon_params", "adamw_params"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
-                raise key_error(name, f"{name} is a list of glob patterns over parameter names (e.g. "
-                                 f"['model.layers.*.mlp.*']), got {value!r}")
-
     def _check_loop(self) -> None:
         check_mtp_keys(self.mtp_num_layers, self.mtp_loss_coeff)
-        if self.z_loss_coeff < 0:
-            raise key_error("z_loss_coeff", f"z_loss_coeff must be >= 0 (1e-4 is PaLM's and OLMo 2's), got "
-                            f"{self.z_loss_coeff}")
-        if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
-            raise key_error("loss_spike_factor", "loss_spike_factor must be > 1 (a step is skipped when its loss "
-                             "exceeds this many times the running mean), or null")
-        if self.spike_zscore is not None and self.spike_zscore <= 0:
-            raise key_error("spike_zscore", f"spike_zscore must be > 0 (standard deviations; 6 is OLMo-core's), got "
-                            f"{self.spike_zscore}")
-        if self.spike_window < 4:
-            raise key_error("spike_window", f"spike_window must be >= 4 accepted steps, got {self.spike_window}")
         longest = datetime.timedelta.max.total_seconds() / 60  # what a process group's timeout can hold
         if not 0 < self.distributed_timeout_minutes <= longest:
             raise key_error("distributed_timeout_minutes", f"distributed_timeout_minutes must be > 0 and at most "
@@ -650,8 +650,6 @@ class PreTrainingArguments:
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
                 raise key_error("rope_scaling", f"rope_scaling.factor must be a number >= 1 (the new length over the "
                                  f"original), got {factor!r}")
-        if self.rope_theta is not None and self.rope_theta <= 0:
-            raise key_error("rope_theta", f"rope_theta must be > 0, got {self.rope_theta}")
         if self.context_parallel_degree > 1 and self.reset_attention_mask:
             raise key_error("context_parallel_degree", "context_parallel_degree > 1 cannot split sequences whose "
                              "attention stops at document boundaries (reset_attention_mask: true); use one of them "
@@ -660,20 +658,6 @@ class PreTrainingArguments:
         if isinstance(chunk, str) and chunk != "auto" or isinstance(chunk, int) and chunk < 0:
             raise key_error("loss_chunk_size", f"loss_chunk_size is auto, 0 (off) or a number of tokens per chunk, "
                              f"got {chunk!r}")
-
-    def _check_ranges(self) -> None:
-        """Values torch, DeepSpeed or the DataLoader would otherwise refuse with a traceback from deep inside."""
-        at_least = {"num_workers": 0, "weight_decay": 0, "adam_eps": 0, "clip_grad": 0, "fsdp_shard_size": 1,
-                    "tokenize_workers": 1, "pad_vocab_to_multiple_of": 1,
-                    "context_parallel_degree": 1, "expert_parallel_degree": 1}
-        for name, low in at_least.items():
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise key_error(name, f"{name} must be >= {low}, got {value}")
-        for name in ("init_method_std", "peak_tflops"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise key_error(name, f"{name} must be > 0 (or null for the default), got {value}")
 
 
 def _is_shard_size(value) -> bool:

@@ -81,24 +81,3 @@ def expert_shape(model_config, where: str) -> ExpertShape | None:
     if not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ConfigError(f"{where}: num_experts_per_tok {top_k!r} must be between 1 and the {experts} experts")
     return ExpertShape(experts, top_k)
-
-
-def check_moe_keys(args) -> None:
-    """Cheap checks of the moe_* keys, before any model config is read."""
-    if args.moe_aux_loss_type is not None and args.moe_aux_loss_type not in AUX_LOSS_TYPES:
-        raise key_error("moe_aux_loss_type", f"moe_aux_loss_type {args.moe_aux_loss_type!r} is not one of "
-                                             f"{', '.join(AUX_LOSS_TYPES)}")
-    if args.moe_capacity_factor is not None and args.moe_capacity_factor <= 0:
-        raise key_error("moe_capacity_factor", f"moe_capacity_factor must be > 0 (1.0: an even share of the tokens "
-                                               f"per expert; null: dropless), got {args.moe_capacity_factor}")
-    if args.moe_token_drop_policy is not None and args.moe_token_drop_policy not in DROP_POLICIES:
-        raise key_error("moe_token_drop_policy", f"moe_token_drop_policy {args.moe_token_drop_policy!r} is not one "
-                                                 f"of {', '.join(DROP_POLICIES)}")
-    implementation = args.moe_experts_implementation
-    if implementation is not None and implementation not in EXPERTS_IMPLEMENTATIONS:
-        raise key_error("moe_experts_implementation", f"moe_experts_implementation {implementation!r} is not one of "
-                                                      f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")
-    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_update_rate"):
-        value = getattr(args, key)
-        if value is not None and value < 0:
-            raise key_error(key, f"{key} must be >= 0 (0 turns it off), got {value}")

@@ -552,6 +552,9 @@ class SingleEngine(SingleTraits, TorchEngine):
     def replica_ranks(cls, args) -> int:
         return args.context_parallel_degree
 
+    def describe(self) -> str:
+        return Engine.describe(self)  # nothing is split: no mesh to show
+
 
 class DDPEngine(TorchEngine):
     """`engine: ddp`: the model (or its stages) replicated over the data ranks, gradients all-reduced."""

@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 
@@ -28,9 +29,16 @@ from ..config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# The Worlds joined to the process group this module created and not closed yet (by a number each): the group is
+# destroyed when the last leaves, so closing one run in a process (a trainer, an export) never ends another's, and a
+# group the caller created is never destroyed here.
+_OPEN_WORLDS: set[int] = set()
+_CREATED = [False, 0]  # whether this module created the default group; the last World number given
 GLOO_WORKER = "pt_gloo_runloop"  # the name of ProcessGroupGloo's worker threads
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number
-FUTEX_WAIT_BITSET, FUTEX_CMD_MASK = 9, 0x7F  # how a condition variable waits
+# How a blocked thread waits: a condition variable (a gloo worker on its queue), or a plain futex word (an OpenMP
+# worker between parallel regions; those a gloo worker starts inherit its thread name)
+FUTEX_WAIT, FUTEX_WAIT_BITSET, FUTEX_CMD_MASK = 0, 9, 0x7F
 
 
 def launch_world_size() -> int:
@@ -48,7 +56,8 @@ class World:
     local_rank: int
     local_size: int              # processes on this machine
     device: torch.device         # this process's device
-    joined: bool = False         # a process group exists (the distributed engines)
+    joined: bool = False         # a process group exists (every engine's run; not a planned world)
+    lease: int = 0               # this World's number among those using the group this module created (0: none)
 
     @property
     def is_main(self) -> bool:
@@ -75,10 +84,18 @@ class World:
             dist.barrier()
 
     def close(self, barrier: bool = True) -> None:
-        """Leave the process group: with `barrier`, once every rank has got here (a clean end; after a failure a
-        peer may be gone), then it is destroyed (once)."""
-        if self.joined:
-            destroy_process_group(barrier)
+        """Leave the process group; the last World of this process to leave the group this module created destroys
+        it: with `barrier`, once every rank has got here (a clean end; after a failure a peer may be gone)."""
+        if self.lease in _OPEN_WORLDS:
+            _OPEN_WORLDS.discard(self.lease)
+            if not _OPEN_WORLDS and _CREATED[0]:
+                _CREATED[0] = False
+                destroy_process_group(barrier)
+
+
+def open_worlds() -> int:
+    """How many Worlds of this process still use the group this module created."""
+    return len(_OPEN_WORLDS)
 
 
 def planned_world(size: int, local_size: int, device: torch.device) -> World:
@@ -89,26 +106,39 @@ def planned_world(size: int, local_size: int, device: torch.device) -> World:
 def join_world(device: torch.device, timeout_minutes: float) -> World:
     """Join (or create) the world process group the launch describes; a launch-free process gets a group of
     one. On an accelerator, this process takes the device of its local rank."""
-    local_rank = launch_local_rank()
-    if device.type != "cpu":
+    local_rank, launched = launch_local_rank(), launch_world_size()
+    if launched > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={launched} but MASTER_ADDR is not set: start the processes with torchrun, "
+                          "accelerate launch or deepspeed")
+    if device.type != "cpu" and (launched > 1 or device.index is None):  # one process keeps a device it names
         device = torch.device(device.type, local_rank)
-        torch.accelerator.set_device_index(local_rank)
-    if launch_world_size() > 1 and "MASTER_ADDR" not in os.environ:
-        raise ConfigError(f"WORLD_SIZE={launch_world_size()} but MASTER_ADDR is not set: start the processes with "
-                          "torchrun, accelerate launch or deepspeed")
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    lease = 0
     if not dist.is_initialized():
         backend = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
         # A rank that dies or hangs makes the others' next collective fail after this long.
         options = {"backend": backend, "timeout": datetime.timedelta(minutes=timeout_minutes)}
-        if "MASTER_ADDR" not in os.environ:
-            # A group of one meets in this process's memory: no port to pick, none another process could take.
+        if launched == 1:
+            # A group of one meets in this process's memory: no port to pick, none another process could take, and
+            # a shell's leftover MASTER_ADDR / MASTER_PORT are not read.
             options.update(store=dist.HashStore(), rank=0, world_size=1)
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             options.update(_restart_store(options["timeout"]))
+        excepthook = sys.excepthook
         dist.init_process_group(**options)
+        if launched == 1:
+            sys.excepthook = excepthook  # no rank to prefix each traceback line with, however often a group is made
         atexit.register(destroy_process_group)
+        _CREATED[0] = True
+        _OPEN_WORLDS.clear()  # any left are of a group destroyed since
+    if _CREATED[0]:
+        _CREATED[1] += 1
+        lease = _CREATED[1]
+        _OPEN_WORLDS.add(lease)
     size = dist.get_world_size()
-    return World(dist.get_rank(), size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)), device, True)
+    return World(dist.get_rank(), size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)), device, True,
+                 lease)
 
 
 def destroy_process_group(barrier: bool = False) -> None:
@@ -146,7 +176,8 @@ def wait_for_idle_gloo_workers(timeout_s: float = 10.0) -> bool:
 
 
 def _gloo_worker_states() -> list[list[str]] | None:
-    """The `/proc/self/task/*/syscall` lines of this process's gloo workers (None: not readable here)."""
+    """The `/proc/self/task/*/syscall` lines of the threads named as gloo workers: theirs, and the OpenMP threads a
+    worker starts (None: not readable here)."""
     if FUTEX is None:
         return None
     try:
@@ -171,7 +202,7 @@ def _idle(syscall: list[str]) -> bool:
         number, operation, timeout = int(syscall[0]), int(syscall[2], 16), int(syscall[4], 16)
     except (IndexError, ValueError):  # "running"
         return False
-    return number == FUTEX and operation & FUTEX_CMD_MASK == FUTEX_WAIT_BITSET and timeout == 0
+    return number == FUTEX and operation & FUTEX_CMD_MASK in (FUTEX_WAIT, FUTEX_WAIT_BITSET) and timeout == 0
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:

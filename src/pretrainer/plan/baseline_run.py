@@ -54,13 +54,15 @@ def train_steps(args) -> None:
 
     run = assemble_run(args, launch_world(args))
     engine = run.engine
-    for _ in range(args.num_training_steps):
-        batch = next(run.data.train)
-        scale = engine.mean_weight(max(int(count_targets(batch)), 1))
-        engine.forward_backward(run.model, [to_device(batch, engine.device)], loss_sum, scale)
-        engine.step(run.model, run.optimizer, args.clip_grad)
-        engine.finish_step(run.optimizer, run.scheduler)
-    engine.close()
+    try:
+        for _ in range(args.num_training_steps):
+            batch = next(run.data.train)
+            scale = engine.mean_weight(max(int(count_targets(batch)), 1))
+            engine.forward_backward(run.model, [to_device(batch, engine.device)], loss_sum, scale)
+            engine.step(run.model, run.optimizer, args.clip_grad)
+            engine.finish_step(run.optimizer, run.scheduler)
+    finally:
+        engine.close()
 
 
 def main() -> None:

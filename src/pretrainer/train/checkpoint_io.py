@@ -33,9 +33,8 @@ def save_state(engine, folder, model: torch.nn.Module, optimizer) -> None:
 def save_state_async(engine, folder, model: torch.nn.Module, optimizer):
     """Stage the state in host memory and write it in the background; returns a future. Across processes the
     writer coordinates over its own gloo group, so its collectives never interleave with the loop's."""
-    group = engine.meshes.checkpoint() if engine.meshes is not None else None
-    return dcp.async_save(_state(model, optimizer, KEYED_BY_NAME), checkpoint_id=str(folder), process_group=group,
-                          no_dist=group is None)
+    return dcp.async_save(_state(model, optimizer, KEYED_BY_NAME), checkpoint_id=str(folder),
+                          process_group=engine.meshes.checkpoint())
 
 
 def load_state(engine, folder, model: torch.nn.Module, optimizer) -> None:

@@ -53,7 +53,11 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> Loa
         raise ConfigError(f"{checkpoint} is a DeepSpeed checkpoint: its run exported save_dir/hf at the end "
                           "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
                           "zero_to_fp32.py on it")
-    assembled = assemble_run(args, world, data=None)
+    try:
+        assembled = assemble_run(args, world, data=None)
+    except BaseException:
+        world.close(barrier=False)
+        raise
     loaded = LoadedModel(assembled.engine, assembled.resolved, assembled.model)
     if checkpoint is not None:
         try:

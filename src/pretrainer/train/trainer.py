@@ -110,13 +110,14 @@ class PreTrainer:
         self.files.pull_metrics()
         self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics,
                                                      self.callbacks) if args.save_dir else None
-        # the loop's own callbacks, in this order (HF Trainer's: log, evaluate, save), then the features' and user's
+        # In this order: the interval's row, the features' and the user's (what they keep is saved with the step), the
+        # checkpoint, then evaluation (a failing evaluation never costs the step's checkpoint)
         self.callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
+                          *self.callbacks, *([self.checkpointer] if self.checkpointer is not None else []),
                           Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
                                     self.eval_sources),
                           DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
-                                              args.eval_interval, self._started),
-                          *([self.checkpointer] if self.checkpointer is not None else []), *self.callbacks]
+                                              args.eval_interval, self._started)]
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
