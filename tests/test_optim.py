@@ -98,7 +98,7 @@ def test_token_warmup_equals_its_formula_under_cosine():
                                                             "1-sqrt"),
     ({"lr_decay_style": "wsd", "wsd_decay_tokens": 100, "wsd_decay_fraction": 0.1}, "set wsd_decay_tokens or "
                                                                                     "wsd_decay_fraction"),
-    ({"lr_decay_style": "wsd", "wsd_decay_tokens": -5}, "wsd_decay_tokens must be a number of tokens > 0"),
+    ({"lr_decay_style": "wsd", "wsd_decay_tokens": -5}, r"wsd_decay_tokens must be > 0, got -5.0 \(a number of tokens"),
     ({"spike_window": 64}, "spike_window is set but spike_zscore is None, so it has no effect"),
 ])
 def test_bad_schedule_keys_are_named(keys, message):
