@@ -136,6 +136,8 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
         _CREATED[1] += 1
         lease = _CREATED[1]
         _OPEN_WORLDS.add(lease)
+    else:  # the caller's group (an Accelerator's): theirs to use until exit, where gloo's workers are let finish
+        atexit.register(destroy_process_group)
     size = dist.get_world_size()
     return World(dist.get_rank(), size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)), device, True,
                  lease)
