@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import logging
 import os
 import platform
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 # destroyed when the last leaves, so closing one run in a process (a trainer, an export) never ends another's, and a
 # group the caller created is never destroyed here.
 _OPEN_WORLDS: set[int] = set()
-_CREATED = [False, 0]  # whether this module created the default group; the last World number given
+_LEASES = itertools.count(1)
+_created = False  # this module created the default group
 GLOO_WORKER = "pt_gloo_runloop"  # the name of ProcessGroupGloo's worker threads
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number
 # How a blocked thread waits: a condition variable (a gloo worker on its queue), or a plain futex word (an OpenMP
@@ -86,10 +88,11 @@ class World:
     def close(self, barrier: bool = True) -> None:
         """Leave the process group; the last World of this process to leave the group this module created destroys
         it: with `barrier`, once every rank has got here (a clean end; after a failure a peer may be gone)."""
+        global _created
         if self.lease in _OPEN_WORLDS:
             _OPEN_WORLDS.discard(self.lease)
-            if not _OPEN_WORLDS and _CREATED[0]:
-                _CREATED[0] = False
+            if not _OPEN_WORLDS and _created:
+                _created = False
                 destroy_process_group(barrier)
 
 
@@ -106,6 +109,7 @@ def planned_world(size: int, local_size: int, device: torch.device) -> World:
 def join_world(device: torch.device, timeout_minutes: float) -> World:
     """Join (or create) the world process group the launch describes; a launch-free process gets a group of
     one. On an accelerator, this process takes the device of its local rank."""
+    global _created
     local_rank, launched = launch_local_rank(), launch_world_size()
     if launched > 1 and "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"WORLD_SIZE={launched} but MASTER_ADDR is not set: start the processes with torchrun, "
@@ -130,11 +134,10 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
         if launched == 1:
             sys.excepthook = excepthook  # no rank to prefix each traceback line with, however often a group is made
         atexit.register(destroy_process_group)
-        _CREATED[0] = True
+        _created = True
         _OPEN_WORLDS.clear()  # any left are of a group destroyed since
-    if _CREATED[0]:
-        _CREATED[1] += 1
-        lease = _CREATED[1]
+    if _created:
+        lease = next(_LEASES)
         _OPEN_WORLDS.add(lease)
     else:  # the caller's group (an Accelerator's): theirs to use until exit, where gloo's workers are let finish
         atexit.register(destroy_process_group)
