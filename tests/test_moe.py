@@ -357,7 +357,7 @@ def test_each_moe_family_trains_with_its_routing_metrics_and_exports_its_logits(
               "save_interval": 0, **BALANCED, "moe_capacity_factor": 1.5}
     with PreTrainer(PreTrainingArguments(**config)) as trainer:
         trainer.train()
-        layers = next(c for c in trainer.callbacks if hasattr(c, "routing")).routing.layers
+        layers = trainer.callbacks[0].routing.layers
         ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
         trainer.model.eval()
         with torch.no_grad():

@@ -275,6 +275,18 @@ def test_one_process_runs_share_the_group_of_one_and_the_last_to_close_destroys_
         load_model(PreTrainingArguments(**{**config, "seq_length": 4096}), None)
 
 
+def test_an_evaluation_that_fails_leaves_the_steps_checkpoint(base_config):
+    """The checkpoint comes before evaluation at a step where both are due (save_interval = eval_interval = 3)."""
+    class BrokenEvalData:
+        def __iter__(self):
+            raise RuntimeError("the eval data broke")
+
+    with pytest.raises(RuntimeError, match="the eval data broke"):
+        with PreTrainer(PreTrainingArguments(**base_config), eval_dataloader=BrokenEvalData()) as trainer:
+            trainer.train()
+    assert (Path(base_config["save_dir"]) / "checkpoints" / "step-3" / "trainer_state.json").is_file()
+
+
 def test_callbacks_that_are_not_callbacks_are_refused(base_config):
     with pytest.raises(ConfigError, match=r"callbacks\[1\] is a dict, not a pretrainer.Callback"):
         PreTrainer(PreTrainingArguments(**base_config), callbacks=[Recorder(), {"on_row": print}])

@@ -106,14 +106,18 @@ class Checkpointer(Callback):
 
     def after_step(self, result, state, loop) -> None:
         if self.interval and state.step % self.interval == 0:
-            self.on_stop(state, loop)
+            self._save_once(state, loop)
 
     def on_stop(self, state, loop) -> None:
+        self._save_once(state, loop)
+
+    def at_end(self, state, loop) -> None:
+        self._save_once(state, loop)
+
+    def _save_once(self, state, loop) -> None:
         if self.last_saved_step != state.step:  # a step already saved is not written again
             loop.count_tokens()
             self.save(state.step, model=loop.model, optimizer=loop.optimizer)
-
-    at_end = on_stop
 
     def save(self, step: int, *, model, optimizer) -> Path:
         """Model and optimizer through the engine, and every registered component, as of `step`."""

@@ -112,12 +112,12 @@ class PreTrainer:
                                                      self.callbacks) if args.save_dir else None
         # In this order: the interval's row, the features' and the user's (what they keep is saved with the step), the
         # checkpoint, then evaluation (a failing evaluation never costs the step's checkpoint)
-        self.callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
-                          *self.callbacks, *([self.checkpointer] if self.checkpointer is not None else []),
-                          Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
-                                    self.eval_sources),
-                          DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine, self.resolved.sizes,
-                                              args.eval_interval, self._started)]
+        self.loop_callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
+                               *self.callbacks, *([self.checkpointer] if self.checkpointer is not None else []),
+                               Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
+                                         self.eval_sources),
+                               DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine,
+                                                   self.resolved.sizes, args.eval_interval, self._started)]
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -157,7 +157,7 @@ class PreTrainer:
             checkpointer.abandon()  # a clean end has completed it already
         self.model = self.optimizer = self.lr_scheduler = self.module = None
         self.train_stream = self.eval_dataloader = self.loop = None
-        self.callbacks = []
+        self.loop_callbacks = []  # they hold the eval data and the checkpointer
         if engine is not None:
             engine.close(barrier)
         else:  # it failed before the engine was built
@@ -215,11 +215,11 @@ class PreTrainer:
                 result = self._train_step(log.meter.phases)
             log.meter.add(result.loss_sum, result.counts, time.perf_counter() - step_start)
             log.write_deferred()
-            for callback in self.callbacks:  # the row, evaluations, checkpoints, the user's
+            for callback in self.loop_callbacks:  # the row, the user's, the checkpoint, evaluations
                 callback.after_step(result, state, self.loop)
             stop = self._stop_reason(state.step)
             if stop is not None:
-                for callback in self.callbacks:
+                for callback in self.loop_callbacks:
                     callback.on_stop(state, self.loop)
                 return stop
             step_start = time.perf_counter()  # save/eval time is not part of the next step
@@ -248,7 +248,7 @@ class PreTrainer:
     # ------------------------------------------------------------- the end
     def _finish(self) -> None:
         args = self.pretrain_args
-        for callback in self.callbacks:  # the last evaluation, scores and checkpoint
+        for callback in self.loop_callbacks:  # the last checkpoint, evaluation and scores
             callback.at_end(self.train_state, self.loop)
         self._export_to_save_dir()
         if args.save_dir and args.write_report and self.engine.is_main:
