@@ -259,7 +259,7 @@ def test_one_process_runs_share_the_group_of_one_and_the_last_to_close_destroys_
 
     from pretrainer.train.offline import load_model
 
-    monkeypatch.setenv("MASTER_ADDR", "203.0.113.1")  # never reached: a group of one meets in memory
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # never dialled (port 1): a group of one meets in memory
     monkeypatch.setenv("MASTER_PORT", "1")
     config = {**base_config, "num_training_steps": 2, "eval_interval": 0, "save_interval": 0}
     with leaves_no_process_group():
