@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import io
+import json
 import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
@@ -58,42 +62,29 @@ def report_error(exc: Exception, code: int) -> None:
     line = f"pretrainer: error: {exc}"
     if record_worker_status(code, str(exc), consequence=isinstance(exc, CollectiveFailure)):
         return
-    record_torchrun_error(line)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:  # torchrun's summary prints the record as the failure's message and traceback: the line alone
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                              "timestamp": str(int(time.time()))}}}
+        Path(path).write_text(json.dumps(record))
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or code != EXIT_USAGE:
         print(line if rank == 0 else f"pretrainer: error: rank {rank}: {exc}", file=sys.stderr)
 
 
-def record_torchrun_error(line: str) -> None:
-    """The line as torchrun's error file holds a worker's error (torchrun's summary prints it as the failure's
-    message and traceback): the message alone, as a usage error has no traceback worth reading."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        import json
-        import time
-
-        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                              "timestamp": str(int(time.time()))}}}
-        Path(path).write_text(json.dumps(record))
-
-
 def launch_command(ns, plan: LaunchPlan, argv: list[str]) -> int:
     """`train`/`evaluate` with `--nproc-per-node`: check the run for its whole world here, then start its workers."""
-    import contextlib
-    import io
-
     from .train.launcher import check_before_launch, launch, worker_argv
 
     if ns.command == "train":
         args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
-        quiet = logging.getLogger("pretrainer")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # the workers log what the check finds (setLevel also clears the level cache)
+        level = logger.level
+        logger.setLevel(logging.ERROR)  # the workers log what the check finds (setLevel also clears the level cache)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints as it is imported
                 check_before_launch(args, plan.world_size, plan.nproc_per_node)
         finally:
-            quiet.setLevel(level)
+            logger.setLevel(level)
     elif ns.output:
         check_writable_folder(Path(ns.output).absolute().parent, "--output")
     return launch(plan, worker_argv(argv))
@@ -113,8 +104,7 @@ class OneLineErrors(argparse.ArgumentParser):
     worker's command line, which keeps everything but the launcher's own flags."""
 
     def __init__(self, *args, **kwargs):
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def parse_known_args(self, args=None, namespace=None):
         # What is left over may be `key=value` overrides (main takes those); a flag is this parser's to name.
@@ -149,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys for nested ones)")
-    add_launcher_flags(train, int_at_least)
+    add_launcher_flags(train)
 
     plan = commands.add_parser("plan", help="predict per-rank memory and step time of a config's layout, and list "
                                "the layouts that fit")
@@ -188,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int_at_least(1), help="score at most this many records of each task")
     evaluate.add_argument("--num-fewshot", type=int_at_least(0), help="solved examples before each context")
     evaluate.add_argument("--output", help="also write the scores to this JSON file")
-    add_launcher_flags(evaluate, int_at_least)
+    add_launcher_flags(evaluate)
 
     report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
     report.add_argument("save_dir", help="the run's save_dir with metrics.jsonl: a folder, or a URL (then uploaded)")
@@ -283,9 +273,6 @@ def prepare_command(ns) -> int:
 
 
 def plan_command(ns) -> int:
-    import contextlib
-    import json
-
     from .plan.command import plan_for_command
     from .plan.render import as_json, text
 

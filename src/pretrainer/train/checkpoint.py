@@ -28,23 +28,25 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..config import ConfigError, extra_state_file, staging_folder, write_text_whole
 from ..parallel.registry import BY_NAME
 from ..run.callbacks import Callback
-from ..storage import RemoteFolder, StorageError, is_url
+from ..storage import StorageError, is_url
 from . import checkpoint_io
 from .checkpoint_files import (
     MANIFEST,
     STATE_FILE,
     STEP_DIR,
     checkpoints_root,
+    file_entries,
     find_latest,
     is_complete,
-    manifest,
+    listed_files,
+    manifest_of,
     read_trainer_state,
     retention_victims,
     verify_checkpoint,
 )
 from .checkpoint_io import DCP
 from .errors import CheckpointError
-from .remote_checkpoints import CheckpointUploads, RemoteCheckpoints, fetch_checkpoint, locate_remote, step_folder
+from .remote_checkpoints import CheckpointUploads, fetch_checkpoint, locate_remote, step_folder
 from .run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -66,58 +68,36 @@ class Checkpointer(Callback):
     at the next save, or at the end of the run (`wait`). Every rank calls the same methods in order.
     """
 
-    def __init__(self, save_dir: str | Path, engine, state: RunState, config_yaml: str, config_hash: str,
-                 async_save: bool = False, keep_last: int | None = None, keep_every: int | None = None,
-                 checksums: bool = True, interval: int | None = None, uploads: CheckpointUploads | None = None,
-                 callbacks=()):
-        self.root = checkpoints_root(save_dir)
-        self.uploads = uploads  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
-        if uploads is not None:  # what an earlier process left staged: partial ones go, complete ones are kept
-            uploads.keep_leftovers(self.root)
-        self.engine, self.state = engine, state
-        self.config_yaml, self.config_hash = config_yaml, config_hash
-        self.interval = interval
+    def __init__(self, args, engine, state: RunState, after_commit=None, callbacks=()):
+        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval;
+        for a save_dir URL, the uploads from the staging folder, `after_commit` following each)."""
+        self.root = checkpoints_root(args.run_dir)
+        self.uploads = None  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
+        if args.remote_save_dir:
+            self.uploads = CheckpointUploads(args, engine, after_commit)
+            self.uploads.keep_leftovers(self.root)
+        self.args, self.engine, self.state = args, engine, state
+        self.config_yaml, self.config_hash = args.to_yaml(), args.config_hash()
         self.last_saved_step: int | None = None
-        self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         # To a URL the slow part is the upload, which async_checkpoint moves to the background; the write to the
         # local staging folder stays synchronous, so that the upload can start from complete files.
-        self.async_save = async_save and engine.supports_async_save and uploads is None
+        self.async_save = args.async_checkpoint and engine.supports_async_save and self.uploads is None
         self.last_bytes: int | None = None  # the size of the last checkpoint written here (free-space estimate)
-        if async_save and not engine.supports_async_save:
+        if args.async_checkpoint and not engine.supports_async_save:
             logger.info("engine %s saves checkpoints synchronously (async_checkpoint is ignored)", engine.name)
         self._pending = None
         self.callbacks = callbacks  # told of each checkpoint complete on disk (run/callbacks.py's on_save)
 
-    @classmethod
-    def of_run(cls, args, engine, state: RunState, after_commit=None, callbacks=()) -> "Checkpointer":
-        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval;
-        for a save_dir URL, the uploads from the staging folder, `after_commit` following each)."""
-        uploads = None
-        if args.remote_save_dir:
-            remote = RemoteCheckpoints(RemoteFolder(args.remote_save_dir, args.storage_retries))
-            uploads = CheckpointUploads(remote, engine, background=args.async_checkpoint,
-                                        failure=args.checkpoint_failure, checksums=args.checkpoint_checksums,
-                                        keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
-                                        after_commit=after_commit)
-        return cls(args.run_dir, engine, state, args.to_yaml(), args.config_hash(), args.async_checkpoint,
-                   keep_last=args.keep_last_checkpoints, keep_every=args.keep_checkpoints_every,
-                   checksums=args.checkpoint_checksums, interval=args.save_interval, uploads=uploads,
-                   callbacks=callbacks)
-
     def after_step(self, result, state, loop) -> None:
-        if self.interval and state.step % self.interval == 0:
-            self._save_once(state, loop)
-
-    def on_stop(self, state, loop) -> None:
-        self._save_once(state, loop)
+        if self.args.save_interval and state.step % self.args.save_interval == 0:
+            self.at_end(state, loop)
 
     def at_end(self, state, loop) -> None:
-        self._save_once(state, loop)
-
-    def _save_once(self, state, loop) -> None:
         if self.last_saved_step != state.step:  # a step already saved is not written again
             loop.count_tokens()
             self.save(state.step, model=loop.model, optimizer=loop.optimizer)
+
+    on_stop = at_end  # the loop leaving early saves its step as its end does
 
     def save(self, step: int, *, model, optimizer) -> Path:
         """Model and optimizer through the engine, and every registered component, as of `step`."""
@@ -160,9 +140,8 @@ class Checkpointer(Callback):
                                   f"{remedy}; the previous checkpoint is intact")
 
     def end_run(self) -> None:
-        """At the run's end: finish the last save (`wait`); for a save_dir URL, name the checkpoints that exist only
-        in staging, and end a run none of whose checkpoints reached the bucket (CheckpointError, exit 4;
-        collective)."""
+        """At the run's end: finish the last save (`wait`); for a save_dir URL, report what never reached the
+        bucket (`CheckpointUploads.report_end`, collective)."""
         self.wait()
         if self.uploads is not None:
             self.uploads.report_end()
@@ -211,7 +190,8 @@ class Checkpointer(Callback):
         if engine.is_main:
             (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
             _fsync_dir(tmp)
-            _write_json(tmp / MANIFEST, manifest(tmp, state, self.checksums))
+            entries = file_entries(tmp, listed_files(tmp), self.args.checkpoint_checksums)
+            _write_json(tmp / MANIFEST, manifest_of(state, entries))
             _write_json(tmp / STATE_FILE, state)  # written last: marks the folder complete
             _fsync_dir(tmp)
             if final.exists():  # a replay after resume saves the same step again
@@ -220,7 +200,7 @@ class Checkpointer(Callback):
             write_text_whole(self.root / "latest", final.name)
             logger.info("saved checkpoint %s", final)
             if self.uploads is None:
-                self._apply_retention(final)
+                self._apply_retention(state["step"])
         engine.barrier()
         if engine.world.local_rank == 0 and tmp.exists():  # a node whose staging disk is its own
             shutil.rmtree(final, ignore_errors=True)
@@ -233,16 +213,14 @@ class Checkpointer(Callback):
             self.last_bytes = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             self.uploads.start(state["step"], final, state)
 
-    def _apply_retention(self, newest: Path) -> None:
+    def _apply_retention(self, newest: int) -> None:
         """Keep the newest `keep_last` complete checkpoints and every `keep_every`-th step; delete the rest."""
-        if not self.keep_last:
-            return
         steps = {int(m.group(1)): p for p in self.root.iterdir() if (m := STEP_DIR.match(p.name))}
         complete = {step for step, path in steps.items() if is_complete(path)}
-        newest_step = int(STEP_DIR.match(newest.name).group(1))
-        for step in retention_victims(list(steps), complete, newest_step, self.keep_last, self.keep_every):
+        keep_last = self.args.keep_last_checkpoints
+        for step in retention_victims(list(steps), complete, newest, keep_last, self.args.keep_checkpoints_every):
             shutil.rmtree(steps[step], ignore_errors=True)
-            logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", steps[step], self.keep_last)
+            logger.info("deleted checkpoint %s (keep_last_checkpoints=%d)", steps[step], keep_last)
 
 
 def checkpoint_format(trainer_state: dict) -> str:
@@ -295,8 +273,7 @@ def _load_engine_state(path: Path, engine, model, optimizer) -> None:
                  and not line.strip().startswith(("raise ", "File "))]
         if not lines:
             raise
-        reason = lines[0]
-        raise ConfigError(f"{path} does not fit this run's model and optimizer ({reason[:300]}); it was written "
+        raise ConfigError(f"{path} does not fit this run's model and optimizer ({lines[0][:300]}); it was written "
                           "for another model or layout. Resume it with the config it was written with (its "
                           "config.yaml), or start a new save_dir") from None
 
@@ -338,7 +315,7 @@ def refuse_to_overwrite(args) -> None:
         return
     if args.remote_save_dir:
         remote, step = locate_remote(args.remote_save_dir, args.storage_retries)
-        held = f"checkpoint ({remote.url}/{step_folder(step)})" if step is not None else None
+        held = f"checkpoint ({remote.folder.url}/{step_folder(step)})" if step is not None else None
     else:
         latest = find_latest(args.save_dir, verify=False)
         metrics = Path(args.save_dir) / "metrics.jsonl"
@@ -349,14 +326,6 @@ def refuse_to_overwrite(args) -> None:
         raise ConfigError(f"{origin + ': ' if origin else ''}key 'resume': none starts the run afresh, but save_dir "
                           f"holds an earlier run's {held}, which this run's would overwrite or join; give a new "
                           "save_dir, move that run's files away, or set resume: auto to continue it")
-
-
-def branch_checkpoint(world, args, checkpoint: str) -> Path:
-    """The checkpoint a cooldown branch starts from, downloaded first when it is a URL (collective)."""
-    if not is_url(checkpoint):
-        return Path(checkpoint)
-    return fetch_checkpoint(world, checkpoint, args.run_dir / RESUME_DOWNLOADS, args.storage_retries,
-                            "key 'cooldown_from'")
 
 
 def resolve_resume(resume: str, save_dir: str | None, given_as: str = "key 'resume'") -> Path | None:

@@ -1,9 +1,5 @@
-"""What a checkpoint folder holds and how it is checked, wherever it is stored.
-
-`save_dir/checkpoints/step-<N>/` holds the engine's shards, each rank's `extra_state_rank<R>.pt`, `config.yaml`,
-`manifest.json` (every file with its size and CRC-32) and `trainer_state.json`, written last: a folder without it
-is incomplete and never resumed from. `latest` names the newest complete one.
-"""
+"""What a checkpoint folder holds and how it is checked, wherever it is stored (checkpoint.py describes the
+folder)."""
 
 from __future__ import annotations
 
@@ -21,23 +17,17 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = CHECKPOINT_STATE_FILE
 MANIFEST = "manifest.json"
 
+
 def checkpoints_root(save_dir: str | Path) -> Path:
     return Path(save_dir) / "checkpoints"
-
 
 
 def read_trainer_state(path: str | Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-
 def is_complete(path: Path) -> bool:
     return (path / STATE_FILE).is_file()  # written last, after every rank's shards
-
-
-def manifest(folder: Path, state: dict, checksums: bool) -> dict:
-    """Step, config hash, world layout, and every file's size (and CRC-32) in the checkpoint folder."""
-    return manifest_of(state, file_entries(folder, listed_files(folder), checksums))
 
 
 def listed_files(folder: Path) -> list[str]:
@@ -47,15 +37,12 @@ def listed_files(folder: Path) -> list[str]:
 
 
 def file_entries(folder: Path, names: list[str], checksums: bool) -> dict:
-    entries = {}
-    for name in names:
-        entries[name] = {"bytes": (folder / name).stat().st_size}
-        if checksums:
-            entries[name]["crc32"] = _crc32(folder / name)
-    return entries
+    return {name: {"bytes": (folder / name).stat().st_size} | ({"crc32": _crc32(folder / name)} if checksums else {})
+            for name in names}
 
 
 def manifest_of(state: dict, files: dict) -> dict:
+    """Step, config hash, world layout, and every file's size (and CRC-32) in the checkpoint folder."""
     return {"step": state["step"], "config_hash": state.get("config_hash"), "engine": state["engine"],
             "world_size": state["world_size"], "files": files}
 

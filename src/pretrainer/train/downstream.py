@@ -22,7 +22,7 @@ from ..config import BatchSizes, ConfigError, DownstreamTask
 from ..data.readers import DataError
 from ..data.tasks import ChoiceRecord, read_task
 from ..run.callbacks import Callback
-from .scoring import Request, encode_request, loglikelihoods
+from .scoring import Request, encode_request, score_requests
 
 logger = logging.getLogger("pretrainer")
 
@@ -70,17 +70,12 @@ class ScoredTask:
 def score_tasks(model, engine, tasks: list[ScoredTask], batch_tokens: int) -> dict[str, dict]:
     """{task name: {acc, acc_norm, bpb}}: all tasks' requests go through the model in one pass."""
     requests = [request for task in tasks for request in task.requests]
-    logliks = loglikelihoods(model, engine, requests, batch_tokens)
+    logliks, _ = score_requests(model, engine, requests, batch_tokens, greedy=False)
     out, start = {}, 0
     for task in tasks:
         out[task.task.name] = task.metrics(logliks[start:start + len(task.requests)])
         start += len(task.requests)
     return out
-
-
-def metric_row(scores: dict[str, dict]) -> dict:
-    """`eval/<task>/<metric>` keys, as metrics.jsonl and the trackers take them."""
-    return {f"eval/{name}/{key}": value for name, values in scores.items() for key, value in values.items()}
 
 
 def format_scores(scores: dict[str, dict]) -> str:
@@ -134,4 +129,5 @@ class DownstreamEvaluator(Callback):
         self.last_step = step
         if self.engine.is_main:
             logger.info("downstream step %d (%.1f s): %s", step, seconds, format_scores(scores))
-        return {"step": step, **metric_row(scores), "downstream_seconds": seconds}
+        return {"step": step, **{f"eval/{name}/{key}": value for name, values in scores.items()
+                                 for key, value in values.items()}, "downstream_seconds": seconds}

@@ -36,7 +36,6 @@ def is_collective_failure(exc: BaseException) -> bool:
     checkpoint's storage error, whose text may speak of a reset connection too)."""
     if isinstance(exc, CheckpointError):
         return False
-    name = type(exc).__name__
     text = str(exc)
-    return name.startswith("Dist") or any(marker in text for marker in (
+    return type(exc).__name__.startswith("Dist") or any(marker in text for marker in (
         "gloo", "NCCL", "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer"))

@@ -20,7 +20,6 @@ from .errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 
-
 @contextmanager
 def deepspeed_left_unimported():
     """`save_pretrained` unwraps the model through accelerate, which imports DeepSpeed (0.2 s and a log line) only to
@@ -67,8 +66,10 @@ def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dt
             for leftover in tmp.glob("*.safetensors"):
                 leftover.unlink()
             _write_streamed(tensors, layout, hf_model, tmp, torch_dtype)
-    else:
-        state = _whole_state(engine, model)
+    else:  # every tensor whole on the main rank (empty elsewhere), tensor by tensor where the engine can (which
+        # also brings other pipeline stages' tensors), else as its full state dict
+        state = {name: tensor for name, tensor in engine.export_tensors(model) if tensor is not None} \
+            if engine.exports_tensor_by_tensor else engine.full_state_dict(model)
         if not engine.is_main:
             return None
         state.update({name: state[source].clone() for name, source in copies.items()})
@@ -115,14 +116,6 @@ def _with_copies(tensors, copies: dict[str, str]):
         yield name, kept[source].clone() if kept[source] is not None else None
 
 
-def _whole_state(engine, model: torch.nn.Module) -> dict:
-    """Every tensor whole on the main rank (empty elsewhere): gathered tensor by tensor where the engine can,
-    which also brings other pipeline stages' tensors, else its full state dict."""
-    if not engine.exports_tensor_by_tensor:
-        return engine.full_state_dict(model)
-    return {name: tensor for name, tensor in engine.export_tensors(model) if tensor is not None}
-
-
 @contextmanager
 def _no_progress_bar():
     from transformers.utils import logging as transformers_logging
@@ -150,11 +143,6 @@ def _save_pretrained(hf_model: torch.nn.Module, folder: Path, torch_dtype: torch
     finally:
         hf_model.config.dtype = previous_dtype
         hf_model.config.use_cache = False
-
-
-def _parameter_count(hf_model: torch.nn.Module) -> int:
-    """Parameters counted as `num_parameters` does (each once), with ZeRO-3's partitioned ones (empty placeholders)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in hf_model.parameters())
 
 
 def _saved_layout(hf_model: torch.nn.Module, torch_dtype: torch.dtype, max_shard_size):
@@ -204,7 +192,9 @@ def _write_streamed(tensors, layout, hf_model, folder: Path, torch_dtype: torch.
     if missing:
         raise RuntimeError(f"export: the engine gave no tensor for {', '.join(missing[:5])}")
     if layout.is_sharded:
-        index = {"metadata": {"total_parameters": _parameter_count(hf_model), **layout.metadata},
+        # parameters counted as `num_parameters` does (each once), with ZeRO-3's partitioned ones (empty placeholders)
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in hf_model.parameters())
+        index = {"metadata": {"total_parameters": total, **layout.metadata},
                  "weight_map": layout.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

@@ -38,11 +38,11 @@ class PretrainerLM(LM):
             overrides.append(f"device={device}")
         args, checkpoint = evaluation_args(path, [*overrides, "loss_chunk_size=0"])
         self.loaded = load_model(args, checkpoint)
-        self.tokenizer = self.loaded.run.tokenizer
+        self.tokenizer = self.loaded.resolved.tokenizer
         if self.tokenizer is None:
             raise ValueError(f"{path}: the model has no tokenizer; pass tokenizer_path=FOLDER in model_args")
-        self.max_length = self.loaded.run.sizes.seq_length
-        self.batch_tokens = self.loaded.run.sizes.micro_batch_tokens
+        self.max_length = self.loaded.resolved.sizes.seq_length
+        self.batch_tokens = self.loaded.resolved.sizes.micro_batch_tokens
 
     def _score(self, requests: list[Request]) -> tuple:
         return score_requests(self.loaded.model, self.loaded.engine, requests, self.batch_tokens, greedy=True)
@@ -74,11 +74,7 @@ class PretrainerLM(LM):
                                   "use the run's HF export: --model hf --model_args pretrained=SAVE_DIR/hf")
 
 
-def main() -> None:
+if __name__ == "__main__":
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from ..config.loading import int_at_least
 from .errors import CollectiveFailure
 
 WORKER_STATUS_ENV = "PRETRAINER_WORKER_STATUS"  # the folder a launched worker writes rank<N>.json into
@@ -37,21 +38,21 @@ LAUNCHER_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_i
 LAUNCHER_FLAGS = ("--nproc-per-node", *(f"--{name.replace('_', '-')}" for name in LAUNCHER_DEFAULTS))
 
 
-def add_launcher_flags(parser: argparse.ArgumentParser, int_type) -> None:
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("launcher (start the workers from this command instead of torchrun)")
-    group.add_argument("--nproc-per-node", type=int_type(1), metavar="N",
+    group.add_argument("--nproc-per-node", type=int_at_least(1), metavar="N",
                        help="worker processes on this machine (one per GPU); the run is checked for the whole world "
                             "before any starts")
-    group.add_argument("--nnodes", type=int_type(1), metavar="M", help="machines in the run (default 1)")
-    group.add_argument("--node-rank", type=int_type(0), metavar="R", help="this machine's index, 0..M-1")
+    group.add_argument("--nnodes", type=int_at_least(1), metavar="M", help="machines in the run (default 1)")
+    group.add_argument("--node-rank", type=int_at_least(0), metavar="R", help="this machine's index, 0..M-1")
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="where the machines meet: node 0's address and a free port (needed when M > 1)")
     group.add_argument("--rdzv-id", metavar="ID", help="the run's id, the same on every machine (default: "
                                                        "SLURM_JOB_ID, else 'pretrainer')")
-    group.add_argument("--rdzv-timeout", type=int_type(1), metavar="S",
+    group.add_argument("--rdzv-timeout", type=int_at_least(1), metavar="S",
                        help="seconds the machines wait for each other at the rendezvous (default "
                             f"{DEFAULT_RDZV_TIMEOUT_S})")
-    group.add_argument("--shutdown-timeout", type=int_type(1), metavar="S",
+    group.add_argument("--shutdown-timeout", type=int_at_least(1), metavar="S",
                        help="on SIGTERM/SIGINT, seconds the workers get to checkpoint before they are killed "
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
 
@@ -70,22 +71,6 @@ class LaunchPlan:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
-    @classmethod
-    def of(cls, ns) -> LaunchPlan:
-        flags = {name: LAUNCHER_DEFAULTS[name] if getattr(ns, name) is None else getattr(ns, name)
-                 for name in LAUNCHER_DEFAULTS}
-        nnodes, node_rank, endpoint = flags["nnodes"], flags["node_rank"], flags["rdzv_endpoint"]
-        if node_rank >= nnodes:
-            raise ConfigError(f"--node-rank {node_rank}: machines are numbered 0..{nnodes - 1} (--nnodes {nnodes})")
-        if nnodes > 1 and not endpoint:
-            raise ConfigError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT (node 0's address and a free "
-                              "port), the same on every machine")
-        if endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", endpoint):
-            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
-        run_id = flags["rdzv_id"] or os.environ.get("SLURM_JOB_ID") or "pretrainer"
-        return cls(ns.nproc_per_node, nnodes, node_rank, endpoint, run_id, flags["shutdown_timeout"],
-                   flags["rdzv_timeout"])
-
 
 def launch_plan(ns) -> LaunchPlan | None:
     """The launch the command line asks for, or None: run as this one process. Launcher flags without --nproc-per-node
@@ -101,7 +86,19 @@ def launch_plan(ns) -> LaunchPlan | None:
         raise ConfigError(f"--nproc-per-node {ns.nproc_per_node}: this process is already a worker that a launcher "
                           "started (TORCHELASTIC_RUN_ID is set); drop --nproc-per-node, or run the command outside "
                           "torchrun")
-    return LaunchPlan.of(ns)
+    flags = {name: LAUNCHER_DEFAULTS[name] if getattr(ns, name) is None else getattr(ns, name)
+             for name in LAUNCHER_DEFAULTS}
+    nnodes, node_rank, endpoint = flags["nnodes"], flags["node_rank"], flags["rdzv_endpoint"]
+    if node_rank >= nnodes:
+        raise ConfigError(f"--node-rank {node_rank}: machines are numbered 0..{nnodes - 1} (--nnodes {nnodes})")
+    if nnodes > 1 and not endpoint:
+        raise ConfigError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT (node 0's address and a free "
+                          "port), the same on every machine")
+    if endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", endpoint):
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
+    run_id = flags["rdzv_id"] or os.environ.get("SLURM_JOB_ID") or "pretrainer"
+    return LaunchPlan(ns.nproc_per_node, nnodes, node_rank, endpoint, run_id, flags["shutdown_timeout"],
+                      flags["rdzv_timeout"])
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -168,7 +165,8 @@ def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-
             raise rendezvous_timeout(plan, str(exc)) from None
         finally:
             os.environ.pop(WORKER_STATUS_ENV, None)
-        statuses = read_statuses(Path(status))
+        statuses = {int(path.stem[len("rank"):]): json.loads(path.read_text())
+                    for path in Path(status).glob("rank*.json")}
     if signalled is not None and len(statuses) < plan.nproc_per_node:
         print(f"pretrainer: error: stopped by {signalled.name}; {plan.nproc_per_node - len(statuses)} worker(s) "
               f"did not finish within --shutdown-timeout {plan.shutdown_timeout} s", file=sys.stderr)
@@ -213,10 +211,6 @@ def rendezvous_timeout(plan: LaunchPlan, cause: str) -> CollectiveFailure:
         "--node-rank, the same --nnodes, --rdzv-endpoint and --rdzv-id), or give them longer with --rdzv-timeout")
 
 
-def read_statuses(folder: Path) -> dict[int, dict]:
-    return {int(path.stem[len("rank"):]): json.loads(path.read_text()) for path in folder.glob("rank*.json")}
-
-
 def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float] | None = None) -> int:
     """Print what went wrong, causes first, each distinct line once, and return the launch's exit code (the first
     cause's). `statuses`: what workers that ended on their own said (code, error line, whether it follows another rank's
@@ -226,7 +220,10 @@ def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict
     consequences = [rank for rank in sorted(errors) if errors[rank].get("consequence")]
     crashed, stopped = crashes(statuses, failures, failed_at or {})
     print_error_lines(errors, causes)
-    for code, ranks in group_crashes(crashed, failures).items():
+    by_code: dict[int, list[int]] = {}  # the crashed ranks by exit code, in the order of the first to end so
+    for rank in crashed:
+        by_code.setdefault(failures[rank], []).append(rank)
+    for code, ranks in by_code.items():
         one = len(ranks) == 1
         who = f"rank {ranks[0]}" if one else f"ranks {', '.join(map(str, ranks))}"
         how = f"{'was' if one else 'were'} killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -256,14 +253,6 @@ def crashes(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict
     if not failed_otherwise:  # every rank that failed died of SIGTERM: someone else's, and they are the causes
         return silent, False
     return [rank for rank in silent if rank not in by_agent], bool(by_agent)
-
-
-def group_crashes(ranks: list[int], failures: dict[int, int]) -> dict[int, list[int]]:
-    """The ranks by how they ended (their exit code), in the order of the first to end so."""
-    grouped: dict[int, list[int]] = {}
-    for rank in ranks:
-        grouped.setdefault(failures[rank], []).append(rank)
-    return grouped
 
 
 def print_error_lines(errors: dict[int, dict], ranks: list[int]) -> None:

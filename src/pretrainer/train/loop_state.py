@@ -5,6 +5,7 @@ component (run_state.py); and the resume that loads them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..optim import realign_to_schedule
 from ..storage import is_url, join_url
 from . import checkpoint as ckpt
 from .checkpoint_files import STEP_DIR
+from .remote_checkpoints import fetch_checkpoint
 from .resume_keys import RECORD, check_resume_keys, recorded_keys
 from .run_state import RunState, rng_state, set_rng_state
 
@@ -48,8 +50,10 @@ def elect_start(world, args, branch) -> tuple[Path | None, bool]:
     built (resume_keys.py)."""
     checkpoint = ckpt.elect_resume(world, args)
     starting_branch = branch is not None and checkpoint is None
-    if starting_branch:
-        checkpoint = ckpt.branch_checkpoint(world, args, branch.checkpoint)
+    if starting_branch:  # the branch point, downloaded first when it is a URL (collective)
+        checkpoint = fetch_checkpoint(world, branch.checkpoint, args.run_dir / ckpt.RESUME_DOWNLOADS,
+                                      args.storage_retries, "key 'cooldown_from'") \
+            if is_url(branch.checkpoint) else Path(branch.checkpoint)
     shown = downloaded_from(args, branch, checkpoint, starting_branch)
     for change in check_resume_keys(args, branch, checkpoint, starting_branch, shown):
         logger.warning("resuming with a changed key, as its override_* key allows: %s", change)
@@ -78,10 +82,7 @@ def changed_keys(path: Path, args) -> list[str]:
     if not written.is_file():
         return []
     saved = yaml.safe_load(written.read_text()) or {}
-
-    def plain(value) -> str:
-        return json.dumps(value, sort_keys=True, default=str)
-
+    plain = functools.partial(json.dumps, sort_keys=True, default=str)
     return [key for key, value in args.to_dict().items()
             if key not in NOT_COMPARED and key in saved and plain(saved[key]) != plain(value)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,9 +21,6 @@ logger = logging.getLogger("pretrainer")
 class _StdoutHandler(logging.StreamHandler):
     """Writes to `sys.stdout` as of each record, not as of logging's setup: a caller that replaces it (a notebook cell,
     a test's output capture) gets the lines, and a stream it has since closed is never written to."""
-
-    def __init__(self):
-        super().__init__()
 
     @property
     def stream(self):
@@ -96,11 +94,8 @@ class Progress:
                         disable=None if enabled else True, leave=False)
 
     def log(self, message: str) -> None:
-        if self.bar.disable:
+        with contextlib.nullcontext() if self.bar.disable else logging_redirect_tqdm(loggers=[logger]):
             logger.info(message)
-        else:
-            with logging_redirect_tqdm(loggers=[logger]):
-                logger.info(message)
 
     def update(self, step: int) -> None:
         self.bar.update(step - self.bar.n)
@@ -109,8 +104,7 @@ class Progress:
         done = step - self.start_step
         if done <= 0:
             return "?"
-        remaining = (time.perf_counter() - self.start_time) / done * (self.total - step)
-        return format_duration(remaining)
+        return format_duration((time.perf_counter() - self.start_time) / done * (self.total - step))
 
     def close(self) -> None:
         self.bar.close()

@@ -12,13 +12,12 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, PreTrainingArguments, check_writable_folder, read_downstream_tasks, staging_folder
 from ..parallel.registry import single_process_layout
 from ..run import launch_world
-from ..run.assembly import assemble_run
+from ..run.assembly import AssembledRun, assemble_run
 from ..storage import RemoteFolder, StorageError, is_url, join_url
 from . import checkpoint as ckpt
 from .downstream import ScoredTask, format_scores, score_tasks
@@ -32,17 +31,7 @@ SINGLE_PROCESS_LAYOUT = tuple(single_process_layout({f.name: f.default for f in
                                                      dataclasses.fields(PreTrainingArguments)}))
 
 
-@dataclass
-class LoadedModel:
-    engine: object
-    run: object
-    model: object
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> LoadedModel:
+def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> AssembledRun:
     """The model `args` configures on this launch's engine, with a checkpoint's weights when one is given
     (else those of `model_path`). A checkpoint URL is downloaded first (the staging folder's `.resume/`)."""
     world = launch_world(args)
@@ -54,16 +43,15 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> Loa
                           "(use that folder); to rebuild weights from ZeRO shards use DeepSpeed's "
                           "zero_to_fp32.py on it")
     try:
-        assembled = assemble_run(args, world, data=None)
+        loaded = assemble_run(args, world, data=None)
     except BaseException:
         world.close(barrier=False)
         raise
-    loaded = LoadedModel(assembled.engine, assembled.resolved, assembled.model)
     if checkpoint is not None:
         try:
             ckpt.load_model_weights(checkpoint, loaded.model)
         except BaseException:
-            loaded.close()
+            loaded.engine.close()
             raise
     return loaded
 
@@ -80,7 +68,8 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
     check_writable_folder(out.parent, "--output" if output else "key 'save_dir'")
     loaded = load_model(args, path)
     try:
-        export_hf(loaded.engine, loaded.model, loaded.run.tokenizer, out, args.export_dtype or loaded.run.dtype,
+        run = loaded.resolved
+        export_hf(loaded.engine, loaded.model, run.tokenizer, out, args.export_dtype or run.dtype,
                   args.export_max_shard_size)
         if is_url(target) and loaded.engine.is_main:
             folder = RemoteFolder(target, args.storage_retries)
@@ -88,7 +77,7 @@ def export_checkpoint(args: PreTrainingArguments, checkpoint: str | None, output
             folder.put_tree(out, "")
             logger.info("uploaded the HF folder to %s", target)
     finally:  # the engine (and its process group) ends on every path
-        loaded.close()
+        loaded.engine.close()
     return target if is_url(target) else out
 
 
@@ -109,22 +98,21 @@ def evaluation_args(target: str | Path, overrides: list[str]) -> tuple[PreTraini
     """The run to evaluate and the checkpoint holding its weights (None: an HF folder's own weights). A run in
     object storage: its newest complete checkpoint's URL (downloaded when the model is loaded)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = [] if world_size > 1 else list(SINGLE_PROCESS_LAYOUT)
+    overrides = [*(() if world_size > 1 else SINGLE_PROCESS_LAYOUT), *overrides]
     if is_url(target):
-        return remote_evaluation_args(str(target), [*layout, *overrides])
+        return remote_evaluation_args(str(target), overrides)
     target = Path(target)
     if ckpt.checkpoints_root(target).is_dir():
         checkpoint = ckpt.find_latest(target)
         if checkpoint is None:
             raise ConfigError(f"{target}: no complete checkpoint in {ckpt.checkpoints_root(target)}; evaluate its "
                               "HF folder (save_dir/hf) instead")
-        args = PreTrainingArguments.from_yaml(checkpoint / "config.yaml", [*layout, *overrides])
-        return args, checkpoint
+        return PreTrainingArguments.from_yaml(checkpoint / "config.yaml", overrides), checkpoint
     if (target / "config.json").is_file():
         # an HF folder has no layout of its own: every process of the launch is a data-parallel replica
         base = {"model_path": str(target), "num_training_steps": 1, "micro_batch_size": 1, "dp": world_size,
                 "dtype": "auto", "write_report": False, "export_hf": False}
-        return PreTrainingArguments.from_dict(base, [*layout, *overrides], source="evaluate"), None
+        return PreTrainingArguments.from_dict(base, overrides, source="evaluate"), None
     raise ConfigError(f"{target}: neither a run's save_dir (with checkpoints/) nor an HF model folder (with "
                       "config.json)")
 
@@ -134,13 +122,13 @@ def remote_evaluation_args(url: str, overrides: list[str]) -> tuple[PreTrainingA
     try:
         remote, step = locate_remote(url, retries=4)
         if step is None:
-            raise ConfigError(f"{url}: no complete checkpoint under {remote.url}/checkpoints")
+            raise ConfigError(f"{url}: no complete checkpoint under {remote.folder.url}/checkpoints")
         text = remote.folder.read_text(f"{step_folder(step)}/config.yaml")
     except StorageError as exc:
         raise ConfigError(str(exc)) from None
     if text is None:
-        raise ConfigError(f"{remote.url}/{step_folder(step)} has no config.yaml to rebuild its model from")
-    local = staging_folder(remote.url, None) / ckpt.RESUME_DOWNLOADS / f"config-step-{step}.yaml"
+        raise ConfigError(f"{remote.folder.url}/{step_folder(step)} has no config.yaml to rebuild its model from")
+    local = staging_folder(remote.folder.url, None) / ckpt.RESUME_DOWNLOADS / f"config-step-{step}.yaml"
     local.parent.mkdir(parents=True, exist_ok=True)
     local.write_text(text, encoding="utf-8")
     return PreTrainingArguments.from_yaml(local, overrides), remote.folder.url_of(step_folder(step))
@@ -158,7 +146,7 @@ def evaluate(target: str | Path, task_paths: list[str], overrides: list[str], li
     tasks = read_downstream_tasks([{**entry, **changes} for entry in entries])
     loaded = load_model(args, checkpoint)
     try:
-        run = loaded.run
+        run = loaded.resolved
         if run.tokenizer is None:
             raise ConfigError("pretrainer evaluate needs the model's tokenizer: set tokenizer_path=FOLDER")
         scored = [ScoredTask.load(task, run.tokenizer, run.sizes.seq_length) for task in tasks]
@@ -166,7 +154,7 @@ def evaluate(target: str | Path, task_paths: list[str], overrides: list[str], li
         if loaded.engine.is_main:
             logger.info("evaluated %s: %s", checkpoint or target, format_scores(scores))
     finally:  # the engine (and its process group) ends on every path, a bad task file included
-        loaded.close()
+        loaded.engine.close()
     for task in scored:
         scores[task.task.name]["records"] = len(task.records)
     return scores

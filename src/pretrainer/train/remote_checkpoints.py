@@ -8,10 +8,7 @@ stores cannot rename a folder, so the commit is the last object: a folder withou
 one whose objects do not match its manifest is skipped. With `async_checkpoint` the upload runs in the
 background while training goes on and is committed at the next save or at the end of the run (a collective
 point); without it, at once. After the commit the staged copy is deleted, and a save first waits for the
-previous upload.
-
-Before anything trains, the main rank checks the bucket (`check_save_dir`): it exists, and these credentials
-may write and list there (a probe object `.pretrainer-write-check` under save_dir, written and deleted).
+previous upload. Before anything trains, the main rank checks the bucket (`check_save_dir`).
 
 A failed upload (after `storage_retries` tries of each object) ends the run with one line naming the URL and
 the newest complete checkpoint in the bucket, if any (`checkpoint_failure: fatal`), or is logged and the run
@@ -59,10 +56,6 @@ class RemoteCheckpoints:
 
     def __init__(self, folder: RemoteFolder):
         self.folder = folder
-
-    @property
-    def url(self) -> str:
-        return self.folder.url
 
     def upload(self, local: Path, step: int, checksums: bool) -> dict:
         """This node's files of the checkpoint in `local` (all but the manifest and the commit); their entries."""
@@ -141,17 +134,13 @@ class Upload:
 class CheckpointUploads:
     """Each checkpoint saved to the staging folder, uploaded and committed; every rank calls `start` and
     `finish` in the same order (`finish` is collective, and every rank keeps the same record of what reached the
-    bucket and what did not).
+    bucket and what did not)."""
 
-    A checkpoint whose upload failed stays in the staging folder: once a later checkpoint reaches the bucket it is
-    uploaded again (unless the retention rules would delete it there anyway: then it goes from staging), and
-    the run's end names those that exist only in staging."""
-
-    def __init__(self, remote: RemoteCheckpoints, engine, *, background: bool, failure: str, checksums: bool,
-                 keep_last: int | None, keep_every: int | None, after_commit=None):
-        self.remote, self.engine = remote, engine
-        self.background, self.failure, self.checksums = background, failure, checksums
-        self.keep_last, self.keep_every = keep_last, keep_every
+    def __init__(self, args, engine, after_commit=None):
+        self.remote = RemoteCheckpoints(RemoteFolder(args.remote_save_dir, args.storage_retries))
+        self.engine, self.background, self.failure = engine, args.async_checkpoint, args.checkpoint_failure
+        self.checksums = args.checkpoint_checksums
+        self.keep_last, self.keep_every = args.keep_last_checkpoints, args.keep_checkpoints_every
         self.after_commit = after_commit  # the main rank's uploads that follow a commit (metrics.jsonl)
         self.uploads_here = engine.world.local_rank == 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-upload") if self.uploads_here else None
@@ -220,8 +209,7 @@ class CheckpointUploads:
 
     def _conclude(self, upload: Upload) -> str | None:
         """Wait for every node's upload of `upload` and commit it; why it failed, or None (collective)."""
-        outcome = _result(upload.future)
-        outcomes = self.engine.all_gather_object(outcome)
+        outcomes = self.engine.all_gather_object(_result(upload.future))
         problem = next((text for kind, text in outcomes if kind == "error"), None)
         if problem is None and self.engine.is_main:
             entries = {name: entry for kind, files in outcomes if kind == "ok" for name, entry in files.items()}
@@ -295,21 +283,18 @@ class CheckpointUploads:
         return f"The newest complete checkpoint there, {self.remote.folder.url_of(step_folder(step))}, is " \
                "intact (resume: auto continues from it)"
 
-    def staging_only(self) -> list[Path]:
-        """The checkpoints that exist only in the staging folder, oldest first."""
-        return [*self.leftovers, *(self.staged[step].local for step in sorted(self.staged))]
-
     def report_end(self) -> None:
         """At the run's end (collective; after `finish`): the checkpoints that exist only in staging, named in
         one warning; a run none of whose checkpoints reached the bucket ends with CheckpointError (exit 4)."""
-        only_here = self.staging_only()
+        staged = [str(self.staged[step].local) for step in sorted(self.staged)]
+        only_here = [*map(str, self.leftovers), *staged]  # oldest first
         if only_here and self.engine.is_main:
             logger.warning("checkpoint(s) that exist only in the staging folder, not in %s: %s (resume: PATH "
-                           "continues from one)", self.url_of_checkpoints, ", ".join(map(str, only_here)))
-        if self.staged and not self.committed:
+                           "continues from one)", self.url_of_checkpoints, ", ".join(only_here))
+        if staged and not self.committed:
             raise CheckpointError(f"no checkpoint of this run reached {self.url_of_checkpoints}: every upload "
                                   f"failed (the last: {self.last_problem}); they are kept in the staging folder: "
-                                  f"{', '.join(str(self.staged[step].local) for step in sorted(self.staged))}")
+                                  f"{', '.join(staged)}")
 
     def abandon(self) -> None:
         """A run that fails: an upload under way is left uncommitted (never resumed from)."""
@@ -382,8 +367,8 @@ def fetch_checkpoint(world, url: str, local_root: Path, retries: int, given_as: 
     if world.is_main:
         try:
             remote, step = locate_remote(url, retries)
-            choice = ("ok", remote.url, step) if step is not None or given_as is None else \
-                ("missing", f"{url} holds no complete checkpoint (none under {remote.url}/{CHECKPOINTS})", None)
+            choice = ("ok", remote.folder.url, step) if step is not None or given_as is None else \
+                ("missing", f"{url} holds no complete checkpoint (none under {remote.folder.url}/{CHECKPOINTS})", None)
         except NotACheckpoint as exc:
             choice = ("missing" if given_as else "error", str(exc), None)
         except StorageError as exc:

@@ -69,13 +69,9 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
     out = save_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     charts = []
-    for name, title, ylabel, series in PLOTS:
-        lines = []
-        for key, legend, kind in series:
-            source = train if kind == "train" else evals
-            points = [(r["step"], r[key] * (100 if key == "mfu" else 1)) for r in source if key in r]
-            if points:
-                lines.append((legend, points))
+    for name, title, ylabel, series in PLOTS:  # line_chart leaves out a series without points
+        lines = [(legend, [(r["step"], r[key] * (100 if key == "mfu" else 1))
+                           for r in (train if kind == "train" else evals) if key in r]) for key, legend, kind in series]
         charts.append((name, line_chart(title, ylabel, lines)))
     tasks = downstream_rows(rows)
     found = [Path(b) for b in branches] if branches is not None else find_branches(save_dir)
@@ -117,12 +113,12 @@ def branch_charts(train: list[dict], evals: list[dict], branches: dict[Path, lis
     if not branches:
         return []
     charts = []
-    for name, key, source in (("branches_loss.svg", "loss", train), ("branches_eval_loss.svg", "eval_loss", evals)):
+    for name, key, source, title in (("branches_loss.svg", "loss", train, "Train loss"),
+                                     ("branches_eval_loss.svg", "eval_loss", evals, "Eval loss")):
         lines = [("this run", [(r["step"], r[key]) for r in source if key in r])]
         for folder, rows in branches.items():
             lines.append((folder.name, [(r["step"], r[key]) for r in latest_per_step(
                 [r for r in rows if key in r and "event" not in r])]))
-        title = "Train loss" if key == "loss" else "Eval loss"
         charts.append((name, line_chart(f"{title}: the run and its cooldown branches", key, lines)))
     return charts
 

@@ -68,36 +68,23 @@ def file_names(sources: dict | None) -> dict | None:
     return {name: [str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths] for name, paths in sources.items()}
 
 
-def mtp_values(args, lineage) -> dict:
-    return {"mtp_num_layers": args.mtp_num_layers}
-
-
-def lineage_values(args, lineage) -> dict:
-    return {"branch_of": lineage}
-
-
 GROUPS = (  # the lineage first: a checkpoint of another run is the one thing to say about it
-    KeyGroup("lineage", lineage_values, None, "the run would continue another run's checkpoint"),
+    KeyGroup("lineage", lambda args, lineage: {"branch_of": lineage}, None,
+             "the run would continue another run's checkpoint"),
     KeyGroup("schedule", schedule_values, "override_schedule", "the lr would jump at this step",
              BRANCH_OWN_KEYS),
     KeyGroup("mixture", mixture_values, "override_mixture",
              "the steps already trained would be read from another blend or other files, and each source's token "
              "count recounted"),
-    KeyGroup("mtp", mtp_values, "override_mtp", "a trained prediction depth's weights would be dropped"),
+    KeyGroup("mtp", lambda args, lineage: {"mtp_num_layers": args.mtp_num_layers}, "override_mtp",
+             "a trained prediction depth's weights would be dropped"),
 )
 
 
-def branch_lineage(branch) -> str | None:
-    """A cooldown branch's parent as `RUN@step-N`, with RUN an absolute path (or a URL), so that two spellings of
-    one folder compare equal; None for an ordinary run."""
-    if branch is None:
-        return None
-    return f"{folder_name(branch.run)}@step-{branch.step}"
-
-
 def recorded_keys(args, branch) -> dict:
-    """What a checkpoint of this run records: {group: {key: value}}, as JSON reads it back."""
-    lineage = branch_lineage(branch)
+    """What a checkpoint of this run records: {group: {key: value}}, as JSON reads it back. A cooldown branch's
+    lineage is its parent as `RUN@step-N`, RUN as `folder_name` compares it (None for an ordinary run)."""
+    lineage = None if branch is None else f"{folder_name(branch.run)}@step-{branch.step}"
     return json.loads(json.dumps({group.name: group.values(args, lineage) for group in GROUPS}, default=str))
 
 

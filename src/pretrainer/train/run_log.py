@@ -45,9 +45,8 @@ class RunLog:
             self.record(row)
         self._deferred.clear()
 
-    def start_progress(self, total: int, done: int) -> Progress:
+    def start_progress(self, total: int, done: int) -> None:
         self.progress = Progress(total, done, enabled=self.is_main)
-        return self.progress
 
     def train_row(self, row: dict) -> None:
         self.record(row)

@@ -35,9 +35,8 @@ def encode_request(tokenizer, context: str, continuation: str, max_length: int) 
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     context_ids = tokenizer.encode(context, add_special_tokens=False) if context else []
-    prefix = [prefix_token(tokenizer)]
-    tokens = prefix + whole
-    start = len(prefix) + len(context_ids)
+    tokens = [prefix_token(tokenizer), *whole]
+    start = 1 + len(context_ids)
     if start == len(tokens):
         raise ValueError(f"the continuation {continuation!r} has no tokens of its own")
     cut = max(0, len(tokens) - 1 - max_length)
@@ -57,9 +56,8 @@ def plan_batches(requests: list[Request], batch_tokens: int) -> list[list[int]]:
     rows have similar lengths, so little is padding)."""
     order = sorted(range(len(requests)), key=lambda i: (-len(requests[i].tokens), i))
     batches, current = [], []
-    for index in order:
-        width = len(requests[current[0]].tokens) - 1 if current else len(requests[index].tokens) - 1
-        if current and (len(current) + 1) * width > batch_tokens:
+    for index in order:  # the first of a batch is its widest
+        if current and (len(current) + 1) * (len(requests[current[0]].tokens) - 1) > batch_tokens:
             batches.append(current)
             current = []
         current.append(index)
@@ -82,12 +80,6 @@ def make_batch(requests: list[Request], indices: list[int]) -> dict:
 
 
 STAND_IN = {"input_ids": torch.zeros((1, 8), dtype=torch.long), "shift_labels": torch.full((1, 8), IGNORE)}
-
-
-@torch.no_grad()
-def loglikelihoods(model: torch.nn.Module, engine, requests: list[Request], batch_tokens: int) -> np.ndarray:
-    """Every request's continuation log-likelihood (float64), the same on every rank."""
-    return score_requests(model, engine, requests, batch_tokens, greedy=False)[0]
 
 
 @torch.no_grad()

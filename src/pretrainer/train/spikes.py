@@ -67,7 +67,6 @@ class SpikeGuard:
         return None
 
     def after_update(self, applied: bool, grad_norm) -> None:
-        """An applied step's loss and gradient norm join the windows."""
         if applied:
             self.losses.append(self._loss)
             self.norms.append(float(grad_norm))

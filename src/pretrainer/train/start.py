@@ -84,14 +84,13 @@ def print_banner(trainer, meter) -> None:
     logger.info("[before the start of training step] datetime: %s", time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def prepare_process(args, world) -> None:
+def prepare_process(world) -> None:
     """This process, before the run allocates anything: native faults say where they struck, and only the main
-    rank logs info lines (warnings still come from every rank). What the CPU heap does with freed blocks follows
-    the run's layout (run/assembly.py)."""
+    rank logs info lines (warnings still come from every rank)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
     if not world.is_main:
-        logging.getLogger("pretrainer").setLevel(logging.WARNING)
+        logger.setLevel(logging.WARNING)
 
 
 def check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks=()) -> None:

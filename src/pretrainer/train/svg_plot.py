@@ -11,6 +11,7 @@ from html import escape
 
 WIDTH, HEIGHT = 560, 290
 LEFT, RIGHT, TOP, BOTTOM = 68, 16, 30, 42  # margins around the plot area
+PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
@@ -34,6 +35,20 @@ def tick_label(value: float) -> str:
     return f"{value:,.6g}" if abs(value) >= 1000 else f"{round(value, 10):g}"
 
 
+def _svg_start(title: str) -> list[str]:
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+            f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
+            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+            f'<text x="{LEFT + PLOT_W / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>']
+
+
+def _frame(xlabel: str, ylabel: str) -> str:
+    return (f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" fill="none" stroke="#888"/>'
+            f'<text x="{LEFT + PLOT_W / 2}" y="{HEIGHT - 6}" text-anchor="middle">{escape(xlabel)}</text>'
+            f'<text transform="translate(14 {TOP + PLOT_H / 2}) rotate(-90)" text-anchor="middle">'
+            f'{escape(ylabel)}</text>')
+
+
 def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float, float]]]],
                xlabel: str = "step") -> str:
     """An SVG document: each series is (legend, points); a legend is drawn when there are several."""
@@ -44,28 +59,21 @@ def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float
     ys = [y for _, points in series for _, y in points] or [0.0, 1.0]
     xticks, yticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
     x0, x1, y0, y1 = xticks[0], xticks[-1], yticks[0], yticks[-1]
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
     def px(x: float) -> float:
-        return LEFT + (x - x0) / (x1 - x0) * plot_w
+        return LEFT + (x - x0) / (x1 - x0) * PLOT_W
 
     def py(y: float) -> float:
-        return TOP + plot_h - (y - y0) / (y1 - y0) * plot_h
+        return TOP + PLOT_H - (y - y0) / (y1 - y0) * PLOT_H
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-             f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
-             f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-             f'<text x="{LEFT + plot_w / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>']
+    parts = _svg_start(escape(title))
     for x in xticks:
-        parts.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + plot_h}" stroke="#e4e4e4"/>'
-                     f'<text x="{px(x):.1f}" y="{TOP + plot_h + 15}" text-anchor="middle">{tick_label(x)}</text>')
+        parts.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + PLOT_H}" stroke="#e4e4e4"/>'
+                     f'<text x="{px(x):.1f}" y="{TOP + PLOT_H + 15}" text-anchor="middle">{tick_label(x)}</text>')
     for y in yticks:
-        parts.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + plot_w}" y2="{py(y):.1f}" stroke="#e4e4e4"/>'
+        parts.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + PLOT_W}" y2="{py(y):.1f}" stroke="#e4e4e4"/>'
                      f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{tick_label(y)}</text>')
-    parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>'
-                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">{escape(xlabel)}</text>'
-                 f'<text transform="translate(14 {TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">'
-                 f'{escape(ylabel)}</text>')
+    parts.append(_frame(xlabel, ylabel))
     for index, (name, points) in enumerate(series):
         colour = COLOURS[index % len(COLOURS)]
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
@@ -74,8 +82,8 @@ def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float
             parts.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points)
         if len(series) > 1:
             top = TOP + 14 + 16 * index
-            parts.append(f'<line x1="{LEFT + plot_w - 70}" y1="{top - 4}" x2="{LEFT + plot_w - 50}" y2="{top - 4}" '
-                         f'stroke="{colour}" stroke-width="2"/><text x="{LEFT + plot_w - 45}" y="{top}">'
+            parts.append(f'<line x1="{LEFT + PLOT_W - 70}" y1="{top - 4}" x2="{LEFT + PLOT_W - 50}" y2="{top - 4}" '
+                         f'stroke="{colour}" stroke-width="2"/><text x="{LEFT + PLOT_W - 45}" y="{top}">'
                          f'{escape(name)}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
@@ -87,16 +95,10 @@ def heatmap(title: str, ylabel: str, columns: list[tuple[float, list[float]]], x
     from white at `low` to dark red at the largest value; the scale's ends are written beside the title."""
     columns = [(x, values) for x, values in columns if values]
     rows = max((len(values) for _, values in columns), default=0)
-    finite = [v for _, values in columns for v in values if math.isfinite(v)]
-    high = max(finite, default=low)
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-             f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
-             f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-             f'<text x="{LEFT + plot_w / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)} '
-             f'(white {tick_label(low)}, dark {tick_label(high)})</text>']
+    high = max((v for _, values in columns for v in values if math.isfinite(v)), default=low)
+    parts = _svg_start(f"{escape(title)} (white {tick_label(low)}, dark {tick_label(high)})")
     if columns and rows:
-        cell_w, cell_h = plot_w / len(columns), plot_h / rows
+        cell_w, cell_h = PLOT_W / len(columns), PLOT_H / rows
         for index, (_, values) in enumerate(columns):
             for row, value in enumerate(values):
                 share = 0.0 if not math.isfinite(value) or high <= low else min(max((value - low) / (high - low), 0), 1)
@@ -104,13 +106,10 @@ def heatmap(title: str, ylabel: str, columns: list[tuple[float, list[float]]], x
                 parts.append(f'<rect x="{LEFT + index * cell_w:.1f}" y="{TOP + row * cell_h:.1f}" '
                              f'width="{cell_w + 0.5:.1f}" height="{cell_h + 0.5:.1f}" fill="{shade}"/>')
         for index in sorted({0, len(columns) // 2, len(columns) - 1}):
-            parts.append(f'<text x="{LEFT + (index + 0.5) * cell_w:.1f}" y="{TOP + plot_h + 15}" '
+            parts.append(f'<text x="{LEFT + (index + 0.5) * cell_w:.1f}" y="{TOP + PLOT_H + 15}" '
                          f'text-anchor="middle">{tick_label(columns[index][0])}</text>')
         for row in sorted({0, rows - 1}):
             parts.append(f'<text x="{LEFT - 5}" y="{TOP + (row + 0.5) * cell_h + 4:.1f}" '
                          f'text-anchor="end">{row}</text>')
-    parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>'
-                 f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 6}" text-anchor="middle">{escape(xlabel)}</text>'
-                 f'<text transform="translate(14 {TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">'
-                 f'{escape(ylabel)}</text></svg>')
+    parts.append(_frame(xlabel, ylabel) + "</svg>")
     return "\n".join(parts)

@@ -45,7 +45,7 @@ def scalars(row: dict) -> tuple[str, dict[str, float]] | None:
 
 
 class TensorBoardTracker:
-    def __init__(self, save_dir: str, project: str):
+    def __init__(self, save_dir: str):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -91,8 +91,5 @@ def open_trackers(report_to, save_dir: str | None, project: str, config: dict) -
     names = requested(report_to)
     if names and not save_dir:
         raise ConfigError(f"key 'report_to': {', '.join(names)} writes under save_dir; set save_dir")
-    trackers = []
-    for name in names:
-        trackers.append(TensorBoardTracker(save_dir, project) if name == "tensorboard"
-                        else WandbTracker(save_dir, project, config))
-    return trackers
+    return [TensorBoardTracker(save_dir) if name == "tensorboard" else WandbTracker(save_dir, project, config)
+            for name in names]

@@ -18,12 +18,11 @@ import weakref
 from pathlib import Path
 
 from ..config import PreTrainingArguments
-from ..perf import StepPhases
 from ..plan import check_memory_before_build
 from ..run import launch_world
 from ..run.assembly import DataSources, assemble_run
 from ..run.branch import branch_args, no_folder_left_if_refused
-from ..run.callbacks import StepResult, TrainState
+from ..run.callbacks import TrainState
 from . import checkpoint as ckpt
 from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
@@ -42,7 +41,7 @@ from .spikes import SpikeGuard
 from .start import check_inputs, model_ready_row, prepare_process, print_banner, start_row
 from .train_module import TrainModule
 from .validation import Validator
-from .watchdog import open_watchdog
+from .watchdog import StepWatchdog
 
 logger = logging.getLogger("pretrainer")
 
@@ -74,7 +73,7 @@ class PreTrainer:
     def _assemble(self, args, model, optimizer, lr_scheduler, train_dataloader, eval_dataloader, callbacks) -> None:
         """After the launch: the checkpoint to resume from, the seed, the run's one assembly, the loop's parts."""
         world = self.world
-        prepare_process(args, world)
+        prepare_process(world)
         check_save_dir(world, args)  # a save_dir URL's bucket exists and takes writes, before anything is built
         self.resume_from, self.starting_branch = elect_start(world, args, self.branch)
         seed_everything(args.seed)
@@ -108,8 +107,8 @@ class PreTrainer:
         self.state = loop_state(self)
         self.files = RunFiles(args, engine.is_main)  # a save_dir URL's metrics, report and export, uploaded
         self.files.pull_metrics()
-        self.checkpointer = ckpt.Checkpointer.of_run(args, engine, self.state, self.files.push_metrics,
-                                                     self.callbacks) if args.save_dir else None
+        self.checkpointer = ckpt.Checkpointer(args, engine, self.state, self.files.push_metrics, self.callbacks) \
+            if args.save_dir else None
         # In this order: the interval's row, the features' and the user's (what they keep is saved with the step), the
         # checkpoint, then evaluation (a failing evaluation never costs the step's checkpoint)
         self.loop_callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
@@ -127,22 +126,15 @@ class PreTrainer:
         self.stop_requests.install()
         try:
             return self._train()
-        except RuntimeError as exc:
-            self._abandon_checkpoint()
-            if self.engine.world_size == 1 or not is_collective_failure(exc):
-                raise
-            raise collective_failure(exc, self.engine.rank, self.train_state.step + 1,
-                                     self.pretrain_args.distributed_timeout_minutes) from exc
         except BaseException as exc:
-            if not isinstance(exc, TrainingInterrupted):  # a stop request's checkpoint is complete
-                self._abandon_checkpoint()
+            if self.checkpointer is not None and not isinstance(exc, TrainingInterrupted):
+                self.checkpointer.abandon()  # a stop request's checkpoint is complete
+            if isinstance(exc, RuntimeError) and self.engine.world_size > 1 and is_collective_failure(exc):
+                raise collective_failure(exc, self.engine.rank, self.train_state.step + 1,
+                                         self.pretrain_args.distributed_timeout_minutes) from exc
             raise
         finally:
             self.stop_requests.uninstall()
-
-    def _abandon_checkpoint(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.abandon()
 
     def close(self, barrier: bool = True) -> None:
         """End the run's use of the processes: drop the model, optimizer and schedule, release the engine and
@@ -184,7 +176,7 @@ class PreTrainer:
             log.close()
             return {"exited_early": False, "step": state.step, "tokens": state.tokens}
         print_banner(self, log.meter)
-        watchdog = open_watchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
+        watchdog = StepWatchdog(engine.rank, engine.world_size, 60 * args.distributed_timeout_minutes)
         try:
             log.start_progress(self.total_steps, state.step)
             stop = self._steps(watchdog)
@@ -212,7 +204,10 @@ class PreTrainer:
         step_start = time.perf_counter()
         while state.step < self.total_steps:
             with watchdog.watching(state.step + 1):
-                result = self._train_step(log.meter.phases)
+                with log.meter.phases.host("data"):  # the step's micro-batches (gradient accumulation's, a ramp's)
+                    host_batches = [self.engine.shard_batch(self.hooks.next_batch(self.train_stream))
+                                    for _ in range(self.resolved.sizes.accumulation(state.step))]
+                result = self.module.step(host_batches, state, log.meter.phases, log.defer)
             log.meter.add(result.loss_sum, result.counts, time.perf_counter() - step_start)
             log.write_deferred()
             for callback in self.loop_callbacks:  # the row, the user's, the checkpoint, evaluations
@@ -224,14 +219,6 @@ class PreTrainer:
                 return stop
             step_start = time.perf_counter()  # save/eval time is not part of the next step
         return None
-
-    def _train_step(self, phases: StepPhases) -> StepResult:
-        """One optimizer step over the step's micro-batches (`gradient_accumulation_steps`, or a batch ramp's)."""
-        engine, state = self.engine, self.train_state
-        with phases.host("data"):
-            host_batches = [engine.shard_batch(self.hooks.next_batch(self.train_stream))
-                            for _ in range(self.resolved.sizes.accumulation(state.step))]
-        return self.module.step(host_batches, state, phases, self.log.defer)
 
     def _stop_reason(self, step: int) -> str | None:
         """Whether to leave the loop after `step` before the end: a signal on any rank, or exit_interval."""

@@ -15,9 +15,7 @@ from ..run.callbacks import Callback
 def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) -> dict:
     was_training = model.training
     model.eval()
-    total_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
-    total_correct = torch.zeros((), dtype=torch.float64, device=engine.device)
-    total_tokens = torch.zeros((), dtype=torch.float64, device=engine.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, correct predictions, tokens
     for batch in islice(loader, max_batches):
         batch = to_device(engine.shard_batch(batch), engine.device)
         targets = batch_targets(batch)
@@ -25,11 +23,11 @@ def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) ->
             output = engine.forward(model, batch)
         if output is None:  # a pipeline rank without the last stage
             continue
-        total_loss += output.loss_sum(targets).double()
-        total_correct += output.correct_count(targets).double()
-        total_tokens += (targets != IGNORE).sum()
+        sums[0] += output.loss_sum(targets).double()
+        sums[1] += output.correct_count(targets).double()
+        sums[2] += (targets != IGNORE).sum()
     model.train(was_training)
-    totals = engine.reduce_sum(torch.stack([total_loss, total_correct, total_tokens]))
+    totals = engine.reduce_sum(sums)
     tokens = max(totals[2].item(), 1.0)
     loss = totals[0].item() / tokens
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": totals[1].item() / tokens,

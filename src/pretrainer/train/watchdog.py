@@ -16,35 +16,32 @@ WARN_AT = 0.9  # of distributed_timeout_minutes
 
 
 class StepWatchdog:
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank, self.limit = rank, WARN_AT * timeout_s
         self._step, self._deadline, self._reported = 0, None, False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="pretrainer-step-watchdog", daemon=True)
-        self._thread.start()
-
-    def arm(self, step: int) -> None:
-        with self._lock:
-            self._step, self._deadline, self._reported = step, time.monotonic() + self.limit, False
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
+        self._thread = None  # one process has no other rank to wait for
+        if world_size > 1:
+            self._thread = threading.Thread(target=self._watch, name="pretrainer-step-watchdog", daemon=True)
+            self._thread.start()
 
     @contextlib.contextmanager
     def watching(self, step: int):
         """Arm for `step` while the block runs."""
-        self.arm(step)
+        with self._lock:
+            self._step, self._deadline, self._reported = step, time.monotonic() + self.limit, False
         try:
             yield
         finally:
-            self.disarm()
+            with self._lock:
+                self._deadline = None
 
     def close(self) -> None:
         """Stop the thread and wait for it (it wakes at least every 0.5 s)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(0.5, self.limit / 4)):
@@ -57,17 +54,3 @@ class StepWatchdog:
                 logger.error("rank %d: step %d has run for %.0f s, 90%% of distributed_timeout_minutes; another "
                              "rank has probably died or hangs, and the next collective will fail", self.rank, step,
                              self.limit)
-
-
-class NoWatchdog:
-    """One process has no other rank to wait for."""
-
-    def watching(self, step: int):
-        return contextlib.nullcontext()
-
-    def close(self) -> None:
-        pass
-
-
-def open_watchdog(rank: int, world_size: int, timeout_s: float) -> StepWatchdog | NoWatchdog:
-    return StepWatchdog(rank, timeout_s) if world_size > 1 else NoWatchdog()
