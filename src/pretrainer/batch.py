@@ -101,11 +101,6 @@ class HeadOutput:
             return self.row_losses
         return self.each_token_loss(targets).detach().sum(-1) if self.logits is not None else None
 
-    @property
-    def z_in_gradient(self) -> bool:
-        """The head computed the z-loss with its gradient already inside the loss's."""
-        return self.z_sum is not None
-
     def z_loss_sum(self, targets: torch.Tensor) -> torch.Tensor:
         """The sum over valid targets of logsumexp(logits)^2 (PaLM's output z-loss, before its coefficient)."""
         if self.z_sum is not None:
@@ -121,13 +116,11 @@ pytree.register_dataclass(HeadOutput)
 
 def batch_targets(batch: dict) -> torch.Tensor:
     if "shift_labels" in batch:
-        targets = batch["shift_labels"]
-    else:
-        labels = batch.get("labels", batch["input_ids"])
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            targets = targets.masked_fill(F.pad(mask[:, 1:], (0, 1), value=0) == 0, IGNORE)
+        return batch["shift_labels"]
+    targets = F.pad(batch.get("labels", batch["input_ids"])[:, 1:], (0, 1), value=IGNORE)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        targets = targets.masked_fill(F.pad(mask[:, 1:], (0, 1), value=0) == 0, IGNORE)
     return targets
 
 
@@ -155,14 +148,6 @@ def loss_sum(output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
     return output.loss_sum(targets)
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Which document of its row each token is in, from positions that restart at 0 with every document (packed
-    windows with reset_position_ids); positions that never restart make each row one document."""
-    starts = position_ids == 0
-    starts[..., 0] = True
-    return starts.long().cumsum(dim=-1)
-
-
 def depth_targets(batch: dict, depth: int) -> torch.Tensor:
     """The targets of multi-token prediction depth `depth` (k): position i predicts the token k + 1 ahead, the main
     target of position i + k, kept only where position i + k is in the window and in position i's document (no depth
@@ -174,7 +159,11 @@ def depth_targets(batch: dict, depth: int) -> torch.Tensor:
     shifted = F.pad(targets[:, depth:], (0, depth), value=IGNORE)
     positions = batch.get("position_ids")
     if positions is not None:
-        documents = document_ids(positions.expand_as(targets).clone())
+        # each token's document in its row: positions restart at 0 with every document (packed windows with
+        # reset_position_ids); positions that never restart make each row one document
+        starts = positions.expand_as(targets).clone() == 0
+        starts[..., 0] = True
+        documents = starts.long().cumsum(dim=-1)
         same = F.pad(documents[:, depth:], (0, depth), value=-1) == documents
         shifted = shifted.masked_fill(~same, IGNORE)
     return shifted

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def parse_pretrain_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -11,7 +10,7 @@ def parse_pretrain_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pretrain_config_file", required=True, help="the YAML config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied after the YAML")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
-    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(argv)  # None: sys.argv[1:]
 
 
 def get_pretrain_config_file(argv: list[str] | None = None) -> str:

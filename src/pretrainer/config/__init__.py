@@ -3,23 +3,22 @@ layer), `dtypes`, and the typed parts a run is resolved into: `dims` (parallel d
 (optimizer and schedule) and `moe` (Mixture-of-Experts); `paths` checks the folders a run writes. Nothing writes to the
 loaded arguments after `PreTrainingArguments` has checked them."""
 
-from .arguments import ACTIVATION_CHECKPOINTING, DEFAULT_DATA_SPLIT, NEW_TOKEN_INITS, ON_ERROR, PreTrainingArguments
+from .arguments import ACTIVATION_CHECKPOINTING, ON_ERROR, PreTrainingArguments
 from .dims import ParallelDims
-from .downstream import TASK_FORMATS, DownstreamTask, read_downstream_tasks
+from .downstream import DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import ConfigError, key_error
 from .loading import parse_size
-from .moe import AUX_LOSS_TYPES, MOE_KEYS, ExpertShape, MoeSettings, expert_shape
+from .moe import MoeSettings, expert_shape
 from .mtp import MtpSettings, mtp_settings
-from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD, megatron_args
-from .optimization import MUON_ADJUST_LR, OPTIMIZERS, BranchPoint, MuonSettings, OptimizerSettings, ScheduleSettings
+from .openmind import HOOK_KEYS, MEGATRON_KEY_TO_FIELD
+from .optimization import MUON_ADJUST_LR, BranchPoint, OptimizerSettings, ScheduleSettings
 from .paths import CHECKPOINT_STATE_FILE, check_writable_folder, extra_state_file, staging_folder, write_text_whole
-from .sizes import BatchSizes, global_batch_size, model_positions, resolve_seq_length
+from .sizes import BatchSizes, global_batch_size, resolve_seq_length
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "AUX_LOSS_TYPES", "CHECKPOINT_STATE_FILE", "DEFAULT_DATA_SPLIT", "DTYPES",
-           "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD", "MOE_KEYS", "MUON_ADJUST_LR", "NEW_TOKEN_INITS", "ON_ERROR",
-           "OPTIMIZERS", "TASK_FORMATS", "BatchSizes", "BranchPoint", "ConfigError", "DownstreamTask", "ExpertShape",
-           "MoeSettings", "MtpSettings", "MuonSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments",
-           "ScheduleSettings", "check_writable_folder", "dtype_name", "expert_shape", "extra_state_file",
-           "global_batch_size", "key_error", "megatron_args", "model_positions", "mtp_settings", "parse_size",
-           "read_downstream_tasks", "resolve_seq_length", "staging_folder", "torch_dtype", "write_text_whole"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "CHECKPOINT_STATE_FILE", "DTYPES", "HOOK_KEYS", "MEGATRON_KEY_TO_FIELD",
+           "MUON_ADJUST_LR", "ON_ERROR", "BatchSizes", "BranchPoint", "ConfigError", "DownstreamTask", "MoeSettings",
+           "MtpSettings", "OptimizerSettings", "ParallelDims", "PreTrainingArguments", "ScheduleSettings",
+           "check_writable_folder", "dtype_name", "expert_shape", "extra_state_file", "global_batch_size", "key_error",
+           "mtp_settings", "parse_size", "read_downstream_tasks", "resolve_seq_length", "staging_folder",
+           "torch_dtype", "write_text_whole"]

@@ -24,13 +24,12 @@ from .dtypes import DTYPES, torch_dtype
 from .errors import ConfigError, key_error
 from .features import check_features
 from .loading import (
+    UniqueKeyLoader,
     allowed_types,
     apply_override,
     check_unique_overrides,
     coerce_scientific,
     describe_types,
-    field_names,
-    load_yaml,
     non_finite_at,
     not_finite_message,
     parse_size,
@@ -296,22 +295,21 @@ class PreTrainingArguments:
             raise ConfigError(f"config file {path} does not exist")
         text = read_user_text(path, "config file")
         try:
-            data = load_yaml(text)
+            data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass refusing duplicate keys)
         except ConfigError as exc:
             raise ConfigError(f"{path}, {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
+        if data is not None and not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
-        return PreTrainingArguments.from_dict(data, overrides, source=str(path), key_lines=top_level_key_lines(text))
+        return PreTrainingArguments.from_dict(data or {}, overrides, source=str(path),
+                                              key_lines=top_level_key_lines(text))
 
     @staticmethod
     def from_dict(data: dict, overrides: Sequence[str] = (), source: str = "config",
                   key_lines: dict[str, int] | None = None) -> "PreTrainingArguments":
         data = dict(data)
-        names = field_names(PreTrainingArguments)
+        names = {f.name for f in dataclasses.fields(PreTrainingArguments)}
         check_unique_overrides(overrides)
         for item in overrides:
             apply_override(data, item, names)
@@ -336,9 +334,7 @@ class PreTrainingArguments:
             check_given_against_megatron(data, args)
         except ConfigError as exc:
             key = getattr(exc, "key", None)
-            if key is not None:
-                raise ConfigError(f"{where(key)}: {exc}") from None
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source if key is None else where(key)}: {exc}") from None
         args.given_keys |= frozenset(data)
         args.key_origins = {key: where(key) for key in data}
         for key in args.from_plugin_args - set(data):  # read from plugin_args.other_megatron_args
@@ -445,12 +441,9 @@ class PreTrainingArguments:
         return 0
 
     def to_dict(self) -> dict:
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "plugin_args" and value:
-                value = plain(value)
-            out[f.name] = value
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.plugin_args:
+            out["plugin_args"] = plain(self.plugin_args)
         return out
 
     def to_yaml(self) -> str:
@@ -481,11 +474,7 @@ class PreTrainingArguments:
             if float in allowed and isinstance(value, int) and not isinstance(value, bool):
                 setattr(self, f.name, float(value) if int not in allowed else value)
                 continue
-            if isinstance(value, bool) and bool not in allowed:
-                ok = False
-            else:
-                ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
-            if not ok:
+            if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
                 finite = "; a finite number is needed" if reads_as_not_finite(value) else ""  # `z_loss_coeff=nan`
                 raise key_error(f.name, f"expected {describe_types(allowed)}, got {value!r} "
                                 f"({type(value).__name__}){finite}")

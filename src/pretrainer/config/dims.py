@@ -89,11 +89,8 @@ class ParallelDims:
                           f"launch a matching number of processes{hint}.")
 
     def describe(self) -> str:
-        parts = [f"world={self.world_size}", f"dp={self.dp}"]
-        if self.shard > 1:
-            parts.append(f"shard={self.shard}")
-        parts += [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(self, name) > 1]
-        return " ".join(parts)
+        return " ".join([f"world={self.world_size}", f"dp={self.dp}"] + [
+            f"{name}={getattr(self, name)}" for name in ("shard", "tp", "pp", "cp", "ep") if getattr(self, name) > 1])
 
 
 def divisors(n: int, limit: int) -> list[int]:

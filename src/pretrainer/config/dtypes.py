@@ -9,13 +9,9 @@ def torch_dtype(name: str):
     """`bf16` -> torch.bfloat16, ... (torch is imported here, on first use: the config loads without it)."""
     import torch
 
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    return table[name]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def dtype_name(dtype) -> str:
     """torch.bfloat16 -> `bf16`; other dtypes by their torch name."""
-    for name in DTYPES:
-        if torch_dtype(name) == dtype:
-            return name
-    return str(dtype)
+    return next((name for name in DTYPES if torch_dtype(name) == dtype), str(dtype))

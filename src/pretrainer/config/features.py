@@ -10,9 +10,6 @@ from dataclasses import dataclass
 
 from .errors import key_error
 
-MUON_ONLY_KEYS = ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype",
-                  "muon_params", "adamw_params")
-
 
 @dataclass(frozen=True)
 class Feature:
@@ -24,8 +21,9 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature(MUON_ONLY_KEYS, "optimizer", lambda a, key: a.optimizer == "muon", "a setting of the Muon optimizer",
-            "set optimizer: muon"),
+    Feature(("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_ns_dtype",
+             "muon_params", "adamw_params"), "optimizer", lambda a, key: a.optimizer == "muon",
+            "a setting of the Muon optimizer", "set optimizer: muon"),
     # a cooldown branch decays in wsd_decay_shape whatever its parent's schedule
     Feature(("wsd_decay_fraction", "wsd_decay_tokens", "wsd_decay_shape"), "lr_decay_style",
             lambda a, key: a.lr_decay_style == "wsd" or (key == "wsd_decay_shape" and a.cooldown_from is not None),

@@ -3,7 +3,6 @@ type names for messages and spelling suggestions."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import re
@@ -91,11 +90,6 @@ def read_user_text(path: Path, what: str) -> str:
                           "it as UTF-8") from None
 
 
-def load_yaml(text: str):
-    """`yaml.safe_load`, refusing duplicate keys."""
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
-
-
 def int_at_least(minimum: int):
     """An argparse `type` for a whole number >= `minimum` (the flag's name is added by argparse)."""
     import argparse
@@ -167,10 +161,6 @@ def suggestion(key: str, names) -> str:
     by_lower = {name.lower(): name for name in sorted(names)}
     close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.5)
     return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
-
-
-def field_names(schema) -> set[str]:
-    return {f.name for f in dataclasses.fields(schema)}
 
 
 def allowed_types(annotation) -> tuple:

@@ -49,11 +49,9 @@ class Mixture:
         return tuple(source.name for source in self.sources)
 
     def describe(self) -> str:
-        stages = []
-        for stage in self.stages:
-            until = f"until {_tokens(stage.until_tokens)} tokens: " if stage.until_tokens is not None else ""
-            stages.append(until + ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, stage.weights)))
-        return "; ".join(stages)
+        return "; ".join(
+            (f"until {_tokens(stage.until_tokens)} tokens: " if stage.until_tokens is not None else "")
+            + ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, stage.weights)) for stage in self.stages)
 
 
 def _tokens(count: float) -> str:
@@ -152,13 +150,11 @@ def _stages(schedule, names: list[str]) -> tuple[MixtureStage, ...]:
 def _normalised(weights: dict, names: list[str], where: str, key: str) -> tuple[float, ...]:
     unknown = sorted(set(weights) - set(names))
     if unknown:
-        raise key_error(key,
-                        f"{where} names unknown source(s) {', '.join(map(str, unknown))}; the sources are "
+        raise key_error(key, f"{where} names unknown source(s) {', '.join(map(str, unknown))}; the sources are "
                         f"{', '.join(names)}")
     values = [weights.get(name, 0.0) for name in names]
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) or sum(values) <= 0:
-        raise key_error(key,
-                        f"{where}: weights must be numbers >= 0 with a positive sum, got "
+        raise key_error(key, f"{where}: weights must be numbers >= 0 with a positive sum, got "
                         f"{dict(zip(names, values))}")
     if not math.isfinite(float(sum(values))):  # weights near the float limit: scaled to at most 1 first
         values = [v / max(values) for v in values]

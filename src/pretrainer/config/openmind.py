@@ -6,35 +6,20 @@ here they are honoured on every engine, and `megatron_args` is that mapping's on
 
 from __future__ import annotations
 
-import dataclasses
-
 from .dtypes import DTYPES
 from .errors import key_error
 from .loading import suggestion
 
-# other_megatron_args / plugin_args keys that name a value this run also uses.
-MEGATRON_KEY_TO_FIELD = {
-    "lr": "lr",
-    "min_lr": "min_lr",
-    "lr_decay_style": "lr_decay_style",
-    "lr_warmup_fraction": "warmup_fraction",
-    "lr_warmup_iters": "warmup_steps",
-    "weight_decay": "weight_decay",
-    "adam_beta1": "adam_beta1",
-    "adam_beta2": "adam_beta2",
-    "adam_eps": "adam_eps",
-    "init_method_std": "init_method_std",
-    "clip_grad": "clip_grad",
-    "seed": "seed",
-    "eval_iters": "eval_iters",
-    "data_cache_path": "data_cache_path",
-    "distributed_timeout_minutes": "distributed_timeout_minutes",
-    "reset_position_ids": "reset_position_ids",
-    "reset_attention_mask": "reset_attention_mask",
-    "make_vocab_size_divisible_by": "pad_vocab_to_multiple_of",
-    "context_parallel_size": "context_parallel_degree",
-    "expert_model_parallel_size": "expert_parallel_degree",
-}
+# other_megatron_args / plugin_args keys that name a value this run also uses: the field of the same name, or these.
+_RENAMED_FIELDS = {"lr_warmup_fraction": "warmup_fraction", "lr_warmup_iters": "warmup_steps",
+                   "make_vocab_size_divisible_by": "pad_vocab_to_multiple_of",
+                   "context_parallel_size": "context_parallel_degree",
+                   "expert_model_parallel_size": "expert_parallel_degree"}
+MEGATRON_KEY_TO_FIELD = {key: _RENAMED_FIELDS.get(key, key) for key in (
+    "lr", "min_lr", "lr_decay_style", "lr_warmup_fraction", "lr_warmup_iters", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_eps", "init_method_std", "clip_grad", "seed", "eval_iters", "data_cache_path",
+    "distributed_timeout_minutes", "reset_position_ids", "reset_attention_mask", "make_vocab_size_divisible_by",
+    "context_parallel_size", "expert_model_parallel_size")}
 
 # The seed's four custom Megatron hooks (functions set in plugin_args by a script).
 HOOK_KEYS = ("custom_megatron_datasets_provider_function", "custom_get_batch_function",
@@ -110,11 +95,9 @@ def merge_megatron_values(args) -> set[str]:
     """Honour on every engine the values the seed's YAML puts in plugin_args for Megatron; returns the keys it set."""
     plugin = args.plugin_args or {}
     megatron = megatron_args(plugin)
-    if "gradient_clipping" in plugin and "clip_grad" not in megatron:
-        megatron["clip_grad"] = plugin["gradient_clipping"]
-    if "cp_degree" in plugin and "context_parallel_size" not in megatron:
-        megatron["context_parallel_size"] = plugin["cp_degree"]
-    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for plugin_key, key in (("gradient_clipping", "clip_grad"), ("cp_degree", "context_parallel_size")):
+        if plugin_key in plugin and key not in megatron:
+            megatron[key] = plugin[plugin_key]
     merged = set()
     for key, name in MEGATRON_KEY_TO_FIELD.items():
         if key not in megatron:
@@ -124,7 +107,7 @@ def merge_megatron_values(args) -> set[str]:
         if name == "lr_decay_style" and isinstance(value, str):
             value = value.lower()
         current = getattr(args, name)
-        if current != defaults[name] and current != value:
+        if current != args.default_of(name) and current != value:
             raise key_error(name, f"{name}={current!r} conflicts with plugin_args.other_megatron_args.{key}="
                             f"{value!r}; set the value in one place only")
         setattr(args, name, value)
@@ -134,9 +117,8 @@ def merge_megatron_values(args) -> set[str]:
 def check_given_against_megatron(given: dict, args) -> None:
     """A key the config sets to its default value, overridden by other_megatron_args (which only fills keys
     left at their default): a conflict the merge itself cannot see, named here with both places."""
-    defaults = {f.name: f.default for f in dataclasses.fields(args)}
     megatron = megatron_args(given.get("plugin_args"))
     for key, name in MEGATRON_KEY_TO_FIELD.items():
-        if key in megatron and name in given and given[name] == defaults[name] != getattr(args, name):
+        if key in megatron and name in given and given[name] == args.default_of(name) != getattr(args, name):
             raise key_error(name, f"{name}={given[name]!r} conflicts with plugin_args.other_megatron_args.{key}="
                             f"{megatron[key]!r}; set the value in one place only")

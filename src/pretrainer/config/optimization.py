@@ -82,7 +82,6 @@ class ScheduleSettings:
     decay_shape: str = "linear"        # wsd: linear | cosine | 1-sqrt
     decay_steps: float | None = None   # wsd: the decay's length; None: wsd_decay_fraction of the post-warmup steps
     wsd_decay_fraction: float = 0.2
-    tokens_per_step: int | None = None  # where lengths were given in tokens
     branch: BranchPoint | None = None   # a cooldown branch: decay_steps from branch.step, from its lr
 
     @staticmethod
@@ -92,22 +91,20 @@ class ScheduleSettings:
         uses_tokens = args.warmup_tokens is not None or args.wsd_decay_tokens is not None or branch is not None
         if uses_tokens and sizes is None:
             raise ValueError("token lengths need the run's sizes")
-        per_step = sizes.tokens_per_step() if uses_tokens else None
         if branch is not None:
-            start = sizes.ramp.tokens_before(branch.step) if sizes.ramp is not None else branch.step * per_step
+            start = sizes.tokens_before(branch.step)
             decay = sizes.steps_for(start + args.cooldown_tokens) - branch.step
             total = sizes.whole_steps_for(start + args.cooldown_tokens, "cooldown_tokens")
             return ScheduleSettings(args.lr, args.min_lr, total, 0.0, "cooldown", args.wsd_decay_shape, decay,
-                                    tokens_per_step=per_step, branch=branch)
+                                    branch=branch)
         warmup = sizes.steps_for(args.warmup_tokens) if args.warmup_tokens is not None else \
             args.warmup_steps_resolved()
         decay = None
         if args.wsd_decay_tokens is not None:  # the decay ends with the run's last token
-            total_tokens = sizes.ramp.tokens_before(args.num_training_steps) if sizes.ramp is not None else \
-                args.num_training_steps * per_step
+            total_tokens = sizes.tokens_before(args.num_training_steps)
             decay = args.num_training_steps - sizes.steps_for(max(0.0, total_tokens - args.wsd_decay_tokens))
         return ScheduleSettings(args.lr, args.min_lr, args.num_training_steps, warmup, args.lr_decay_style,
-                                args.wsd_decay_shape, decay, args.wsd_decay_fraction, per_step)
+                                args.wsd_decay_shape, decay, args.wsd_decay_fraction)
 
     @property
     def min_ratio(self) -> float:

@@ -56,22 +56,19 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
 
 
+@dataclass(frozen=True)
 class BatchRamp:
     """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained tokens
     (sequences x seq_length, so the stage of every step follows from the steps before it, on any world size and on
     resume). A stage's batch is made of more accumulated micro-batches, never larger ones. Every question is answered by
     arithmetic over the stages (at most one segment of equal updates each), so 1e15 tokens cost what 1e3 do."""
+    stages: tuple[tuple[int, int], ...]  # (first token, sequences per step), the first at token 0
+    seq_length: int
+    # (first update, tokens before it, sequences per step)
+    _segments: tuple = dataclasses.field(init=False, repr=False, compare=False)
 
-    def __init__(self, stages: tuple[tuple[int, int], ...], seq_length: int):
-        self.stages = stages                 # (first token, sequences per step), the first at token 0
-        self.seq_length = seq_length
-        self._segments = _segments(stages, seq_length)  # (first update, tokens before it, sequences per step)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, BatchRamp) and (self.stages, self.seq_length) == (other.stages, other.seq_length)
-
-    def __hash__(self) -> int:
-        return hash((self.stages, self.seq_length))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_segments", _segments(self.stages, self.seq_length))
 
     def _segment_of_step(self, step: int) -> tuple[int, int, int]:
         return self._segments[bisect.bisect_right([first for first, _, _ in self._segments], step) - 1]
@@ -83,10 +80,6 @@ class BatchRamp:
     def tokens_before(self, step: int) -> int:
         first, tokens, seqs = self._segment_of_step(max(step, 0))
         return tokens + (step - first) * seqs * self.seq_length
-
-    def samples(self, steps: int) -> int:
-        """Sequences the first `steps` updates read."""
-        return self.tokens_before(steps) // self.seq_length
 
     def steps_for(self, tokens: float) -> float:
         """The (fractional) number of updates after which `tokens` have been trained: the update `step` that
@@ -166,6 +159,10 @@ class BatchSizes:
         """Input tokens of one update at the full global batch."""
         return self.global_batch_size * self.seq_length
 
+    def tokens_before(self, step: int) -> int:
+        """Input tokens trained before the update numbered `step` (through a ramp's smaller first updates)."""
+        return self.ramp.tokens_before(step) if self.ramp is not None else step * self.tokens_per_step()
+
     def steps_for(self, tokens: float) -> float:
         """The (fractional) number of updates that train `tokens` (through the ramp's smaller first batches)."""
         return self.ramp.steps_for(tokens) if self.ramp is not None else tokens / self.tokens_per_step()
@@ -188,9 +185,7 @@ class BatchSizes:
     @property
     def train_samples(self) -> int:
         """Samples the whole run reads, over all replicas."""
-        if self.ramp is not None:
-            return self.ramp.samples(self.num_training_steps)
-        return self.num_training_steps * self.global_batch_size
+        return self.tokens_before(self.num_training_steps) // self.seq_length
 
     @property
     def eval_samples(self) -> int:

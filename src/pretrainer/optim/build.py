@@ -43,10 +43,8 @@ def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
     """The trained parameters Muon updates, by id, with their names: every matrix (2-D, or 3-D stacked experts)
     except the input embedding and the output head; then `muon_params` globs added and `adamw_params` globs
     removed. `model`: the model as built (unwrapped), whose modules say which are embeddings and the head."""
-    named = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            named.setdefault(id(param), (parameter_name(name), param))
+    named = {id(param): (parameter_name(name), param) for name, param in model.named_parameters()
+             if param.requires_grad}
     table = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:

@@ -37,13 +37,10 @@ def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
     if tall:  # iterate on the wide side: the Gram matrix is the smaller one
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)  # spectral norm <= Frobenius norm <= 1
+    fused = torch.addmm if x.dim() == 2 else torch.baddbmm  # addmm: the same kernels, so rounding, as torch.optim.Muon
     for _ in range(steps):
-        if x.dim() == 2:  # addmm: the same kernels, so the same rounding, as torch.optim.Muon
-            gram = x @ x.mT
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        else:
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram = x @ x.mT
+        x = fused(x, fused(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 
 
@@ -59,11 +56,6 @@ def lr_scale(shape: torch.Size, rule: str) -> float:
     if rule == "original":
         return math.sqrt(max(1.0, rows / cols))
     raise ValueError(f"unknown muon_adjust_lr {rule!r}; use one of {', '.join(MUON_ADJUST_LR)}")
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full matrix of a possibly sharded tensor (an all-gather over the mesh dimensions that shard it)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def own_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -124,6 +116,8 @@ class MuonAdamW(torch.optim.AdamW):
             buffer = state["momentum_buffer"]
             buffer.lerp_(param.grad, 1 - momentum)
             update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            full = orthogonalize(whole(update), group["ns_steps"], NS_DTYPES[group["ns_dtype"]]).to(param.dtype)
+            if isinstance(update, DTensor):  # the full matrix: an all-gather over the mesh dimensions that shard it
+                update = update.full_tensor()
+            full = orthogonalize(update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]]).to(param.dtype)
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(own_piece(full, param), alpha=-lr * lr_scale(param.shape, group["adjust_lr"]))

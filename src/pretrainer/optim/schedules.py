@@ -38,10 +38,8 @@ def lr_multiplier(step: int, *, total: int, warmup: float, style: str, min_ratio
         progress = min(1.0, max(0.0, (position - (total - length)) / length))
         return min_ratio + (1 - min_ratio) * DECAY_SHAPES[decay_shape](progress)
     progress = min(1.0, max(0.0, (step - warmup) / max(1.0, total - warmup - 1)))
-    if style == "cosine":
-        return min_ratio + (1 - min_ratio) * DECAY_SHAPES["cosine"](progress)
-    if style == "linear":
-        return min_ratio + (1 - min_ratio) * (1 - progress)
+    if style in ("cosine", "linear"):
+        return min_ratio + (1 - min_ratio) * DECAY_SHAPES[style](progress)
     raise ValueError(f"unknown lr_decay_style {style!r}")
 
 

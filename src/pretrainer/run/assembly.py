@@ -122,11 +122,15 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
     if optimizer is not None and engine.shards_parameters:
         raise ConfigError(f"engine {engine.name} re-creates the model's parameters when it wraps the model "
                           "(shards or replicas), so an optimizer made before cannot be used; leave optimizer= unset "
-                          "(configure it with lr, adam_*, "
-                          "weight_decay)")
-    run_data = _assemble_data(args, resolved, engine, world, data) if training else None
-    built = model is None
-    if built:
+                          "(configure it with lr, adam_*, weight_decay)")
+    run_data = None
+    if training:
+        placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
+                                  engine.all_gather_object, world.local_rank)
+        run_data = assemble_data(args, resolved.sizes, resolved.tokenizer, placement,
+                                 datasets_provider=data.datasets_provider, train_dataloader=data.train_dataloader,
+                                 eval_dataloader=data.eval_dataloader)
+    if model is None:
         model = build_model(args, resolved.model, read_slices=engine.reads_slices)
     else:
         model.config.use_cache = False
@@ -146,14 +150,6 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
                        predicted)
 
 
-def _assemble_data(args, resolved: ResolvedRun, engine: Engine, world: World, sources: DataSources) -> RunData:
-    placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
-                              engine.all_gather_object, world.local_rank)
-    return assemble_data(args, resolved.sizes, resolved.tokenizer, placement,
-                         datasets_provider=sources.datasets_provider, train_dataloader=sources.train_dataloader,
-                         eval_dataloader=sources.eval_dataloader)
-
-
 def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: Engine, training: bool
                    ) -> tuple[ModelFacts, list[Callback]]:
     """Before the engine wraps it: the trainable parameters and the chunked loss (training), and what the run
@@ -163,19 +159,14 @@ def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: 
     trainable = parameters
     if training:
         trainable = select_trainable(model, args.trainable_parameters)
-        _install_chunked_loss(resolved, model)
+        chunk = resolved.loss_chunk  # `loss_chunk_size`: the head computes the loss in chunks (models/chunked_loss.py)
+        if chunk.reason:
+            logger.info("chunked loss not used: %s", chunk.reason)
+        if chunk.size:
+            install_chunked_loss(model, chunk.size, chunk.explicit, resolved.z_loss_coeff)
     idle = idle_expert_parameters(model, resolved.moe.shape) if resolved.moe is not None else 0
     facts = ModelFacts(parameters, trainable, model.get_input_embeddings().weight.shape[0],
                        getattr(model.get_output_embeddings(), "loss_chunk_size", 0),
                        flops_per_token(model, resolved.sizes.seq_length, idle, resolved.mtp_depths),
                        checkpoint.stats if checkpoint is not None else None)
     return facts, model_callbacks(model, resolved) if training else []
-
-
-def _install_chunked_loss(resolved: ResolvedRun, model: torch.nn.Module) -> None:
-    """`loss_chunk_size`: the output head computes the loss in chunks (see models/chunked_loss.py)."""
-    chunk = resolved.loss_chunk
-    if chunk.reason:
-        logger.info("chunked loss not used: %s", chunk.reason)
-    if chunk.size:
-        install_chunked_loss(model, chunk.size, chunk.explicit, resolved.z_loss_coeff)

@@ -88,34 +88,25 @@ def find_branches(save_dir: str | Path) -> list[Path]:
     return sorted(p for p in (Path(save_dir) / BRANCHES).glob("*") if (p / "metrics.jsonl").is_file())
 
 
-
 @contextmanager
 def no_folder_left_if_refused(args, branch: BranchPoint | None):
     """A branch refused at start (a bad key, a model that fails to load) leaves no empty folder: the folders it creates
     (RUN/branches/<name>, RUN/branches) are removed if empty, since an empty one reads as an existing branch."""
-    first_new = None
+    new = []  # the folders that do not exist yet, deepest first
     if branch is not None and args.save_dir is not None and not is_url(args.save_dir):
         folder = Path(args.save_dir).absolute()
         while not folder.exists() and folder != folder.parent:
-            first_new, folder = folder, folder.parent
+            new.append(folder)
+            folder = folder.parent
     try:
         yield
     except BaseException:
-        if first_new is not None:
-            _remove_empty_folders(Path(args.save_dir).absolute(), first_new)
+        for folder in new:  # each while it is empty (a file found keeps it and what is above)
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another rank started writing), or already gone
+                break
         raise
-
-
-def _remove_empty_folders(folder: Path, top: Path) -> None:
-    """`folder` and its parents up to `top`, each while it is empty (a file found keeps it and what is above)."""
-    while True:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty (another rank started writing), or already gone
-            return
-        if folder == top:
-            return
-        folder = folder.parent
 
 
 def branch_args(args):

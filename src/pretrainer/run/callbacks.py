@@ -59,7 +59,6 @@ class Callback:
 
     def extra_losses(self) -> torch.Tensor | None:
         """Called after each micro-batch's forward: what it adds to that backward (None: nothing)."""
-        return None
 
     def add_to_loss(self, summed: torch.Tensor, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed loss with this feature's term (from the forward's `output`: logits or the
@@ -119,15 +118,11 @@ class MoeStep(Callback):
             self.routing.attach_losses()
 
     def begin_step(self, counts: torch.Tensor, batches: list[dict]) -> None:
-        self.routing.begin_step(self._unit_weight(counts[2], len(batches)))
-
-    def _unit_weight(self, global_rows: torch.Tensor, micro_batches: int):
         """The factor of one unit's balancing losses: their gradient is that of the mean over the global batch's
         units (sequences, or micro-batches)."""
-        engine = self.engine
-        if self.run.moe.aux_loss_type == "seq":
-            return engine.mean_weight(global_rows.clamp(min=1).double())
-        return engine.mean_weight(micro_batches * engine.data_world_size)
+        seq = self.run.moe.aux_loss_type == "seq"
+        units = counts[2].clamp(min=1).double() if seq else len(batches) * self.engine.data_world_size
+        self.routing.begin_step(self.engine.mean_weight(units))
 
     def extra_losses(self) -> torch.Tensor | None:
         return self.routing.take_losses()
@@ -182,7 +177,7 @@ class OutputZLoss(Callback):
     def add_to_loss(self, summed: torch.Tensor, output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
         z = output.z_loss_sum(targets)
         self._window.append(z.detach().double())
-        if output.z_in_gradient:  # the chunked head's gradient already holds the z-loss's
+        if output.z_sum is not None:  # the chunked head computed it: its gradient already holds the z-loss's
             return summed
         return summed + self.coeff * (z - z.detach())
 
@@ -309,16 +304,12 @@ class MultiTokenPrediction(Callback):
 
     def extra_losses(self) -> None:
         """After each forward: its depths' sums, for the metrics (their loss is already in the backward)."""
-        self._take()
-        return None
-
-    def _take(self) -> None:
         for results in self.forward.take_results():
             self._window.append(torch.stack([torch.stack([r.loss_sum.detach() for r in results]),
                                              torch.stack([r.correct for r in results])]).double())
 
     def end_step(self, result: StepResult, state: TrainState) -> None:
-        self._take()  # a pipeline schedule's forwards, which no extra_losses call follows
+        self.extra_losses()  # a pipeline schedule's forwards, which no extra_losses call follows
         for sums in self._window:
             self._sums += sums
         self._window = []

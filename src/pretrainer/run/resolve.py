@@ -50,7 +50,6 @@ class ResolvedRun:
     options: EngineOptions            # the engine's part: dims, dtype, its settings, recompute, compile, seed
     sizes: BatchSizes
     model_config: object              # the HF config the model is built from
-    config_source: str                # where it came from, for messages
     model: ModelSpec | None           # config, tokenizer, weights, vocabulary growth (None: a user's model and data)
     tokenizer: object | None
     loss_chunk: LossChunk
@@ -83,14 +82,6 @@ class ResolvedRun:
     @property
     def mtp_depths(self) -> int:
         return self.mtp.depths if self.mtp is not None else 0
-
-    @property
-    def engine_class(self):
-        return self.engine.cls
-
-    @property
-    def reads_weight_slices(self) -> bool:
-        return self.engine_class.reads_weight_slices(self.options.settings)
 
     @property
     def vocab_size(self) -> int:
@@ -204,7 +195,7 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
                             sizes.seq_length, sizes.micro_batch_size, accumulate, why)
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
-    return ResolvedRun(entry, options, sizes, config, where, spec, tokenizer, chunk,
+    return ResolvedRun(entry, options, sizes, config, spec, tokenizer, chunk,
                        OptimizerSettings.of(args, dtype), lr_schedule, reason,
                        sequence_parallel, schedule, weights, args.trainable_parameters, args.loss_chunk_size,
                        custom_loss, moe, args.z_loss_coeff, mtp, args.host_malloc_reuse)
@@ -242,9 +233,6 @@ def parallel_dims(args, entry: EngineEntry, world_size: int, settings, check_dp:
 def described_world_size(args) -> int:
     """The processes a config describes: dp x the ranks of one replica of its engine (tp x pp x cp)."""
     return args.dp * select_engine(args, args.dp).cls.replica_ranks(args)
-
-
-__all__ = ["ResolvedRun", "described_world_size", "launch_world", "resolve_run"]
 
 
 def warn_of_unreached_stages(sizes) -> None:

@@ -71,14 +71,13 @@ def _asks_for_more_than_one(value) -> bool:
     return not (value is None or value is False or (type(value) is int and value <= 1))
 
 
-def _readers(key: str) -> str:
-    return engines_that(lambda cls: key in cls.own_keys)
-
-
 def _own_key_rule(key: str) -> Rule:
-    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys,
-                lambda c: f"{key} is a setting of engine {_readers(key)}, not of engine {c.engine.name}, which the run "
-                          f"uses; set engine: {_readers(key)} to use it, or remove it")
+    def why(c: Choice) -> str:
+        readers = engines_that(lambda cls: key in cls.own_keys)
+        return (f"{key} is a setting of engine {readers}, not of engine {c.engine.name}, which the run uses; set "
+                f"engine: {readers} to use it, or remove it")
+
+    return Rule(key, NO_EFFECT, lambda c: key in c.cls.own_keys, why)
 
 
 def _plugin_rule(name: str, kind: str, asks=_asks_for_more_than_one) -> Rule:
@@ -165,14 +164,7 @@ def value_of(args, key: str):
 
 def set_by_user(args, key: str) -> bool:
     """Whether the user set `key` to something other than its default (a nested key: whether it is there)."""
-    top = key.split(".", 1)[0]
-    if top not in args.given_keys:
-        return False
-    return "." in key or getattr(args, key) != args.default_of(key)
-
-
-def engine_chosen_by_user(args) -> bool:
-    return args.engine != AUTO or launcher_engine() is not None
+    return key.split(".", 1)[0] in args.given_keys and ("." in key or getattr(args, key) != args.default_of(key))
 
 
 def check_rules(args, entry: EngineEntry, settings, world_size: int, warn: bool = True) -> None:
@@ -181,7 +173,7 @@ def check_rules(args, entry: EngineEntry, settings, world_size: int, warn: bool 
     for rule in RULES:
         if not set_by_user(args, rule.key) or not rule.asks(value_of(args, rule.key)) or rule.holds(choice):
             continue
-        chosen = engine_chosen_by_user(args)
+        chosen = args.engine != AUTO or launcher_engine() is not None  # the `engine` key or an accelerate config
         if rule.kind == CANNOT or chosen:
             top, why = rule.key.split(".", 1)[0], rule.why(choice)
             why += "" if chosen else f" (engine: auto chose {entry.name} for {world_size} process(es))"
