@@ -8,17 +8,13 @@ import importlib
 
 _HOMES = {
     "DataPlacement": "assemble", "RunData": "assemble", "assemble_data": "assemble",
-    "BuiltData": "builders", "build_datasets": "builders", "build_indexed_datasets": "builders",
-    "split_indices": "builders", "split_ranges": "builders", "parse_data_path": "builders",
-    "mixture_plan": "builders",
-    "ProvidedSamples": "provided",
-    "PackedDataset": "packing", "collate_packed": "packing",
-    "open_store": "token_store", "store_spec": "token_store", "default_cache_root": "cache_roots",
-    "DocumentMasking": "packing", "document_position_ids": "packing",
+    "build_datasets": "builders", "build_indexed_datasets": "builders", "split_indices": "builders",
+    "split_ranges": "builders", "parse_data_path": "builders", "mixture_plan": "builders",
+    "PackedDataset": "packing", "collate_packed": "packing", "DocumentMasking": "packing",
+    "document_position_ids": "packing",
     "GPTSamples": "gpt_samples", "BlendedSamples": "gpt_samples", "IndexCache": "gpt_samples",
     "BatchStream": "streams", "EvalBatches": "streams", "SampleStream": "streams",
-    "DataError": "errors", "Document": "readers", "expand_paths": "readers", "read_documents": "readers",
-    "record_to_text": "readers",
+    "DataError": "errors", "expand_paths": "readers", "read_documents": "readers",
 }
 
 __all__ = sorted(_HOMES)

@@ -6,6 +6,7 @@ them into this rank's streams of micro-batches.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -68,12 +69,12 @@ def build_datasets(args, tokenizer, seq_length: int, placement) -> BuiltData:
     empty = int(np.count_nonzero(train_store.sequence_lengths[train_ids] == 0))
     if empty:
         logger.warning("skipped %d empty document(s) in the training data", empty)
-    train = PackedDataset(train_store.tokens, seq_length, document_spans(train_store, train_ids))
+    train = _windows(train_store, train_ids, seq_length)
     if len(train) == 0:
         raise DataError("the training data tokenizes to fewer than 2 tokens; nothing to train on")
     evaluation = None
     if len(eval_ids):
-        evaluation = PackedDataset(eval_store.tokens, seq_length, document_spans(eval_store, eval_ids))
+        evaluation = _windows(eval_store, eval_ids, seq_length)
         evaluation = evaluation if len(evaluation) else None
     logger.info("data: %d train documents -> %d tokens in %d windows of %d; %d eval documents -> %s",
                 len(train_ids), train.num_tokens, len(train), seq_length, len(eval_ids),
@@ -89,8 +90,7 @@ def build_mixture(args, tokenizer, sizes, placement) -> BuiltData:
     evaluation = InterleavedEval(list(evals.values())) if evals else None
     if args.resolved_eval_data:
         eval_store, _ = store("eval_data", args.resolved_eval_data)
-        evals, evaluation = {}, PackedDataset(eval_store.tokens, sizes.seq_length,
-                                              document_spans(eval_store, np.arange(eval_store.num_documents)))
+        evals, evaluation = {}, _windows(eval_store, np.arange(eval_store.num_documents), sizes.seq_length)
     return _blended(args, sizes, trains, evaluation, evals)
 
 
@@ -106,7 +106,7 @@ def _source_windows(args, seq_length: int, store) -> tuple[list, dict]:
         train_ids, eval_ids = np.arange(source_store.num_documents), np.zeros(0, dtype=np.int64)
         if args.eval_split and not args.resolved_eval_data and not source.eval_paths:
             train_ids, eval_ids = split_indices(source_store.num_documents, args.eval_split, args.seed)
-        train = PackedDataset(source_store.tokens, seq_length, document_spans(source_store, train_ids))
+        train = _windows(source_store, train_ids, seq_length)
         if len(train) == 0:
             raise DataError(f"train_data source {source.name}: {', '.join(map(str, files))} holds no tokens to "
                             "train on")
@@ -116,7 +116,7 @@ def _source_windows(args, seq_length: int, store) -> tuple[list, dict]:
             held_store, _ = store(f"eval_path of source {source.name}", list(source.eval_paths))
             eval_ids = np.arange(held_store.num_documents) if held_store is not None else eval_ids
         if len(eval_ids):
-            held = PackedDataset(held_store.tokens, seq_length, document_spans(held_store, eval_ids))
+            held = _windows(held_store, eval_ids, seq_length)
             if len(held):
                 evals[source.name] = held
     return trains, evals
@@ -177,8 +177,7 @@ def _prepared_windows(args, source, seq_length: int) -> _Counted:
     from .indexed import IndexedDataset
 
     dataset = IndexedDataset(source.paths[0])
-    train_range = split_ranges(args.data_split, dataset.num_documents)[0]
-    tokens = _split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0
+    tokens = _split_tokens(dataset, split_ranges(args.data_split, dataset.num_documents)[0])
     return _Counted(max(1, (tokens - 1) // seq_length), seq_length)
 
 
@@ -201,22 +200,23 @@ def build_prepared_mixture(args, sizes, cache) -> BuiltData:
             raise DataError(f"data_path source {source.name}: give one prepared prefix, got {list(source.paths)}")
         dataset = IndexedDataset(source.paths[0])
         train_range, valid_range, _ = split_ranges(args.data_split, dataset.num_documents)
-        if (_split_tokens(dataset, train_range) if train_range[1] > train_range[0] else 0) < 2:
+        if _split_tokens(dataset, train_range) < 2:
             raise DataError(f"data_path source {source.name}: split {args.data_split!r} leaves it no training "
                             "tokens; give the first (train) part a non-zero share")
         epoch = _prepared_windows(args, source, sizes.seq_length).windows
         trains.append(GPTSamples(dataset, train_range, sizes.seq_length, epoch, args.seed, cache,
                                  f"train-{source.name}"))
-        if valid_range[1] > valid_range[0] and _split_tokens(dataset, valid_range) > sizes.seq_length:
+        if _split_tokens(dataset, valid_range) > sizes.seq_length:
             evals[source.name] = GPTSamples(dataset, valid_range, sizes.seq_length, sizes.eval_samples, args.seed,
                                             cache, f"valid-{source.name}")
     return _blended(args, sizes, trains, InterleavedEval(list(evals.values())) if evals else None, evals)
 
 
-def document_spans(store, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(token offsets, lengths) of documents `ids` of an indexed store (one sequence per document)."""
+def _windows(store, ids: np.ndarray, seq_length: int) -> PackedDataset:
+    """Packed windows over documents `ids` of an indexed store (one sequence per document)."""
     itemsize = np.dtype(store.dtype).itemsize
-    return store.sequence_pointers[ids] // itemsize, store.sequence_lengths[ids]
+    return PackedDataset(store.tokens, seq_length, (store.sequence_pointers[ids] // itemsize,
+                                                    store.sequence_lengths[ids]))
 
 
 def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: None) -> BuiltData:
@@ -224,7 +224,7 @@ def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: No
     document ranges and blended by weight when several prefixes are given. `sizes` (the run's BatchSizes) says the
     sequence length and how many samples the run and one evaluation read; the main rank builds the index
     caches while the others wait at `barrier`."""
-    from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, default_cache_folder, samples_per_dataset
+    from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, samples_per_dataset
     from .indexed import IndexedDataset
 
     args = with_local_prefixes(args)  # prefixes in object storage: copied to local disk on first use
@@ -236,7 +236,7 @@ def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: No
     split = args.data_split
     seq_length = sizes.seq_length
     cache_folder = Path(args.data_cache_path) if args.data_cache_path else _writable(
-        default_cache_folder(prefixes[0]), args)
+        Path(prefixes[0]).resolve().parent / "cache" / "pretrainer_indices", args)
     cache = IndexCache(cache_folder, build_on_this_rank=is_main, barrier=barrier)
     if args.mixture is not None:
         return build_prepared_mixture(args, sizes, cache)
@@ -313,10 +313,7 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     if not 1 <= len(parts) <= 3 or sum(parts) <= 0:
         raise DataError(f"split {split!r}: give up to three non-negative weights for train,valid,test, e.g. 969,30,1")
     parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    bounds = [0.0]
-    for part in parts:
-        bounds.append(bounds[-1] + part / total)
+    bounds = list(itertools.accumulate((part / sum(parts) for part in parts), initial=0.0))
     return [(int(round(lo * num_documents)), int(round(hi * num_documents))) for lo, hi in zip(bounds, bounds[1:])]
 
 

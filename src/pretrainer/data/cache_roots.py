@@ -12,16 +12,12 @@ CACHE_ENV = "PRETRAINER_CACHE_DIR"
 
 def default_cache_root() -> Path:
     """The token stores' folder."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return _user_cache() / "tokenized"
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else _user_cache() / "tokenized"
 
 
 def remote_cache_root() -> Path:
     """The local copies of prepared prefixes and task files read by URL."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "remote"
-    return _user_cache() / "remote"
+    return Path(os.environ.get(CACHE_ENV) or _user_cache()) / "remote"
 
 
 def _user_cache() -> Path:

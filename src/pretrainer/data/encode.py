@@ -82,11 +82,9 @@ def encode_into(writer, texts: Iterable[str], settings: EncodeSettings, workers:
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     documents = tokens = 0
     start = time.perf_counter()
-    if meter is not None:
-        bar = tqdm(total=meter.total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                   desc=description)
-    else:
-        bar = tqdm(unit="doc", disable=not progress, desc=description)
+    units = ({"total": meter.total, "unit": "B", "unit_scale": True, "unit_divisor": 1024} if meter is not None
+             else {"unit": "doc"})
+    bar = tqdm(disable=not progress, desc=description, **units)
     try:
         with context.Pool(max(1, workers), initializer=_init_worker, initargs=(settings,)) as pool:
             for data, lengths in pool.imap(_encode, _batches(iter(texts), BATCH)):

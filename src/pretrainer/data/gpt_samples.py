@@ -63,10 +63,6 @@ class IndexCache:
         (self.folder / f"{key}-{kind}-description.json").write_text(json.dumps(description, indent=2))
 
 
-def default_cache_folder(prefix: str | Path) -> Path:
-    return Path(prefix).resolve().parent / "cache" / "pretrainer_indices"
-
-
 class GPTSamples(torch.utils.data.Dataset):
     """`num_samples` samples of `seq_length + 1` tokens from documents [first, last) of an indexed dataset."""
 
@@ -75,11 +71,8 @@ class GPTSamples(torch.utils.data.Dataset):
         first, last = documents
         self.dataset, self.seq_length, self.num_samples = dataset, seq_length, num_samples
         itemsize = np.dtype(dataset.dtype).itemsize
-        seq_first = dataset.document_indices[first:last + 1]
-        self.doc_starts = dataset.sequence_pointers[seq_first[:-1]] // itemsize if last > first else \
-            np.zeros(0, np.int64)
-        lengths = _document_lengths(dataset, first, last)
-        self.doc_lengths = lengths
+        self.doc_starts = dataset.sequence_pointers[dataset.document_indices[first:last]] // itemsize
+        self.doc_lengths = lengths = _document_lengths(dataset, first, last)
         tokens_per_epoch = int(lengths.sum())
         where = f"{dataset.bin_path.with_suffix('')} ({name} split, documents {first}..{last})"
         if tokens_per_epoch < 2:

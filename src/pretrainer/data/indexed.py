@@ -93,11 +93,7 @@ class IndexedDatasetWriter:
         np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
         documents = np.arange(len(lengths) + 1, dtype=np.int64)
         with open(self._tmp_idx, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", DTYPE_CODES[self.dtype]))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(documents)))
+            f.write(MAGIC + struct.pack("<QBQQ", VERSION, DTYPE_CODES[self.dtype], len(lengths), len(documents)))
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(documents.tobytes(order="C"))
@@ -122,20 +118,15 @@ class IndexedDataset:
         raw = self.idx_path.read_bytes()
         if raw[:9] != MAGIC:
             raise DataError(f"{self.idx_path}: not a Megatron indexed-dataset index (bad magic)")
-        version, = struct.unpack_from("<Q", raw, 9)
+        version, code, count, doc_count = struct.unpack_from("<QBQQ", raw, 9)
         if version != VERSION:
             raise DataError(f"{self.idx_path}: index version {version}, expected {VERSION}")
-        code, = struct.unpack_from("<B", raw, 17)
         if code not in CODE_DTYPES:
             raise DataError(f"{self.idx_path}: unknown dtype code {code}")
         self.dtype = CODE_DTYPES[code]
-        count, doc_count = struct.unpack_from("<QQ", raw, 18)
-        offset = 34
-        self.sequence_lengths = np.frombuffer(raw, np.int32, count, offset)
-        offset += 4 * count
-        self.sequence_pointers = np.frombuffer(raw, np.int64, count, offset)
-        offset += 8 * count
-        self.document_indices = np.frombuffer(raw, np.int64, doc_count, offset)
+        self.sequence_lengths = np.frombuffer(raw, np.int32, count, 34)  # after the 34-byte header
+        self.sequence_pointers = np.frombuffer(raw, np.int64, count, 34 + 4 * count)
+        self.document_indices = np.frombuffer(raw, np.int64, doc_count, 34 + 12 * count)
         if doc_count == 0 or self.document_indices[-1] != count:
             raise DataError(f"{self.idx_path}: document indices do not end at the sequence count")
         itemsize = np.dtype(self.dtype).itemsize

@@ -51,14 +51,9 @@ def blend_index(stage_weights: list[tuple[int, np.ndarray]], num_samples: int) -
 
 def _apportion(weights: np.ndarray, n: int) -> np.ndarray:
     """`n` source ids in order, each source's k-th at time (k + 1/2) / w (ties: the lower source id)."""
-    times, ids = [], []
-    for source, weight in enumerate(weights):
-        if weight <= 0:
-            continue
-        count = int(np.ceil(n * weight)) + 1
-        times.append((np.arange(count) + 0.5) / weight)
-        ids.append(np.full(count, source, dtype=np.int16))
-    times, ids = np.concatenate(times), np.concatenate(ids)
+    live = [(source, weight, int(np.ceil(n * weight)) + 1) for source, weight in enumerate(weights) if weight > 0]
+    times = np.concatenate([(np.arange(count) + 0.5) / weight for _, weight, count in live])
+    ids = np.concatenate([np.full(count, source, dtype=np.int16) for source, _, count in live])
     order = np.lexsort((ids, times))[:n]
     return ids[order]
 
@@ -139,10 +134,8 @@ class InterleavedEval(torch.utils.data.Dataset):
     """Evaluation windows of several sources taken in turn, so the first batches cover every source."""
 
     def __init__(self, sources: list):
-        self.order = []
-        longest = max(len(d) for d in sources)
-        for offset in range(longest):
-            self.order += [(s, offset) for s, d in enumerate(sources) if offset < len(d)]
+        self.order = [(s, offset) for offset in range(max(len(d) for d in sources))
+                      for s, d in enumerate(sources) if offset < len(d)]
         self.sources = sources
 
     def __len__(self) -> int:
@@ -168,7 +161,6 @@ def check_repeats(plans: list[SourcePlan]) -> None:
                             f"({plan.drawn:,} of its {plan.windows:,} windows drawn), more than its max_epochs "
                             f"{plan.max_epochs:g}; lower its weight, add data to it, train fewer steps or raise "
                             "max_epochs")
-    return plans
 
 
 def describe_plan(plans: list[SourcePlan], seq_length: int) -> str:

@@ -99,15 +99,10 @@ def document_position_ids(input_ids: torch.Tensor, eod_token_id: int) -> torch.T
 
 def collate_packed(samples: list[dict], pad_token_id: int, masking: DocumentMasking | None = None) -> dict:
     """Stack windows; only a short final window is padded (padding masked out of attention and loss)."""
-    batch = _stack_windows(samples, pad_token_id)
-    return masking.apply(batch) if masking is not None else batch
-
-
-def _stack_windows(samples: list[dict], pad_token_id: int) -> dict:
     batch = _stack_tokens(samples, pad_token_id)
     if "source" in samples[0]:  # a mixture's windows: each row's source (data/mixture.py)
         batch["source"] = torch.tensor([s["source"] for s in samples], dtype=torch.long)
-    return batch
+    return masking.apply(batch) if masking is not None else batch
 
 
 def _stack_tokens(samples: list[dict], pad_token_id: int) -> dict:

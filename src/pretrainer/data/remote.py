@@ -38,10 +38,6 @@ class RemoteFile:
         self.url, self.size, self.version = url, int(size), version
         self._pure = PurePosixPath(URL.sub("", url))
 
-    @staticmethod
-    def of(protocol: str, info: dict) -> "RemoteFile":
-        return RemoteFile(f"{protocol}://{info['name']}", info["size"], object_version(info))
-
     @property
     def name(self) -> str:
         return self._pure.name
@@ -95,7 +91,8 @@ def expand_remote(pattern: str, what: str, supported) -> list[RemoteFile]:
                 raise DataError(f"{what}: {pattern} holds no supported files")
         else:
             raise DataError(f"{what}: {pattern} does not exist")
-        return [RemoteFile.of(protocol, fs.info(name)) for name in names]
+        infos = [fs.info(name) for name in names]
+        return [RemoteFile(f"{protocol}://{info['name']}", info["size"], object_version(info)) for info in infos]
     except DataError:
         raise
     except Exception as exc:  # the client's own error types (credentials, endpoint, permissions)

@@ -14,6 +14,7 @@ DataLoader workers prefetch ahead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -43,11 +44,9 @@ class _PositionBatches:
         return self._perms[epoch]
 
     def indices(self, position: int) -> list[int]:
-        out = []
-        for p in range(position + self.rank * self.mbs, position + (self.rank + 1) * self.mbs):
-            epoch, offset = divmod(p, self.num_samples)
-            out.append(int(self.permutation(epoch)[offset]) if self.shuffle else offset)
-        return out
+        first = position + self.rank * self.mbs
+        places = [divmod(p, self.num_samples) for p in range(first, first + self.mbs)]
+        return [int(self.permutation(epoch)[offset]) if self.shuffle else offset for epoch, offset in places]
 
     def __iter__(self):
         position = self.start
@@ -132,12 +131,9 @@ class BatchStream:
         sampler = getattr(loader, "sampler", None)
         # Reseed only a RandomSampler the user left unseeded; a user's own generator is theirs to manage.
         self._reseed = isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
-        try:
-            self.batches_per_epoch = len(loader)
-        except TypeError:
-            self.batches_per_epoch = None
-        if self.batches_per_epoch == 0:
-            raise DataError("the training DataLoader is empty")
+        with contextlib.suppress(TypeError):  # a loader over an iterable dataset may have no length
+            if len(loader) == 0:
+                raise DataError("the training DataLoader is empty")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}

@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .encode import EncodeSettings, apply_policy, encode_into
 from .indexed import NO_ROOM, IndexedDataset, IndexedDatasetWriter, optimal_dtype, remove_stale_partial_files
 from .readers import BytesRead, DataError, SpecialTokens, read_documents
@@ -112,7 +114,8 @@ def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, wor
         try:
             errors = [error for error in placement.gather(outcome) if error]
         except RuntimeError as exc:  # a rank waited longer than the collective timeout, or one died
-            raise DataError(f"{what}: waiting for {builder} to tokenize into {folder} failed ({_first_line(exc)}); "
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise DataError(f"{what}: waiting for {builder} to tokenize into {folder} failed ({first_line}); "
                             "a corpus of many GB can take longer than distributed_timeout_minutes: raise it, or "
                             "tokenize beforehand with `pretrainer prepare` and train on its output "
                             "(megatron_dataset_flag: true)") from None
@@ -125,17 +128,13 @@ def cached_store(spec: StoreSpec, root: Path) -> IndexedDataset | None:
     """The store of `spec` under `root` if it is already built (nothing is tokenized); None otherwise."""
     folder = root / spec.key()
     try:
-        return IndexedDataset(folder / PREFIX) if _is_complete(folder) else None
+        return IndexedDataset(folder / PREFIX) if (folder / MANIFEST).is_file() else None
     except DataError:
         return None
 
 
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
 def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> IndexedDataset:
-    if _is_complete(folder):
+    if (folder / MANIFEST).is_file():
         try:
             store = IndexedDataset(folder / PREFIX)
             logger.info("%s: reusing the tokenized store %s", what, folder)
@@ -145,10 +144,6 @@ def _ensure(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -
             (folder / MANIFEST).unlink(missing_ok=True)
     _build(folder, spec, what, tokenizer, workers)
     return IndexedDataset(folder / PREFIX)
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / MANIFEST).is_file()
 
 
 def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) -> None:
@@ -192,8 +187,6 @@ def _build(folder: Path, spec: StoreSpec, what: str, tokenizer, workers: int) ->
 
 
 def _encode_here(writer, texts, settings: EncodeSettings, tokenizer) -> tuple[int, int]:
-    import numpy as np
-
     documents = tokens = 0
     for text in texts:
         ids = apply_policy(list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]), settings)

@@ -20,7 +20,7 @@ from .hf_weights import CheckpointTensors, attach_checkpoint, pending_checkpoint
 from .init import materialize_modules
 from .mtp import CONFIG_KEY, add_mtp_layers, depth_prefixes
 from .rope import apply_rope_settings
-from .vocab_growth import VocabGrowth, grow_embeddings, plan_growth, row_grower
+from .vocab_growth import RowGrower, VocabGrowth, grow_embeddings, plan_growth
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     checkpoint = CheckpointTensors.open(spec.source, model)
     if spec.growth is not None:
-        grower = row_grower(config, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std, args.seed)
+        grower = RowGrower(config, spec.growth, spec.tokenizer, args.new_token_init, args.init_method_std, args.seed)
         checkpoint.grow_vocabulary(grower, model)
         logger.info("vocabulary: %d -> %d rows (%d tokens, the rest padding); new rows: %s, grown as the slices "
                     "are read", spec.growth.old_size, spec.growth.new_size, spec.growth.tokens, grower.describe())
@@ -203,7 +203,7 @@ def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:
     # What from_pretrained records: the conversions the files needed (none: save_pretrained then writes the
     # tensors in the same order as for a loaded model, so the export is the same bytes; per-expert tensors are
     # written back per expert).
-    model._weight_conversions = checkpoint.used_conversions
+    model._weight_conversions = checkpoint.conversions.used(checkpoint.files)
     attach_checkpoint(model, checkpoint)
     return model
 

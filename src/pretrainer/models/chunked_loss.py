@@ -82,10 +82,8 @@ def install_chunked_loss(model: torch.nn.Module, chunk_size: int, explicit: bool
     """Make the model's output head compute the loss in chunks of `chunk_size` tokens; False (with a reason
     logged, or an error when the setting was explicit) for heads it cannot replace."""
     head = model.get_output_embeddings()
-    reason = None
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         reason = "its output head is not a bias-free Linear"
-    if reason:
         if explicit:
             raise ConfigError(f"loss_chunk_size: this model cannot compute its loss in chunks ({reason}); set "
                               "loss_chunk_size: 0")
@@ -254,10 +252,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         grad_total = grad_output[0]
         saved = list(ctx.saved_tensors)
-        grad_hidden = saved.pop(0) * grad_total if ctx.have[0] else None
+        grad_hidden = (saved.pop(0) * grad_total).reshape(ctx.hidden_shape) if ctx.have[0] else None
         grad_weight = (saved.pop(0) * grad_total).to(ctx.weight_dtype) if ctx.have[1] else None
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.reshape(ctx.hidden_shape)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 

@@ -38,17 +38,14 @@ class Stacking:
 class Conversions:
     entries: tuple = ()  # (transformers' own entry, its Renaming or Stacking); saving reverts the used ones
 
-    @property
-    def renamings(self) -> list[Renaming]:
-        return [rule for _, rule in self.entries if isinstance(rule, Renaming)]
-
     def stacking(self, name: str) -> Stacking | None:
         return next((rule for _, rule in self.entries if isinstance(rule, Stacking) and name.endswith(rule.target)),
                     None)
 
     def file_candidates(self, name: str) -> list[str]:
         """`name` as the files may spell it: itself, then with each renaming reversed."""
-        return [name] + [name.replace(r.model, r.files) for r in self.renamings if r.model in name]
+        return [name] + [name.replace(r.model, r.files) for _, r in self.entries
+                         if isinstance(r, Renaming) and r.model in name]
 
     def used(self, file_names) -> list:
         """transformers' entries that these files need (what from_pretrained records for saving)."""

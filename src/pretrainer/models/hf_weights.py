@@ -81,10 +81,7 @@ class CheckpointTensors:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{index}: not a safetensors index ({exc}); it needs a \"weight_map\" of "
                                   "tensor name -> file") from None
-            names_by_file: dict[str, list[str]] = {}
-            for name, file in weight_map.items():
-                names_by_file.setdefault(file, []).append(name)
-            paths = [folder / file for file in names_by_file]
+            paths = [folder / file for file in dict.fromkeys(weight_map.values())]
         else:
             paths = sorted(folder.glob("*.safetensors"))
         if not paths:
@@ -104,11 +101,6 @@ class CheckpointTensors:
                                   "cut short: download it again") from None
         return cls(folder, files, shapes, getattr(model, "base_model_prefix", "") or "", _tied_aliases(model),
                    conversions_of(model.config))
-
-    @property
-    def used_conversions(self) -> list:
-        """transformers' conversion entries these files need (`from_pretrained` records them so saving reverts them)."""
-        return self.conversions.used(self.files)
 
     # ------------------------------------------------------------ names
     def locate(self, name: str) -> str | None:
@@ -280,14 +272,13 @@ def _local_index(target: DTensor) -> tuple | None:
 
 def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
     """The weight names of the input embedding and the output head (None where the model has none)."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     modules = {id(module): parameter_name(name) for name, module in model.named_modules()}
     found = []
-    for getter in (get_in, get_out):
-        module = getter() if getter is not None else None
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
         name = modules.get(id(module)) if module is not None else None
         found.append(f"{name}.weight" if name is not None else None)
-    return found[0], found[1]
+    return tuple(found)
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:

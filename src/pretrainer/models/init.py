@@ -133,7 +133,4 @@ def _get(module: torch.nn.Module, key: str) -> torch.Tensor:
 
 
 def _set(module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
-    if key in module._parameters:
-        module._parameters[key] = value
-    else:
-        module._buffers[key] = value
+    (module._parameters if key in module._parameters else module._buffers)[key] = value

@@ -17,17 +17,15 @@ import torch
 from ..config import ConfigError
 from .registry import NetworkShape
 
-_HF_TO_MCORE_LAYER = {
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-}
 
-
-def _norm_names(fused_norms: bool) -> dict:
+def _layer_names(fused_norms: bool) -> dict:
+    """HF layer tensor names -> Megatron-Core's, for the tensors that only change name."""
+    names = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+             "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
     if fused_norms:
-        return {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        return {**names, "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                 "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-    return {"input_layernorm.weight": "input_layernorm.weight",
+    return {**names, "input_layernorm.weight": "input_layernorm.weight",
             "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
 
 
@@ -37,7 +35,7 @@ def hf_to_mcore(state: dict, shape: NetworkShape, fused_norms: bool = False) -> 
            "decoder.final_layernorm.weight": state["model.norm.weight"]}
     if shape.untied_embeddings:
         out["output_layer.weight"] = state["lm_head.weight"]
-    names = {**_HF_TO_MCORE_LAYER, **_norm_names(fused_norms)}
+    names = _layer_names(fused_norms)
     for layer in range(shape.num_layers):
         prefix, target = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for hf_name, mcore_name in names.items():
@@ -56,7 +54,7 @@ def mcore_to_hf(state: dict, shape: NetworkShape, fused_norms: bool = False) -> 
     embedding = state["embedding.word_embeddings.weight"]
     out = {"model.embed_tokens.weight": embedding, "model.norm.weight": state["decoder.final_layernorm.weight"],
            "lm_head.weight": state.get("output_layer.weight", embedding)}
-    names = {**_HF_TO_MCORE_LAYER, **_norm_names(fused_norms)}
+    names = _layer_names(fused_norms)
     for layer in range(shape.num_layers):
         prefix, source = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for hf_name, mcore_name in names.items():
@@ -73,10 +71,7 @@ def mcore_to_hf(state: dict, shape: NetworkShape, fused_norms: bool = False) -> 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: NetworkShape) -> torch.Tensor:
     groups, rest = shape.num_query_groups, q.shape[1:]
-    q = q.reshape(groups, -1, *rest)
-    k = k.reshape(groups, -1, *rest)
-    v = v.reshape(groups, -1, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    return torch.cat([t.reshape(groups, -1, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
 
 
 def _split_qkv(fused: torch.Tensor, shape: NetworkShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -56,7 +56,7 @@ class MoeRouting:
         self._stand_in = False                    # the forward running is a pipeline's shape inference
         # per layer, the masks of recorded router calls not yet replayed: a recomputation must use its own forward's
         # mask, and a pipeline schedule runs other micro-batches' forwards in between (each stage replays them in order)
-        self._replays: list[collections.deque] = []
+        self._replays = [collections.deque() for _ in self.routers]
         self._recording = False
         self._pending: list[torch.Tensor] = []
         self._step_counts: torch.Tensor | None = None      # [layers, experts] tokens routed this step
@@ -68,7 +68,6 @@ class MoeRouting:
         self._attach = False  # see attach_losses
         self._start_hooks = []
         self.watch_forwards([model])
-        self._replays = [collections.deque() for _ in self.routers]
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._routed, layer))
 
@@ -342,7 +341,6 @@ def idle_expert_parameters(model: torch.nn.Module, shape) -> int:
     routed = sum(p.numel() for name, p in model.named_parameters()
                  if ".experts." in name and p.dim() >= 2 and p.shape[0] == shape.experts)
     return round(routed * (1 - shape.top_k / shape.experts))
-
 
 
 def find_experts(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -29,6 +29,7 @@ there; a pipeline schedule runs each micro-batch's backward itself).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,6 @@ from .moe_routing import AddToBackward
 
 SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek-V3's files repeat these per depth
 CONFIG_KEY = "num_nextn_predict_layers"  # DeepSeek-V3's config.json key for the depths its files hold
-_DEPTH_CLASSES: dict[type, type] = {}
 
 
 class MtpDepth:
@@ -55,12 +55,10 @@ class MtpDepth:
         return out, self.shared_head.norm(out)
 
 
+@functools.cache
 def depth_class(layer_class: type) -> type:
     """`layer_class` with the MTP forward, under the same name (engines find decoder layers by class name)."""
-    if layer_class not in _DEPTH_CLASSES:
-        _DEPTH_CLASSES[layer_class] = type(layer_class.__name__, (MtpDepth, layer_class),
-                                           {"__module__": layer_class.__module__})
-    return _DEPTH_CLASSES[layer_class]
+    return type(layer_class.__name__, (MtpDepth, layer_class), {"__module__": layer_class.__module__})
 
 
 def decoder_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | torch.nn.ModuleDict:

@@ -103,8 +103,9 @@ class RowGrower:
     the padding rows. Matrices are grown in the model's order (input embedding, then an untied head) from one
     generator seeded with `seed`, so a run that loads whole and one that reads slices draw the same rows."""
 
-    def __init__(self, growth: VocabGrowth, tokenizer, method: str, std: float, seed: int):
-        self.growth, self.method, self.std, self.seed = growth, method, std, seed
+    def __init__(self, model_config, growth: VocabGrowth, tokenizer, method: str, std: float | None, seed: int):
+        self.growth, self.method, self.seed = growth, method, seed
+        self.std = std if std is not None else getattr(model_config, "initializer_range", 0.02)
         self.pieces = _base_pieces(tokenizer, growth) if method == "subtoken_mean" else None
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -139,16 +140,11 @@ class RowGrower:
                 f"subtoken_mean ({sum(1 for p in self.pieces if not p)} without pieces)")
 
 
-def row_grower(model_config, growth: VocabGrowth, tokenizer, method: str, std: float | None, seed: int) -> RowGrower:
-    return RowGrower(growth, tokenizer, method,
-                     std if std is not None else getattr(model_config, "initializer_range", 0.02), seed)
-
-
 def grow_embeddings(model: torch.nn.Module, growth: VocabGrowth, tokenizer, method: str, std: float | None,
                     seed: int) -> None:
     """Resize the input embedding and output head of a loaded model to `growth.new_size` and initialise the
     new rows by `method` (see the module docstring)."""
-    grower = row_grower(model.config, growth, tokenizer, method, std, seed)
+    grower = RowGrower(model.config, growth, tokenizer, method, std, seed)
     model.resize_token_embeddings(growth.new_size, mean_resizing=False)  # keeps the old rows, first
     matrices = [model.get_input_embeddings().weight]
     head = model.get_output_embeddings()
