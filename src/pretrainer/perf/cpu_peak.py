@@ -54,14 +54,12 @@ def measure_gemm(device: torch.device, dtype: torch.dtype) -> GemmMeasurement:
     """Square matmuls in `dtype`: the size grows while a call stays short (a slow dtype stays small), then
     `TRIALS` timed trials; the best is the peak."""
     generator = torch.Generator().manual_seed(0)  # the run's own random state is left alone
-    size, a, b = None, None, None
-    for n in SIZES:
-        a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
-        b = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)
+    for size in SIZES:  # the last one tried is timed
+        a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+        b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
         start = time.perf_counter()
         torch.mm(a, b)  # warm-up (library start-up, thread pool) and the call's duration
         _sync(device)
-        size = n
         if time.perf_counter() - start > LARGEST_CALL_SECONDS:
             break
     runnable, rates = _runnable_tasks(), []
@@ -79,19 +77,18 @@ def measure_gemm(device: torch.device, dtype: torch.dtype) -> GemmMeasurement:
                            _cores())
 
 
-def cpu_bound(dtype: torch.dtype, threads: int) -> tuple[float | None, str]:
-    """(TFLOP/s, how) from `threads` cores x the highest clock the CPU lists x FLOPs per cycle of its widest
-    unit for `dtype`; (None, why) where the clock or the flags cannot be read."""
-    flags, mhz = _cpu_flags(), _max_mhz()
+def cpu_bound(dtype: torch.dtype, threads: int) -> str:
+    """The TFLOP/s of `threads` cores x the highest clock the CPU lists x FLOPs per cycle of its widest unit for
+    `dtype`, with how it is made up; why there is none where the clock or the flags cannot be read."""
+    flags, mhz = cpu_flags(), _max_mhz()
     name = dtype_name(dtype)
     table = FLOPS_PER_CYCLE.get(name, ()) + (FLOPS_PER_CYCLE["fp32"] if name != "fp32" else ())
     unit = next(((flag, per_cycle) for flag, per_cycle in table if flag in flags), None)
     if unit is None or mhz is None:
-        return None, "no CPU bound (its flags or clock cannot be read)"
+        return "no CPU bound (its flags or clock cannot be read)"
     flag, per_cycle = unit
     tflops = threads * mhz * 1e6 * per_cycle / 1e12
-    return tflops, (f"bound {tflops:,.3g} TFLOP/s = {threads} core(s) x {mhz / 1000:.2f} GHz x {per_cycle} "
-                    f"FLOP/cycle ({flag})")
+    return f"bound {tflops:,.3g} TFLOP/s = {threads} core(s) x {mhz / 1000:.2f} GHz x {per_cycle} FLOP/cycle ({flag})"
 
 
 def _sync(device: torch.device) -> None:
@@ -119,14 +116,18 @@ def _runnable_tasks() -> int:
         return 0
 
 
-def _cpu_flags() -> set[str]:
+def cpuinfo_values(field: str) -> list[str]:
+    """The values of `field` in /proc/cpuinfo, one per processor listed (none where it cannot be read)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return set()
+        return []
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(field)]
+
+
+def cpu_flags() -> set[str]:
+    flags = cpuinfo_values("flags")
+    return set(flags[0].split()) if flags else set()
 
 
 def _max_mhz() -> float | None:
@@ -136,8 +137,6 @@ def _max_mhz() -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        values = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("cpu MHz")]
-        return max(values) if values else None
-    except (OSError, ValueError):
+        return max(map(float, cpuinfo_values("cpu MHz")), default=None)
+    except ValueError:
         return None

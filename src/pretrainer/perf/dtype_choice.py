@@ -10,11 +10,11 @@ low-precision dtype gets, as pure functions of their inputs (tested without the 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from ..config import torch_dtype
+from .cpu_peak import cpu_flags
 from .machine_cache import cached_measurement
 from .peak import processor_name
 
@@ -24,14 +24,8 @@ MATRIX_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16"
 
 def cpu_matrix_flags() -> list[str]:
     """The CPU's flags that give bf16/fp16 matrix units (from /proc/cpuinfo; empty where unreadable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [flag for flag in MATRIX_FLAGS if flag in flags]
-    except OSError:
-        pass
-    return []
+    flags = cpu_flags()
+    return [flag for flag in MATRIX_FLAGS if flag in flags]
 
 
 def cpu_speedup(dtype_name: str) -> float:

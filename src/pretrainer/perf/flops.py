@@ -70,8 +70,7 @@ def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_paramet
     head = output.weight.numel() if output is not None else embedding.numel()
     matmul = total - embedding.numel() + (embedding.numel() if tied else 0) + mtp_depths * head
     arch = Architecture.of(config)
-    unique = {id(p): p for p in model.parameters()}
-    frozen = sum(p.numel() for key, p in unique.items() if not p.requires_grad and key != id(embedding))
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not embedding)
     if tied and not embedding.requires_grad:
         frozen += embedding.numel()  # the head's matmul, through the tied table
     return FlopsCount(matmul - idle_expert_parameters, arch.layers + mtp_depths, arch.heads, arch.head_dim, seq_length,

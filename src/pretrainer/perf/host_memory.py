@@ -52,6 +52,5 @@ def apply_heap_policy(policy: str) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt thresholds)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    if policy == "reuse":
-        return mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BELOW_BYTES) == 1
-    return mallopt(M_MMAP_THRESHOLD, RETURN_ABOVE_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, RETURN_ABOVE_BYTES) == 1
+    threshold = KEEP_BELOW_BYTES if policy == "reuse" else RETURN_ABOVE_BYTES
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1 and mallopt(M_TRIM_THRESHOLD, threshold) == 1

@@ -9,12 +9,11 @@ import platform
 import re
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from ..config import dtype_name
-from .cpu_peak import cpu_bound, measure_gemm
+from .cpu_peak import cpu_bound, cpuinfo_values, measure_gemm
 from .machine_cache import cache_path, read_entry, write_entry
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
                  "when": time.strftime("%Y-%m-%d %H:%M:%S"), "runnable_tasks": measured.runnable,
                  "cores": measured.cores, "trials": measured.trials, "spread": round(measured.spread, 3)}
         write_entry(key, entry)
-    bound = cpu_bound(dtype, threads)[1] if device.type == "cpu" else ""
+    bound = cpu_bound(dtype, threads) if device.type == "cpu" else ""
     return DevicePeak(entry["tflops"], f"measured {dtype_name(dtype)} GEMM, {threads} thread(s), {entry['how']}, "
                       f"cached in {cache_path()}", key, bound)
 
@@ -105,12 +104,7 @@ def raise_peak(peak: DevicePeak, achieved_tflops: float, write: bool = True) -> 
 def processor_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    names = cpuinfo_values("model name")
+    return names[0] if names else platform.processor() or platform.machine()
 
 

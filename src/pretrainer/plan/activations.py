@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,11 +68,8 @@ def as_on_real_tensors():
     sequences, nor the offset that lets it skip the mask, and builds an explicit causal mask (repeating GQA keys) where
     a real forward runs the mask-free causal kernel. A probe tells it what real tensors show: no packed sequences, a
     readable offset (tests/test_plan.py compares with real tensors, catching transformers changes)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
+    from transformers import masking_utils
+
     saved = {name: getattr(masking_utils, name, None) for name in ("is_tracing", "find_packed_sequence_indices")}
     if None in saved.values():
         yield
@@ -180,14 +176,13 @@ def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_n
     from ..config import torch_dtype
 
     config = with_plain_rope(AutoConfig.for_model(**json.loads(config_json)))
-    autocast_dtype = torch_dtype(autocast_name) if autocast_name else None
+    autocast_dtype, param_dtype = (torch_dtype(autocast_name) if autocast_name else None), torch_dtype(param_name)
     if expert_shape(config, "the model config") is not None:  # routing reads token values: no fake-tensor run
         logger.info("activations of %s estimated by formula (a Mixture-of-Experts layer's tokens per expert are "
                     "known only on real data; counted at an even load)", config.model_type)
         return _formula(config, seq_length, autocast_name or param_name, param_name)
     try:
-        one = _saved_bytes(one_layer_config(config, 1), seq_length, autocast_dtype, torch_dtype(param_name))
-        two = _saved_bytes(one_layer_config(config, 2), seq_length, autocast_dtype, torch_dtype(param_name))
+        one, two = (_saved_bytes(one_layer_config(config, n), seq_length, autocast_dtype, param_dtype) for n in (1, 2))
     except Exception as exc:  # a forward that reads tensor values (fake tensors have none), or another failure
         logger.info("activations of %s estimated by formula: its forward does not run on fake tensors (%s)",
                     config.model_type, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
@@ -195,12 +190,10 @@ def _probe(config_json: str, seq_length: int, autocast_name: str | None, param_n
     per_layer = two[0] - one[0]
     eager = ActivationProfile(per_layer=per_layer, selective_layer=(two[1] - one[1]) + one[2], layer_input=one[2],
                               rest=max(one[0] - per_layer, 0))
-    return _compiled(config, seq_length, autocast_dtype, torch_dtype(param_name), eager) if compiled else eager
-
-
-def _compiled(config, seq_length: int, autocast_dtype, param_dtype, eager: ActivationProfile) -> ActivationProfile:
-    """`eager` with its layer's saved bytes as the compiled layer saves them (what `selective` keeps is chosen by
-    its policy, not by the compiler: it stays as measured eagerly)."""
+    if not compiled:
+        return eager
+    # the layer's saved bytes as the compiled layer saves them (what `selective` keeps is chosen by its policy, not by
+    # the compiler: it stays as measured eagerly)
     try:
         one, two = (_saved_bytes(one_layer_config(config, n), seq_length, autocast_dtype, param_dtype, compiled=True)
                     for n in (1, 2))
@@ -208,7 +201,7 @@ def _compiled(config, seq_length: int, autocast_dtype, param_dtype, eager: Activ
         logger.info("activations of compiled %s layers counted as eager ones: the trace failed (%s)",
                     config.model_type, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         return eager
-    return dataclasses.replace(eager, per_layer=two[0] - one[0])
+    return replace(eager, per_layer=two[0] - one[0])
 
 
 def with_plain_rope(config):
@@ -266,15 +259,14 @@ def probe(config, seq_length: int, dtype: str, autocast: bool, tp: int = 1,
     `dtype` under autocast (the residual stream stays fp32); otherwise the parameters themselves are in `dtype`
     (DeepSpeed, FSDP mixed precision). `compiled`: the layers run compiled."""
     low = dtype != "fp32"
-    autocast_name = dtype if (autocast and low) else None
-    param_name = "fp32" if (autocast or not low) else dtype
-    whole = _probe(config.to_json_string(), seq_length, autocast_name, param_name, compiled)
+    measure = functools.partial(_probe, seq_length=seq_length, autocast_name=dtype if autocast and low else None,
+                                param_name="fp32" if autocast or not low else dtype, compiled=compiled)
+    whole = measure(config.to_json_string())
     if tp == 1:
         return whole
     reference, shard_config = shard_reference(config, tp)
-    ref = whole if reference is config else _probe(reference.to_json_string(), seq_length, autocast_name, param_name,
-                                                   compiled)
-    shard = _probe(shard_config.to_json_string(), seq_length, autocast_name, param_name, compiled)
+    ref = whole if reference is config else measure(reference.to_json_string())
+    shard = measure(shard_config.to_json_string())
     per_layer = on_tensor_parallel_rank(ref.per_layer, shard.per_layer, tp, sequence_parallel)
     layer_input = whole.layer_input // tp if sequence_parallel else whole.layer_input
     selective = shard.selective_layer - whole.layer_input + layer_input

@@ -65,12 +65,8 @@ def train_steps(args) -> None:
         engine.close()
 
 
-def main() -> None:
+if __name__ == "__main__":
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         tiny_run(Path(tmp), sys.argv[1] if len(sys.argv) > 1 else SingleEngine.name)
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-if __name__ == "__main__":
-    main()

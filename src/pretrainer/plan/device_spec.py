@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,13 +20,7 @@ from ..config import ConfigError, parse_size, torch_dtype
 from ..parallel import SingleEngine
 from ..perf.machine_cache import cached_measurement
 from ..perf.peak import measured_peak, processor_name, rated_peak
-from .hardware import (
-    DEFAULT_INTER_NODE_BYTES_PER_S,
-    DEFAULT_INTRA_NODE_BYTES_PER_S,
-    DEFAULT_MEMORY_BYTES_PER_S,
-    hardware,
-    parse_rate,
-)
+from .hardware import DEFAULT_MEMORY_BYTES_PER_S, hardware, links_of
 
 GIB = 2**30
 
@@ -39,6 +34,7 @@ ACCELERATOR_USABLE = 0.93  # the rest: allocator fragmentation (assumed)
 CPU_BYTES_PER_S = 2e9            # gloo between processes of one machine (assumed)
 FALLBACK_RUNTIME_BYTES = 400 * 2**20  # what such a process takes on Linux x86, when it cannot be measured
 CPU_MFU = 0.60  # a CPU step's share of the measured GEMM peak (assumed; accelerators: plan/step_time.py)
+KNOWN_DEVICES = "H200, H100, A100, A100-40GB, L40S, A10, L4, V100, MI300X, ..."
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory
         return _cpu_spec(dtype, ranks_per_node, memory, baseline_engine, memory_key)
     peak, row = rated_peak(name, torch_dtype(dtype)), hardware(name)
     if peak is None:
-        raise ConfigError(f"--device {name!r}: not a device this planner knows ({_known()}); give --device-memory "
+        raise ConfigError(f"--device {name!r}: not a device this planner knows ({KNOWN_DEVICES}); give --device-memory "
                           "and the config's peak_tflops, or plan for one of those")
     if memory is not None:
         total, source = parse_size(memory, memory_key), memory_key
@@ -96,35 +92,17 @@ def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory
         host, host_source = HOST_PER_DEVICE * total, f"assumed {HOST_PER_DEVICE}x the device memory"
     if ranks_per_node > 1:
         host_source += f", shared by {ranks_per_node} processes"
-    intra, inter, link_source = _links(row, links)
+    intra, inter, link_source = links_of(row, links)
     return DeviceSpec(name, "accelerator", int(total * ACCELERATOR_USABLE),
                       f"{source}, {ACCELERATOR_USABLE:.0%} usable", peak, f"rated dense {dtype}",
                       ACCELERATOR_RUNTIME_BYTES, "assumed: context and communicator buffers", host, host_source,
                       row.memory_bytes_per_s if row else DEFAULT_MEMORY_BYTES_PER_S, intra, inter, link_source)
 
 
-def _links(row, links: tuple[str | None, str | None]) -> tuple[float, float, str]:
-    """Bandwidths within and between machines: the flags', else the device table's, else an H100 server's."""
-    table = (row.intra_node_bytes_per_s, row.inter_node_bytes_per_s) if row else (
-        DEFAULT_INTRA_NODE_BYTES_PER_S, DEFAULT_INTER_NODE_BYTES_PER_S)
-    given = [parse_rate(value, flag) if value is not None else None
-             for value, flag in zip(links, ("--intra-node-bandwidth", "--inter-node-bandwidth"))]
-    intra, inter = (g if g is not None else t for g, t in zip(given, table))
-    source = "--intra/--inter-node-bandwidth" if any(g is not None for g in given) else (
-        "the device table" if row else "assumed: an H100 server's")
-    return float(intra), float(inter), source
-
-
-def _known() -> str:
-    return "H200, H100, A100, A100-40GB, L40S, A10, L4, V100, MI300X, ..."
-
-
 def _cpu_spec(dtype: str, ranks_per_node: int, memory: str | None, baseline_engine: str,
               memory_key: str) -> DeviceSpec:
-    if memory is not None:
-        total, source = parse_size(memory, memory_key), memory_key
-    else:
-        total, source = available_ram(), "this machine's available RAM"
+    total, source = ((parse_size(memory, memory_key), memory_key) if memory is not None else
+                     (available_ram(), "this machine's available RAM"))
     per_rank = total // max(ranks_per_node, 1)
     share = f", shared by {ranks_per_node} processes" if ranks_per_node > 1 else ""
     peak = measured_peak(torch.device("cpu"), torch_dtype(dtype))
@@ -148,10 +126,7 @@ def available_ram() -> int:
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
+            limit, usage = Path(limit_file).read_text().strip(), int(Path(usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 2**60:

@@ -61,9 +61,6 @@ class LayerTraffic:
     def total(self) -> float:
         return self.forward + self.backward
 
-    def scaled(self, factor: float) -> "LayerTraffic":
-        return LayerTraffic(self.forward * factor, self.backward * factor)
-
 
 class _ElementwiseBytes(TorchDispatchMode):
     """Adds up the input and output bytes of the element-wise ops that run under it."""
@@ -133,15 +130,14 @@ def layer_traffic(config, seq_length: int, dtype: str, autocast: bool, tp: int =
                   sequence_parallel: bool = False) -> LayerTraffic:
     """Element-wise bytes per token of one decoder layer on one rank (dtypes as `activations.probe` takes them)."""
     low = dtype != "fp32"
-    autocast_name = dtype if (autocast and low) else None
-    param_name = "fp32" if (autocast or not low) else dtype
-    whole = _measure(config.to_json_string(), seq_length, autocast_name, param_name)
+    measure = functools.partial(_measure, seq_length=seq_length, autocast_name=dtype if autocast and low else None,
+                                param_name="fp32" if autocast or not low else dtype)
+    whole = measure(config.to_json_string())
     if tp == 1:
         return whole
     reference, shard_config = shard_reference(config, tp)
-    ref = whole if reference is config else _measure(reference.to_json_string(), seq_length, autocast_name,
-                                                     param_name)
-    shard = _measure(shard_config.to_json_string(), seq_length, autocast_name, param_name)
+    ref = whole if reference is config else measure(reference.to_json_string())
+    shard = measure(shard_config.to_json_string())
     scale = whole.total / ref.total if ref.total else 1.0  # the family's own layer, split as its stand-in's is
     return LayerTraffic(*(on_tensor_parallel_rank(getattr(ref, part), getattr(shard, part), tp, sequence_parallel)
-                          for part in ("forward", "backward"))).scaled(scale)
+                          * scale for part in ("forward", "backward")))

@@ -188,9 +188,7 @@ def _heap_retained(layout: Layout, shape: ModelShape, device: DeviceSpec, notes:
 def _heap_overhead(layout: Layout, device: DeviceSpec) -> float:
     if device.kind != "cpu":
         return 1.0
-    if layout.tp > 1 and layout.recompute == "full":
-        return CPU_HEAP_OVERHEAD_TP_RECOMPUTE
-    return CPU_HEAP_OVERHEAD
+    return CPU_HEAP_OVERHEAD_TP_RECOMPUTE if layout.tp > 1 and layout.recompute == "full" else CPU_HEAP_OVERHEAD
 
 
 def _loading(layout: Layout, shape: ModelShape, weights: str, notes: dict) -> int:
@@ -214,23 +212,21 @@ def _trained_share(shape: ModelShape, trainable) -> float:
 def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, notes: dict) -> tuple[int, int]:
     """(bytes saved for backward at the end of forward, bytes one layer's backward works with)."""
     seq = layout.seq_length // layout.cp
-    autocast = layout.costs.autocasts(layout)
-    profile = probe(config, seq, layout.dtype, autocast, layout.tp, layout.sequence_parallel, layout.compile)
+    profile = probe(config, seq, layout.dtype, layout.costs.autocasts(layout), layout.tp, layout.sequence_parallel,
+                    layout.compile)
     c = compute_bytes(layout.dtype)
     gathered_kv = 0
     if layout.cp > 1:  # every rank keeps the all-gathered keys and values of the whole sequence
         gathered_kv = 2 * (layout.seq_length - seq) * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * c
     per_layer = {"none": profile.per_layer + gathered_kv, "selective": profile.selective_layer + gathered_kv,
                  "full": profile.layer_input}[layout.recompute]
-    layers = -(-shape.layers // layout.pp) + (shape.head_layers if part.head else 0)
-    in_flight = part.in_flight
+    layers = -(-shape.layers // layout.pp) + (shape.mtp_depths if part.head else 0)  # MTP depths beside the head
     # the layer in backward: its activations (recomputed when checkpointed) and gradients of that size
     working = layout.micro_batch * (profile.per_layer + gathered_kv) * (2 if layout.recompute != "none" else 1)
+    in_flight = f" x {part.in_flight} in flight" if part.in_flight > 1 else ""
     notes["activations"] = (f"{layers} layer(s) x {per_layer / 2**20:,.1f} MiB per sequence ({layout.recompute} "
-                            f"recompute) x {layout.micro_batch} sequence(s)" + (f" x {in_flight} in flight"
-                                                                               if in_flight > 1 else "")
-                            + ", and one layer's backward")
-    return layout.micro_batch * in_flight * (layers * per_layer + profile.rest), working
+                            f"recompute) x {layout.micro_batch} sequence(s){in_flight}, and one layer's backward")
+    return layout.micro_batch * part.in_flight * (layers * per_layer + profile.rest), working
 
 
 def _logits(layout: Layout, shape: ModelShape) -> int:

@@ -65,3 +65,15 @@ def parse_rate(text: str, flag: str) -> float:
     if value <= 0:
         raise ConfigError(f"{flag} {text!r}: must be above 0")
     return value
+
+
+def links_of(row: Hardware | None, links: tuple[str | None, str | None]) -> tuple[float, float, str]:
+    """Bandwidths within and between machines: the flags', else the device table's, else an H100 server's."""
+    table = (row.intra_node_bytes_per_s, row.inter_node_bytes_per_s) if row else (
+        DEFAULT_INTRA_NODE_BYTES_PER_S, DEFAULT_INTER_NODE_BYTES_PER_S)
+    given = [parse_rate(value, flag) if value is not None else None
+             for value, flag in zip(links, ("--intra-node-bandwidth", "--inter-node-bandwidth"))]
+    intra, inter = (g if g is not None else t for g, t in zip(given, table))
+    source = "--intra/--inter-node-bandwidth" if any(g is not None for g in given) else (
+        "the device table" if row else "assumed: an H100 server's")
+    return float(intra), float(inter), source

@@ -73,15 +73,10 @@ class ModelShape:
         return (self.parameters - self.embedding_parameters + (self.vocab * self.hidden if self.tied else 0)
                 + self.mtp_depths * self.vocab * self.hidden)
 
-    @property
-    def head_layers(self) -> int:
-        """Layers that run beside the output head, on its pipeline stage: the MTP depths."""
-        return self.mtp_depths
-
-    def flops(self, seq_length: int, frozen: int = 0) -> FlopsCount:
+    def flops(self, seq_length: int) -> FlopsCount:
         """Counted on the active parameters, as the run counts them (perf/flops.py)."""
         return FlopsCount(self.matmul_parameters - self.idle_expert_parameters, self.layers + self.mtp_depths,
-                          self.heads, self.head_dim, seq_length, frozen, self.idle_expert_parameters)
+                          self.heads, self.head_dim, seq_length, idle_expert_parameters=self.idle_expert_parameters)
 
     def describe(self) -> str:
         return (f"{self.model_type}, {self.parameters / 1e9:.3g}B parameters ({self.layers} layers, hidden "
@@ -115,16 +110,14 @@ def model_shape(config, vocab_size: int | None = None, mtp_depths: int = 0) -> M
         small.vocab_size = vocab_size
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(small, dtype=torch.float32)
-    unique = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in unique.values())
+    total = sum(p.numel() for p in model.parameters())  # a tied table once
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     head = 0 if output is None or output.weight is embedding else output.weight.numel()
     layers = decoder_layers(model)
-    per_layer = [list(one.parameters()) for one in layers]
-    in_layers = sum(p.numel() for params in per_layer for p in params)
-    layer = round(in_layers / len(layers))
-    matrices = [p.numel() for params in per_layer for p in params if p.dim() >= 2]
+    in_layer = [p for one in layers for p in one.parameters()]
+    in_layers = sum(p.numel() for p in in_layer)
+    matrices = [p.numel() for p in in_layer if p.dim() >= 2]
     idle = idle_expert_parameters(model, experts) if experts is not None else 0
     routed = find_experts(model) if experts is not None else []
     blocks = [m for m in model.modules() if any(child in routed for child in m.children())]
@@ -132,8 +125,8 @@ def model_shape(config, vocab_size: int | None = None, mtp_depths: int = 0) -> M
     mtp_layer = sum(p.numel() for p in add_mtp_layers(model, 1)[0].parameters()) if mtp_depths else 0
     return ModelShape(
         model_type=arch.model_type, layers=arch.layers, hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads,
-        head_dim=arch.head_dim, intermediate=arch.intermediate, vocab=small.vocab_size, layer_parameters=layer,
-        embedding_parameters=embedding.numel(), head_parameters=head,
+        head_dim=arch.head_dim, intermediate=arch.intermediate, vocab=small.vocab_size,
+        layer_parameters=round(in_layers / len(layers)), embedding_parameters=embedding.numel(), head_parameters=head,
         other_parameters=total - in_layers - embedding.numel() - head,
         layer_matrix_parameters=round(sum(matrices) / len(layers)), largest_matrix=max(matrices, default=0),
         idle_expert_parameters=idle, expert_parameters=sum(p.numel() for m in routed for p in m.parameters()),

@@ -23,10 +23,6 @@ class Plan:
         self.ramp_stages = list(ramp_stages)  # (first token, sequences, estimate) per batch_size_schedule stage
         self.data_plan: str | None = None     # a data mixture's plan of draws (data.mixture_plan)
 
-    @property
-    def layout(self):
-        return self.estimate.layout
-
     @functools.cached_property
     def alternatives(self) -> list[Estimate]:
         return self._search()
@@ -39,33 +35,35 @@ def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Pl
     config = run.model_config
     shape = model_shape(config, run.vocab_size, run.mtp_depths)
     layout = run.layout(devices_per_node)
-    own = estimate(layout, shape, config, device, run.trainable, run.weights)
-    decided = None
+
+    def estimate_of(layout):
+        return estimate(layout, shape, config, device, run.trainable, run.weights)
+
+    own, decided = estimate_of(layout), None
     if layout.accumulate == "auto":
-        own, decided = _decide_accumulation(own, shape, config, device, run)
+        own, decided = _decide_accumulation(own, estimate_of)
         layout = own.layout
-    stages = _ramp_stages(layout, shape, config, device, run)
+    stages = _ramp_stages(layout, run, estimate_of)
     return Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
                                                  run.weights), decided, stages)
 
 
-def _ramp_stages(layout, shape, config, device: DeviceSpec, run: ResolvedRun) -> list[tuple[int, int, Estimate]]:
+def _ramp_stages(layout, run: ResolvedRun, estimate_of) -> list[tuple[int, int, Estimate]]:
     """Each batch-ramp stage's estimate: the same layout with that stage's micro-batches per replica."""
     ramp = run.sizes.ramp
     if ramp is None:
         return []
     per_round = run.sizes.micro_batch_size * run.sizes.data_parallel_size
-    return [(start, seqs, estimate(layout.replace(accumulation=seqs // per_round), shape, config, device,
-                                   run.trainable, run.weights)) for start, seqs in ramp.stages]
+    return [(start, seqs, estimate_of(layout.replace(accumulation=seqs // per_round))) for start, seqs in ramp.stages]
 
 
-def _decide_accumulation(whole: Estimate, shape, config, device: DeviceSpec, run: ResolvedRun
-                         ) -> tuple[Estimate, tuple[str, str]]:
+def _decide_accumulation(whole: Estimate, estimate_of) -> tuple[Estimate, tuple[str, str]]:
     """`accumulate_gradients: auto`: whole gradients while micro-batches accumulate (less traffic) where they fit,
     else sharded ones (each micro-batch reduce-scatters its own)."""
+    memory = size(whole.device.memory_bytes)
     if whole.fits:
-        why = f"auto: whole gradients fit, predicted {size(whole.peak)} of {size(device.memory_bytes)}"
+        why = f"auto: whole gradients fit, predicted {size(whole.peak)} of {memory}"
         return dataclasses.replace(whole, layout=whole.layout.replace(accumulate="unsharded")), ("unsharded", why)
-    sharded = estimate(whole.layout.replace(accumulate="sharded"), shape, config, device, run.trainable, run.weights)
-    return sharded, ("sharded", f"auto: whole gradients would need {size(whole.peak)} of "
-                                f"{size(device.memory_bytes)}; sharded {size(sharded.peak)}")
+    sharded = estimate_of(whole.layout.replace(accumulate="sharded"))
+    return sharded, ("sharded", f"auto: whole gradients would need {size(whole.peak)} of {memory}; sharded "
+                                f"{size(sharded.peak)}")

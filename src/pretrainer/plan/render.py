@@ -37,19 +37,15 @@ def text(plan: Plan, count: int = 8) -> str:
     lines = [f"model: {plan.shape.describe()}", f"layout: {own.layout.describe()}",
              f"device: {own.device.describe()}", "", f"{'per rank':<16}{'GiB':>9}  what"]
     sizes = own.per_rank_bytes()
-    for name in COMPONENTS:
-        value = sizes[name]
-        note = own.notes.get(name) or (own.device.runtime_source if name == "runtime" else DEFAULT_NOTES.get(name, ""))
-        lines.append(f"  {name:<14}{value / GIB:>9.2f}  {note}")
-    if own.loading:
-        lines.append(f"  {'loading':<14}{own.loading / GIB:>9.2f}  {own.notes['loading']}")
-    if own.retained:
-        lines.append(f"  {'heap retained':<14}{own.retained / GIB:>9.2f}  {own.notes['heap_retained']}")
-    if own.host_offload:
-        lines.append(f"  {'host offload':<14}{own.host_offload / GIB:>9.2f}  in host memory, not the device's")
-    if own.host_peak:
-        lines.append(f"  {'host peak':<14}{own.host_peak / GIB:>9.2f}  of {size(own.device.host_memory_bytes)} host "
-                     f"memory per rank ({own.device.host_memory_source})")
+    default_notes = {**DEFAULT_NOTES, "runtime": own.device.runtime_source}
+    rows = [(name, sizes[name], own.notes.get(name) or default_notes.get(name, "")) for name in COMPONENTS]
+    rows += [row for row in (("loading", own.loading, own.notes.get("loading")),
+                             ("heap retained", own.retained, own.notes.get("heap_retained")),
+                             ("host offload", own.host_offload, "in host memory, not the device's"),
+                             ("host peak", own.host_peak, f"of {size(own.device.host_memory_bytes)} host memory per "
+                                                          f"rank ({own.device.host_memory_source})"))
+             if row[1]]  # shown where they hold anything
+    lines += [f"  {name:<14}{value / GIB:>9.2f}  {note}" for name, value, note in rows]
     verdict = "fits" if own.fits else "does NOT fit"
     heap = f", tensors x {own.heap_overhead:g} for the CPU heap" if own.device.kind == "cpu" else ""
     lines.append(f"  {'peak':<14}{own.peak / GIB:>9.2f}  {verdict} in {own.device.memory_bytes / GIB:,.1f} GiB "
@@ -64,16 +60,14 @@ def text(plan: Plan, count: int = 8) -> str:
         lines.append("")
     if plan.data_plan:
         lines += ["data mixture, the plan of draws (train_data):", *plan.data_plan.splitlines(), ""]
-    shown = listed(plan, count)
     if plan.fitting(1):
         lines.append("layouts that fit, best first: within 5% of the fastest the simplest, then the smallest; then "
                      "the rest, fastest first (add the overrides to the command line):")
     else:
         lines.append("no layout of this world fits; the smallest (more processes, a larger device or a smaller "
                      "micro-batch/sequence are needed):")
-    for other in shown:
-        overrides = shlex.join(other.layout.overrides())
-        lines.append(f"  {other.step_seconds:>8,.3g} s {other.peak / GIB:>8.2f} GiB  {overrides}")
+    lines += [f"  {e.step_seconds:>8,.3g} s {e.peak / GIB:>8.2f} GiB  {shlex.join(e.layout.overrides())}"
+              for e in listed(plan, count)]
     return "\n".join(lines)
 
 

@@ -51,12 +51,8 @@ def candidate_layouts(layout: Layout, shape, loss_chunk) -> list[Layout]:
 def alternatives(layout: Layout, shape, config, device, loss_chunk, trainable="all",
                  weights="none") -> list[Estimate]:
     """Every candidate's estimate, ranked (see `ranked`)."""
-    estimates = []
-    for candidate in candidate_layouts(layout, shape, loss_chunk):
-        if candidate == layout:
-            continue
-        estimates.append(estimate(candidate, shape, config, device, trainable, weights))
-    return ranked(estimates)
+    return ranked([estimate(candidate, shape, config, device, trainable, weights)
+                   for candidate in candidate_layouts(layout, shape, loss_chunk) if candidate != layout])
 
 
 # Predictions within this share of the fastest are a tie: the estimate is good to a few percent, not better.

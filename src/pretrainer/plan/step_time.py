@@ -59,7 +59,9 @@ def step_time(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankS
     `traffic`: a layer's element-wise bytes per token on the rank (elementwise.py; needed on an accelerator)."""
     if device.kind == "cpu":
         return StepTime(_cpu_compute(layout, shape, device), sum(_collectives(layout, shape, device, part)))
-    compute = _accelerator_compute(layout, shape, device, part, traffic)
+    compute = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul, traffic)
+    if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, v times fewer with v interleaved stages per rank
+        compute *= 1 + (layout.pp - 1) / (layout.accumulation * layout.costs.stages_per_rank(layout))
     compute += 2 * state_bytes / (device.memory_bandwidth * MEMORY_EFFICIENCY)
     if layout.costs.offloads_to_host(layout):
         states = 16 * shape.parameters * trainable_share / layout.dp
@@ -73,7 +75,7 @@ def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, m
                         traffic: LayerTraffic) -> float:
     """One micro-batch's forward and backward on one rank holding `matmul_parameters` of the matmuls."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    layers = -(-shape.layers // layout.pp) + shape.head_layers  # the head's stage is the slowest
+    layers = -(-shape.layers // layout.pp) + shape.mtp_depths  # the head's stage (MTP depths beside it) is the slowest
     peak = device.peak_tflops * 1e12
     full = layout.recompute == "full"
     gemm = (8 if full else 6) * matmul_parameters * tokens
@@ -84,14 +86,6 @@ def micro_batch_seconds(layout: Layout, shape: ModelShape, device: DeviceSpec, m
     elementwise = tokens * layers * per_token * (COMPILED_ELEMENTWISE if layout.compile else 1)
     return (gemm / gemm_rate + attention / (peak * ATTENTION_PEAK_SHARE)
             + elementwise / (device.memory_bandwidth * MEMORY_EFFICIENCY))
-
-
-def _accelerator_compute(layout: Layout, shape: ModelShape, device: DeviceSpec, part: RankShare,
-                         traffic: LayerTraffic) -> float:
-    seconds = layout.accumulation * micro_batch_seconds(layout, shape, device, part.matmul, traffic)
-    if layout.pp > 1:  # (pp - 1) idle slots per accumulation window, v times fewer with v interleaved stages per rank
-        seconds *= 1 + (layout.pp - 1) / (layout.accumulation * layout.costs.stages_per_rank(layout))
-    return seconds
 
 
 def _cpu_compute(layout: Layout, shape: ModelShape, device: DeviceSpec) -> float:
@@ -137,7 +131,7 @@ def _collectives(layout: Layout, shape: ModelShape, device: DeviceSpec, part: Ra
         hideable, exposed = (hideable + seconds, exposed) if x.overlaps else (hideable, exposed + seconds)
     # Muon: each sharded matrix's update all-gathered whole once per step (fp32)
     exposed += ring(4 * part.muon * layout.tp, layout.costs.muon_gather_ranks(layout), 1)
-    layers = -(-shape.layers // layout.pp) + shape.head_layers
+    layers = -(-shape.layers // layout.pp) + shape.mtp_depths
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     activation = tokens * shape.hidden * c
     if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer forward, two backward

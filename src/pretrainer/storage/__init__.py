@@ -2,10 +2,9 @@
 run's local folder is mirrored to. The filesystem packages are extras (`pip install 'pretrainer[s3]'`)."""
 
 from .cache import download_once, identity_key, object_identity, object_version
-from .errors import StorageError
 from .folder import RemoteFolder
-from .retry import retried
+from .retry import StorageError
 from .urls import URL, filesystem, is_url, join_url
 
 __all__ = ["URL", "RemoteFolder", "StorageError", "download_once", "filesystem", "identity_key", "is_url", "join_url",
-           "object_identity", "object_version", "retried"]
+           "object_identity", "object_version"]

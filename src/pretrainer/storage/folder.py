@@ -11,8 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .errors import StorageError
-from .retry import reason, retried
+from .retry import StorageError, reason, retried
 from .urls import filesystem, join_url
 
 logger = logging.getLogger("pretrainer")
@@ -21,11 +20,11 @@ UPLOAD_WORKERS = 8  # objects in flight at once: enough to fill a node's link wi
 
 
 class RemoteFolder:
-    def __init__(self, url: str, attempts: int = 4, delay: float = 1.0):
+    def __init__(self, url: str, attempts: int = 4):
         self.url = url.rstrip("/")
         self.fs, root = filesystem(self.url)
         self.root = root.rstrip("/")
-        self.attempts, self.delay = attempts, delay
+        self.attempts = attempts
 
     def url_of(self, rel: str = "") -> str:
         return join_url(self.url, rel)
@@ -34,7 +33,7 @@ class RemoteFolder:
         return "/".join([self.root, rel.strip("/")]) if rel.strip("/") else self.root
 
     def _retried(self, action, what: str, cancel: threading.Event | None = None):
-        return retried(action, what, self.attempts, self.delay, cancel)
+        return retried(action, what, self.attempts, cancel=cancel)
 
     # ------------------------------------------------------------ objects
     def put_file(self, local: Path, rel: str, cancel: threading.Event | None = None) -> None:
@@ -73,7 +72,8 @@ class RemoteFolder:
         where = self.url_of(probe)
         refused = self._refusal(lambda: self.fs.pipe_file(self._path(probe), b""), f"writing {where}")
         if isinstance(refused, FileNotFoundError):
-            raise StorageError(f"{self.url}: no such bucket ({self.bucket}); create it or correct the URL")
+            bucket = self.url.split("://", 1)[-1].split("/", 1)[0]
+            raise StorageError(f"{self.url}: no such bucket ({bucket}); create it or correct the URL")
         if refused is not None:
             raise StorageError(f"{self.url}: access denied: cannot write {where} ({reason(refused)}); give "
                                "these credentials permission to write objects under it")
@@ -93,10 +93,6 @@ class RemoteFolder:
         if refused is not None:
             logger.warning("%s: cannot delete %s (%s); it stays there (harmless)", self.url, where, reason(refused))
 
-    @property
-    def bucket(self) -> str:
-        return self.url.split("://", 1)[-1].split("/", 1)[0]
-
     def _refusal(self, action, what: str) -> Exception | None:
         """None, or the refusal (no such object or bucket, access denied) `action` met; transient errors are
         retried, and raise StorageError once the tries are spent."""
@@ -109,26 +105,24 @@ class RemoteFolder:
         return self._retried(attempt, what)
 
     # ------------------------------------------------------------ listings
-    def sizes(self, rel: str = "") -> dict[str, int]:
-        """Every object under `rel`: its path relative to `rel`, and its size in bytes."""
+    def _listing(self, rel: str, lister, empty):
+        """`lister` (`fs.find` or `fs.ls`) of `rel` with details, read fresh; `empty` where nothing is there."""
         base = self._path(rel)
 
         def listing():
             self.fs.invalidate_cache()
-            return self.fs.find(base, detail=True) if self.fs.exists(base) else {}
-        found = self._retried(listing, f"listing {self.url_of(rel)}")
+            return lister(base, detail=True) if self.fs.exists(base) else empty
+        return self._retried(listing, f"listing {self.url_of(rel)}")
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """Every object under `rel`: its path relative to `rel`, and its size in bytes."""
+        base, found = self._path(rel), self._listing(rel, self.fs.find, {})
         return {name[len(base):].lstrip("/"): int(info["size"]) for name, info in found.items()
                 if info.get("type") != "directory"}
 
     def folders(self, rel: str = "") -> list[str]:
         """The names of the folders directly under `rel`."""
-        base = self._path(rel)
-
-        def listing():
-            self.fs.invalidate_cache()
-            return self.fs.ls(base, detail=True) if self.fs.exists(base) else []
-        entries = self._retried(listing, f"listing {self.url_of(rel)}")
-        return sorted(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries
+        return sorted(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in self._listing(rel, self.fs.ls, [])
                       if entry.get("type") == "directory")
 
     def remove(self, rel: str) -> None:

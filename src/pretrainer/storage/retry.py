@@ -6,12 +6,14 @@ import logging
 import threading
 import time
 
-from .errors import StorageError
-
 logger = logging.getLogger("pretrainer")
 
 # Answers that another try cannot change: a missing object, refused credentials, a wrong kind of path.
 PERMANENT = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+
+
+class StorageError(RuntimeError):
+    """An object-storage operation failed (after its retries); the message is one line naming the URL."""
 
 
 def retried(action, what: str, attempts: int = 4, delay: float = 1.0, cancel: threading.Event | None = None):

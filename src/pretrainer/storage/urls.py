@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from ..config.urls import is_url, parse_url
-from .errors import StorageError
+from .retry import StorageError
 
 __all__ = ["PACKAGES", "URL", "filesystem", "is_url", "join_url"]
 

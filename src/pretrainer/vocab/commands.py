@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from ..config import check_writable_folder
@@ -80,10 +81,10 @@ def tokenizer_command(ns) -> int:
                   "no more tokens of the target scripts")
         print(f"wrote {ns.output}")
     else:
-        from .inspect import inspect_tokenizers, stats_json, stats_table
+        from .inspect import inspect_tokenizers, stats_table
 
         stats = inspect_tokenizers(ns.tokenizers, corpus, ns.max_bytes)
-        print(json.dumps(stats_json(stats), indent=2) if ns.json else stats_table(stats))
+        print(json.dumps({"tokenizers": [asdict(s) for s in stats]}, indent=2) if ns.json else stats_table(stats))
     return 0
 
 

@@ -15,8 +15,8 @@ from ..data.readers import BytesRead, expand_paths, read_documents
 class Corpus:
     """Documents of `inputs` (files, globs or folders), read afresh on each iteration."""
 
-    def __init__(self, inputs: list[str], text_key: str = "text", txt_mode: str = "line", what: str = "--input"):
-        self.files: list[Path] = expand_paths(inputs, what)
+    def __init__(self, inputs: list[str], text_key: str = "text", txt_mode: str = "line"):
+        self.files: list[Path] = expand_paths(inputs, "--input")
         self.text_key, self.txt_mode = text_key, txt_mode
 
     def documents(self, description: str = "", limit_bytes: int | None = None) -> Iterator[str]:

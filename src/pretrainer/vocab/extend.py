@@ -13,17 +13,18 @@ the order they were learned (most frequent first) until `add` are kept.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 
 from ..data.readers import DataError
 from .corpus import Corpus
-from .scripts import count_characters, detect_target_scripts, holds_target_char
-from .train import convert_sentencepiece, import_sentencepiece
+from .scripts import detect_target_scripts, holds_target_char
+from .train import convert_sentencepiece, import_sentencepiece, sentencepiece_model
 
 SAMPLE_BYTES = 64 * 2**20  # of corpus read to count its characters and find the target scripts
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
@@ -80,8 +81,8 @@ def _tokenizer_folder(path: Path, flag: str) -> Path:
 
 def _characters(corpus: Corpus | None, source: Path | None) -> Counter:
     """The characters of (a sample of) the corpus, or of the other tokenizer's vocabulary."""
-    return count_characters(corpus.documents("surveying characters", SAMPLE_BYTES) if corpus else
-                            _pieces_text(source))
+    return Counter(chain.from_iterable(corpus.documents("surveying characters", SAMPLE_BYTES) if corpus else
+                                       _pieces_text(source)))
 
 
 def _targets(scripts: list[str] | None, characters: Counter, covers) -> dict[str, float]:
@@ -96,7 +97,7 @@ def _targets(scripts: list[str] | None, characters: Counter, covers) -> dict[str
 
 # ----------------------------------------------------------------------------------- SentencePiece model
 def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -> Extension:
-    sentencepiece = import_sentencepiece()
+    import_sentencepiece()  # the missing package named, with the fix
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = pb.ModelProto()
@@ -112,7 +113,7 @@ def _extend_sentencepiece(base, output, add, corpus, source, scripts, workers) -
     # room for every character (SentencePiece needs them in its vocabulary) and for pieces the filter drops
     learned_size = add + len(characters) + 1000
     candidates = (_sentencepiece_pieces(pb, (source / "tokenizer.model").read_bytes()) if source else
-                  _learn_sentencepiece(corpus, proto, learned_size, workers, sentencepiece, pb))
+                  _learn_sentencepiece(corpus, proto, learned_size, workers, pb))
     lowest = min((piece.score for piece in proto.pieces), default=0.0)
     for piece in candidates:
         if len(extension.added) == add:
@@ -134,25 +135,16 @@ def _buildable(piece: str, vocab: set[str]) -> bool:
     return len(piece) == 1 or any(piece[:i] in vocab and piece[i:] in vocab for i in range(1, len(piece)))
 
 
-def _learn_sentencepiece(corpus, proto, size, workers, sentencepiece, pb) -> list[str]:
+def _learn_sentencepiece(corpus, proto, size, workers, pb) -> list[str]:
     """Pieces a SentencePiece BPE with the base's normalisation learns on the corpus, most frequent first."""
-    spec = proto.trainer_spec
-    model = io.BytesIO()  # handed back: sentencepiece's own writer does not report a failed write
-    options = dict(model_type="bpe", vocab_size=size, byte_fallback=spec.byte_fallback,
-                   split_digits=spec.split_digits, character_coverage=0.9995,
-                   allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
-                   remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces,
-                   add_dummy_prefix=proto.normalizer_spec.add_dummy_prefix,
-                   normalization_rule_name=proto.normalizer_spec.name or "identity",
-                   unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, num_threads=max(1, workers),
-                   max_sentence_length=16384, input_sentence_size=5_000_000, shuffle_input_sentence=True,
-                   minloglevel=2, hard_vocab_limit=False)
-    try:
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=corpus.lines("learning pieces"),
-                                                 model_writer=model, **options)
-    except RuntimeError as exc:
-        raise DataError(f"sentencepiece could not learn from {', '.join(map(str, corpus.files))}: {exc}") from None
-    return _sentencepiece_pieces(pb, model.getvalue())
+    spec, normalizer = proto.trainer_spec, proto.normalizer_spec
+    model = sentencepiece_model(
+        corpus, "learning pieces", "learn from", workers, model_type="bpe", vocab_size=size,
+        byte_fallback=spec.byte_fallback, split_digits=spec.split_digits,
+        allow_whitespace_only_pieces=spec.allow_whitespace_only_pieces,
+        remove_extra_whitespaces=normalizer.remove_extra_whitespaces, add_dummy_prefix=normalizer.add_dummy_prefix,
+        normalization_rule_name=normalizer.name or "identity", unk_id=0, bos_id=-1, eos_id=-1, hard_vocab_limit=False)
+    return _sentencepiece_pieces(pb, model)
 
 
 def _sentencepiece_pieces(pb, model: bytes) -> list[str]:
@@ -197,7 +189,8 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
 
     extension.targets = _targets(scripts, _characters(corpus, source), covers)
     targets = set(extension.targets)
-    learned = _merges_of(source) if source else _learn_merges(corpus, data, add)
+    learned = (_merges_of_data(json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))) if source
+               else _learn_merges(corpus, data, add))
     new_merges = []
     for left, right in learned:
         if len(extension.added) == add:
@@ -217,23 +210,25 @@ def _extend_hf_bpe(base, output, add, corpus, source, scripts) -> Extension:
     return extension
 
 
+@lru_cache(maxsize=1)
+def _char_to_byte() -> dict[str, int]:
+    """The byte-level BPE alphabet: each byte written as one printable character (the GPT-2 convention that
+    byte-level tokenizer.json files use), read back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]  # written as 256, 257, ... in order
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
 def _byte_level_text(token: str) -> str:
     """A byte-level token's text, partial characters at its ends decoded as far as they go (a token holding part of a
     multi-byte character counts as that character's script when its lead byte is there)."""
-    from .bytes_map import token_bytes
-
-    raw = token_bytes(token)
+    table = _char_to_byte()
+    raw = bytes(table[char] for char in token if char in table)
     text = raw.decode("utf-8", errors="ignore")
-    if not text and raw and raw[0] >= 0xC0:  # a lead byte and part of its continuation: complete it
-        for filler in (b"\x80", b"\x80\x80", b"\x80\x80\x80"):
-            text = (raw + filler).decode("utf-8", errors="ignore")
-            if text:
-                break
-    return text
-
-
-def _merges_of(folder: Path) -> list[tuple[str, str]]:
-    return _merges_of_data(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")))
+    if text or not raw or raw[0] < 0xC0:
+        return text
+    # a lead byte and part of its continuation: complete it
+    return next(filter(None, ((raw + b"\x80" * n).decode("utf-8", errors="ignore") for n in (1, 2, 3))), "")
 
 
 def _learn_merges(corpus: Corpus, base_data: dict, add: int) -> list[tuple[str, str]]:

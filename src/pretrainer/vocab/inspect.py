@@ -6,7 +6,7 @@ pieces (`<0xE4>`) or unknown, and the share that are new (ids >= the vocabulary 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.readers import DataError
@@ -46,11 +46,8 @@ def inspect_tokenizers(paths: list[str], corpus: Corpus, limit_bytes: int | None
         fallback_ids = {i for token, i in tokenizer.get_vocab().items() if BYTE_PIECE.match(token)}
         if tokenizer.unk_token_id is not None:
             fallback_ids.add(tokenizer.unk_token_id)
-        tokens = fallback = new = 0
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            tokens += len(ids)
-            fallback += sum(1 for i in ids if i in fallback_ids)
-            new += sum(1 for i in ids if i >= base_size)
+        ids = [i for row in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in row]
+        tokens, fallback, new = len(ids), sum(i in fallback_ids for i in ids), sum(i >= base_size for i in ids)
         stats.append(TokenizerStats(str(path), len(tokenizer), len(texts), characters, tokens,
                                     round(characters / max(tokens, 1), 3), round(tokens / len(texts), 1),
                                     _share(fallback, tokens), _share(new, tokens)))
@@ -62,13 +59,8 @@ def stats_table(stats: list[TokenizerStats]) -> str:
     rows = [(s.path, f"{s.vocab_size:,}", f"{s.chars_per_token:.3f}", f"{s.tokens_per_document:,.1f}",
              f"{s.byte_fallback_rate:.2%}", f"{s.new_token_share:.2%}") for s in stats]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
-                       enumerate(zip(row, widths))) for row in [header, *rows]]
-    return "\n".join(lines)
-
-
-def stats_json(stats: list[TokenizerStats]) -> dict:
-    return {"tokenizers": [asdict(s) for s in stats]}
+    return "\n".join("  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in
+                                enumerate(zip(row, widths))) for row in [header, *rows])
 
 
 def _share(count: int, tokens: int) -> float:

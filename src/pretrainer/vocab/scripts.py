@@ -11,7 +11,7 @@ from __future__ import annotations
 import unicodedata
 from collections import Counter
 from functools import lru_cache
-from typing import Callable, Iterable
+from typing import Callable
 
 UNCOVERED_SHARE = 0.05
 MIN_CORPUS_SHARE = 0.001  # a script this rare in the corpus (a stray Greek letter) is not a target
@@ -33,13 +33,6 @@ def script_of(char: str) -> str:
         return "COMMON"
     first = unicodedata.name(char, "COMMON").split()[0]
     return "CJK" if first in ("CJK", "IDEOGRAPHIC", "KANGXI") else first
-
-
-def count_characters(texts: Iterable[str]) -> Counter:
-    counts: Counter = Counter()
-    for text in texts:
-        counts.update(text)
-    return counts
 
 
 def detect_target_scripts(counts: Counter, covers: Callable[[str], bool]) -> dict[str, float]:

@@ -61,30 +61,31 @@ def _train_byte_level(corpus: Corpus, vocab_size: int, output: Path) -> TrainedT
 
 def _train_sentencepiece(corpus: Corpus, vocab_size: int, output: Path, kind: str, byte_fallback: bool,
                          workers: int) -> TrainedTokenizer:
-    sentencepiece = import_sentencepiece()
-    model = io.BytesIO()  # handed back, not written by sentencepiece, whose writer does not report a failed write
-    try:
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=corpus.lines("reading"), model_writer=model, vocab_size=vocab_size,
-            model_type=kind, byte_fallback=byte_fallback, character_coverage=0.9995, split_digits=True,
-            allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=max(1, workers), max_sentence_length=16384,
-            input_sentence_size=5_000_000, shuffle_input_sentence=True, minloglevel=2,
-            required_chars=PRINTABLE_ASCII)
-    except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
-        raise DataError(f"sentencepiece could not train on {', '.join(map(str, corpus.files))}: {exc}") from None
-    (output / "tokenizer.model").write_bytes(model.getvalue())
-    write_sentencepiece_config(output)
+    model = sentencepiece_model(
+        corpus, "reading", "train on", workers, vocab_size=vocab_size, model_type=kind, byte_fallback=byte_fallback,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, required_chars=PRINTABLE_ASCII)
+    (output / "tokenizer.model").write_bytes(model)
+    # Llama-2's tokenizer_config.json: BOS added in front, no EOS, the slow class named
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": BOS, "eos_token": EOS, "unk_token": UNK,
+              "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False, "legacy": False}
+    (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     size = convert_sentencepiece(output)
     return TrainedTokenizer(output, size, f"SentencePiece {kind.upper() if kind == 'bpe' else kind}")
 
 
-def write_sentencepiece_config(folder: Path) -> None:
-    """The Llama-2 tokenizer_config.json: BOS added in front, no EOS, the slow class named."""
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": BOS, "eos_token": EOS, "unk_token": UNK,
-              "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-              "legacy": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+def sentencepiece_model(corpus: Corpus, description: str, verb: str, workers: int, **options) -> bytes:
+    """A SentencePiece model trained on the corpus's lines with `options` and the settings both commands share."""
+    sentencepiece = import_sentencepiece()
+    model = io.BytesIO()  # handed back, not written by sentencepiece, whose writer does not report a failed write
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=corpus.lines(description), model_writer=model, character_coverage=0.9995, pad_id=-1,
+            num_threads=max(1, workers), max_sentence_length=16384, input_sentence_size=5_000_000,
+            shuffle_input_sentence=True, minloglevel=2, **options)
+    except RuntimeError as exc:  # e.g. a vocabulary larger than the corpus can fill
+        raise DataError(f"sentencepiece could not {verb} {', '.join(map(str, corpus.files))}: {exc}") from None
+    return model.getvalue()
 
 
 def convert_sentencepiece(folder: Path) -> int:
