@@ -3,10 +3,9 @@
 
 from .engine import Engine, EngineOptions
 from .layout import Layout
-from .precision import Precision
-from .registry import ENGINES, EngineEntry, create_engine, engine_class, engine_entry, select_engine
+from .registry import ENGINES, EngineEntry, create_engine, engine_entry, select_engine
 from .torch_backend import SingleEngine
 from .world import World, join_world, planned_world
 
-__all__ = ["ENGINES", "Engine", "EngineEntry", "EngineOptions", "Layout", "Precision", "SingleEngine", "World",
-           "create_engine", "engine_class", "engine_entry", "join_world", "planned_world", "select_engine"]
+__all__ = ["ENGINES", "Engine", "EngineEntry", "EngineOptions", "Layout", "SingleEngine", "World", "create_engine",
+           "engine_entry", "join_world", "planned_world", "select_engine"]

@@ -55,7 +55,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks (their wrapper if checkpointed), by the class names in `_no_split_modules`."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(_inner(m)).__name__ in names]
+    found = [m for m in model.modules() if type(inner_layer(m)).__name__ in names]
     wrapped = {id(m._checkpoint_wrapped_module) for m in found if isinstance(m, CheckpointWrapper)}
     layers = [m for m in found if id(m) not in wrapped]
     if not layers:
@@ -64,7 +64,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def _inner(module: torch.nn.Module) -> torch.nn.Module:
+def inner_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside its activation-checkpointing wrapper (the module itself when not wrapped)."""
     return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
 
 

@@ -41,7 +41,6 @@ class ContextParallel:
     degree: int
     rank: int            # index within the cp group
     group: object        # the cp group's ProcessGroup
-    pad_token_id: int = 0
     multiple: int = 1    # chunk sizes are a multiple of this (sequence parallelism splits them over tp)
 
     def chunks(self, length: int) -> tuple[int, int]:
@@ -57,14 +56,13 @@ class ContextParallel:
         return torch.cat([torch.cat([chunk[r], chunk[2 * self.degree - 1 - r]]) for r in range(self.degree)])
 
     def local_indices(self, length: int) -> torch.Tensor:
-        size, _ = self.chunks(length)
-        return self.order(length).view(self.degree, 2 * size)[self.rank]
+        return self.order(length).view(self.degree, -1)[self.rank]
 
     def shard(self, batch: dict, min_length: int = 0) -> dict:
         """This rank's part of a host batch (input_ids, shift_labels, position_ids), its windows padded to at
         least `min_length` tokens (pipeline stages exchange fixed shapes)."""
         mask = batch.get("attention_mask")
-        if mask is not None and not _is_right_padding(mask):
+        if mask is not None and not bool((mask[:, 1:] <= mask[:, :-1]).all()):  # rows other than ones, then zeros
             raise ConfigError("context_parallel_degree: batches with an attention_mask other than right padding "
                               "(padding inside a row, or document masking) cannot be split over ranks; use packed "
                               "data without reset_attention_mask, or context_parallel_degree: 1")
@@ -77,7 +75,7 @@ class ContextParallel:
             positions = torch.arange(length).expand(rows, length)
         extra = padded - length
         if extra:  # a short window: padding at the end is never attended to by real tokens (causal)
-            ids = F.pad(ids, (0, extra), value=self.pad_token_id)
+            ids = F.pad(ids, (0, extra), value=0)
             targets = F.pad(targets, (0, extra), value=IGNORE)
             positions = F.pad(positions, (0, extra), value=0)
         mine = self.local_indices(window)
@@ -101,15 +99,7 @@ def active_positions(device: torch.device) -> torch.Tensor | None:
     """`[1, local tokens]` window positions of this rank's tokens in the forward in progress (None outside a
     context-parallel forward): RoPE for modules that are not handed the batch's positions (pipeline stages)."""
     layout = _current
-    if layout is None:
-        return None
-    size = layout._order.numel() // layout.degree
-    return layout._order[layout.rank * size:(layout.rank + 1) * size].to(device)[None]
-
-
-def _is_right_padding(mask: torch.Tensor) -> bool:
-    """Each row: ones, then only zeros."""
-    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+    return None if layout is None else layout._order.view(layout.degree, -1)[layout.rank].to(device)[None]
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -122,8 +112,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                       **kwargs)
     keys, values = _gather_sequence(key, layout.group), _gather_sequence(value, layout.group)
     order = layout._order.to(query.device)
-    size = query.shape[2]
-    mine = order[layout.rank * size:(layout.rank + 1) * size]
+    mine = order.view(layout.degree, -1)[layout.rank]
     allowed = order[None, :] <= mine[:, None]  # causal over window positions
     groups = query.shape[1] // keys.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads

@@ -80,10 +80,6 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
         require_deepspeed()
         return read_deepspeed_settings(args, world_size, dtype, getattr(model_config, "hidden_size", None))
 
-    @property
-    def zero_stage(self) -> int:
-        return self.settings.zero_stage
-
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError("DeepSpeed wraps model, optimizer and schedule together: use setup()")
 
@@ -116,7 +112,7 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
         ZeRO-3 module by module and partitioned at once (as under zero.Init): no rank holds the whole model."""
         import deepspeed
 
-        if self.zero_stage == 3 and has_meta_tensors(model):
+        if self.settings.zero_stage == 3 and has_meta_tensors(model):
             deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
             materialize(model, self.device, self.options.seed, partition=self._partition)
         else:
@@ -168,7 +164,7 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
     def export_tensors(self, model):
         """ZeRO-3: each partitioned parameter is gathered on its own (GatheredParameters) and copied on the
         main rank; stages 1-2 hold whole 16-bit weights on every rank (the main rank's are taken)."""
-        if self.zero_stage != 3:
+        if self.settings.zero_stage != 3:
             yield from super().export_tensors(model)
             return
         import deepspeed
@@ -185,10 +181,10 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
             yield parameter_name(name), whole if self.is_main else None
 
     def full_state_dict(self, model) -> dict:
-        if self.zero_stage == 3:  # gather the partitions (the seed's export wrote size-0 tensors here)
-            state = self.model_engine._zero3_consolidated_16bit_state_dict()
-            return {k: v.detach().cpu() for k, v in (state or {}).items()}
-        return {k: v.detach().cpu() for k, v in self.model_engine.module.state_dict().items()}
+        # ZeRO-3: gather the partitions (the seed's export wrote size-0 tensors here)
+        state = self.model_engine._zero3_consolidated_16bit_state_dict() if self.settings.zero_stage == 3 else \
+            self.model_engine.module.state_dict()
+        return {k: v.detach().cpu() for k, v in (state or {}).items()}
 
     def unwrap(self, model):
         return self.model_engine.module
@@ -209,7 +205,7 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
         inner = getattr(optimizer, "optimizer", optimizer)
         moments = super().optimizer_state_bytes(inner)
         dp = self.model_engine.dp_world_size
-        return HeldState(weights, moments + tensor_bytes(masters), dp, dp if self.zero_stage >= 1 else 1,
+        return HeldState(weights, moments + tensor_bytes(masters), dp, dp if self.settings.zero_stage >= 1 else 1,
                          isinstance(self.autocast(), torch.autocast))
 
     def describe(self) -> str:

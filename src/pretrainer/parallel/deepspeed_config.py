@@ -156,24 +156,18 @@ def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int 
             config[precision] = {"enabled": True}
             filled[f"{precision}.enabled"] = True
     optimizer = config.get("optimizer")
-    if isinstance(optimizer, dict):
-        params = optimizer.setdefault("params", {})
-        values = {"lr": args.lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps,
-                  "weight_decay": args.weight_decay}
-        for key, value in values.items():
-            if params.get(key, AUTO) == AUTO:
-                params[key] = value
-                filled[f"optimizer.params.{key}"] = value
+    if isinstance(optimizer, dict):  # an optimizer parameter left out is filled too
+        _fill_auto(optimizer.setdefault("params", {}), {"lr": args.lr, "betas": [args.adam_beta1, args.adam_beta2],
+                                                        "eps": args.adam_eps, "weight_decay": args.weight_decay},
+                   filled, "optimizer.params.", missing=AUTO)
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict):
-        params = scheduler.setdefault("params", {})
-        values = scheduler_values(scheduler.get("type"), args)
-        for key, value in values.items():
-            if params.get(key) == AUTO:
-                params[key] = value
-                filled[f"scheduler.params.{key}"] = value
-    if hidden_size:
-        fill_hidden_size(config, hidden_size, filled)
+        _fill_auto(scheduler.setdefault("params", {}), scheduler_values(scheduler.get("type"), args), filled,
+                   "scheduler.params.")
+    if hidden_size:  # the ZeRO bucket sizes still "auto", from the model's hidden size
+        sizes = (hidden_size * hidden_size, int(0.9 * hidden_size * hidden_size), 10 * hidden_size)
+        _fill_auto(config.get("zero_optimization") or {}, dict(zip(HIDDEN_SIZE_KEYS, sizes)), filled,
+                   "zero_optimization.")
     later = {f"zero_optimization.{key}" for key in HIDDEN_SIZE_KEYS} if not hidden_size else set()
     leftovers = [k for k, v in _walk(config) if v == AUTO and k not in later]
     if leftovers:
@@ -181,15 +175,12 @@ def fill_deepspeed_config(config: dict, args, world_size: int, hidden_size: int 
     return config, filled
 
 
-def fill_hidden_size(config: dict, hidden_size: int, filled: dict) -> None:
-    """Fill the ZeRO bucket sizes still "auto" from the model's hidden size."""
-    zero = config.get("zero_optimization") or {}
-    sizes = dict(zip(HIDDEN_SIZE_KEYS, (hidden_size * hidden_size, int(0.9 * hidden_size * hidden_size),
-                                        10 * hidden_size)))
-    for key, value in sizes.items():
-        if zero.get(key) == AUTO:
-            zero[key] = value
-            filled[f"zero_optimization.{key}"] = value
+def _fill_auto(block: dict, values: dict, filled: dict, prefix: str, missing=None) -> None:
+    """Set each of `values` that `block` holds as "auto" (or leaves out, with `missing` AUTO); record it in `filled`."""
+    for key, value in values.items():
+        if block.get(key, missing) == AUTO:
+            block[key] = value
+            filled[prefix + key] = value
 
 
 def scheduler_values(kind: str | None, args) -> dict:
@@ -289,34 +280,24 @@ def _check_named_parts(config: dict, source: str) -> None:
 
 
 def _without_auto(node):
-    if isinstance(node, dict):
-        return {k: _without_auto(v) for k, v in node.items() if v != AUTO}
-    return node
+    return {k: _without_auto(v) for k, v in node.items() if v != AUTO} if isinstance(node, dict) else node
 
 
 def _find_path(config: dict, location: tuple, value) -> str | None:
-    """The dotted path in `config` ending in `location` and holding `value` (pydantic locations are block-relative)."""
-    for path, found in _walk(config):
-        parts = tuple(path.split("."))
-        if parts[-len(location):] == location and found == value:
-            return path
-    for path, _ in _walk_mappings(config):  # the value is a mapping (a whole block is wrong)
-        if tuple(path.split("."))[-len(location):] == location:
-            return path
-    return None
+    """The dotted path in `config` ending in `location` and holding `value`, else the block there (the value is a
+    mapping: a whole block is wrong); pydantic locations are block-relative."""
+    ending = [(path, found) for path, found in _walk(config, mappings=True)
+              if tuple(path.split("."))[-len(location):] == location]
+    leaves = [path for path, found in ending if not isinstance(found, dict) and found == value]
+    return next(iter(leaves + [path for path, found in ending if isinstance(found, dict)]), None)
 
 
-def _walk_mappings(node, prefix: str = ""):
+def _walk(node, prefix: str = "", mappings: bool = False):
+    """(dotted path, value) of every leaf; with `mappings`, of every nested block too."""
     if isinstance(node, dict):
+        if mappings and prefix:
+            yield prefix.rstrip("."), node
         for key, value in node.items():
-            if isinstance(value, dict):
-                yield f"{prefix}{key}", value
-                yield from _walk_mappings(value, f"{prefix}{key}.")
-
-
-def _walk(node, prefix: str = ""):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _walk(value, f"{prefix}{key}.")
+            yield from _walk(value, f"{prefix}{key}.", mappings)
     else:
         yield prefix.rstrip("."), node

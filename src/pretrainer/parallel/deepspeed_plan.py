@@ -29,7 +29,6 @@ class DeepSpeedTraits(EngineTraits):
         return settings.zero_stage == 3  # ZeRO-3 partitions module by module; stages 1-2 build the whole model
 
 
-
 class DeepSpeedCosts(CostModel):
     traits = DeepSpeedTraits
     baseline_engine = "deepspeed"  # DeepSpeed's own imports and buffers are part of every rank's runtime
@@ -90,9 +89,8 @@ class DeepSpeedCosts(CostModel):
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:
-        if layout.settings.zero_stage != 3 or layout.dims.dp == 1:
-            return 0.0
-        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"]
+        gathers = layout.settings.zero_stage == 3 and layout.dims.dp != 1
+        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"] if gathers else 0.0
 
     @classmethod
     def offloads_to_host(cls, layout: Layout) -> bool:
@@ -109,12 +107,9 @@ class DeepSpeedCosts(CostModel):
     @classmethod
     def settings_overrides(cls, layout: Layout) -> list[str]:
         settings = layout.settings
-        zero = f"{{stage: {settings.zero_stage}"
-        if settings.offloads("optimizer"):
-            zero += ", offload_optimizer: {device: cpu}"
-        if settings.offloads("param"):
-            zero += ", offload_param: {device: cpu}"
-        return [f"deepspeed={{zero_optimization: {zero}}}}}"]
+        offload = "".join(f", offload_{kind}: {{device: cpu}}" for kind in ("optimizer", "param")
+                          if settings.offloads(kind))
+        return [f"deepspeed={{zero_optimization: {{stage: {settings.zero_stage}{offload}}}}}"]
 
     @classmethod
     def describe_settings(cls, layout: Layout) -> str:

@@ -41,9 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -145,11 +143,6 @@ class Engine(EngineTraits, ABC):
     def context_multiple(self) -> int:
         """What each rank's piece of a sequence must be a multiple of (sequence parallelism splits it again)."""
         return 1
-
-    def install_context_parallel(self, model: torch.nn.Module) -> None:
-        """Context-parallel attention on the whole model (the first of the parallelize steps)."""
-        if self.context:
-            context_parallel.install(model, self.context.degree)
 
     def sequence_layout(self, batch: dict | None = None):
         """Context: attention runs on the context-parallel layout of `batch` (or of the last batch given, for its
@@ -318,10 +311,8 @@ class Engine(EngineTraits, ABC):
         not hold it (other pipeline stages) hold it on the meta device. No rank holds more than one whole tensor."""
         state = {parameter_name(k): v for k, v in self.unwrap(model).state_dict().items()}
         holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
-        sender = {}
-        for rank, names in enumerate(holders):
-            for name in names:
-                sender.setdefault(name, rank)
+        # each tensor's sender: the first rank holding it (ranks in reverse order: the lowest one's entry is kept)
+        sender = {name: rank for rank, names in reversed(list(enumerate(holders))) for name in names}
         for name, tensor in state.items():
             whole = None
             if not tensor.is_meta:

@@ -52,7 +52,7 @@ class ExpertExchange:
         dist.all_to_all_single(incoming, counts, group=self.group)  # [source rank, local expert]
         sent = counts.view(self.ranks, self.local).sum(1).tolist()
         received = incoming.view(self.ranks, self.local).sum(1).tolist()
-        rows = exchange(hidden[tokens], received, sent, self.group)
+        rows = _AllToAll.apply(hidden[tokens], received, sent, self.group)
         local_ids = torch.arange(self.local, device=hidden.device).repeat(self.ranks)
         by_expert = torch.argsort(torch.repeat_interleave(local_ids, incoming), stable=True)
         per_expert = incoming.view(self.ranks, self.local).sum(0)
@@ -63,19 +63,15 @@ class ExpertExchange:
         experts' outputs times their routing `weights` [T, k]."""
         back = torch.empty_like(outputs)
         back = back.index_copy(0, routes.by_expert, outputs)  # the order the rows arrived in
-        home = exchange(back, routes.sent, routes.received, self.group)
+        home = _AllToAll.apply(back, routes.sent, routes.received, self.group)
         weighted = home * weights.reshape(-1)[routes.order].unsqueeze(-1).to(home.dtype)
         out = outputs.new_zeros((routes.token_count, outputs.shape[-1]))
         return out.index_add(0, routes.tokens, weighted)
 
 
-def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
-    """`send[r]` rows to each rank r, `receive[r]` rows from each (differentiable: gradients go back the same way)."""
-    return _AllToAll.apply(rows, receive, send, group)
-
-
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single at uneven splits, forward and backward (the gradient goes back along the same routes)."""
+    """all_to_all_single at uneven splits: `send[r]` rows to each rank r, `receive[r]` rows from each, forward and
+    backward (the gradient goes back along the same routes)."""
 
     @staticmethod
     def forward(ctx, rows, receive, send, group):

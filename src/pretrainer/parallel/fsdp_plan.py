@@ -102,9 +102,8 @@ class FSDPCosts(CostModel):
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:
-        if layout.dims.shard == 1:
-            return 0.0
-        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"]
+        gathers = layout.dims.shard != 1
+        return CPU_GATHER_RETENTION["full" if layout.recompute == "full" else "other"] if gathers else 0.0
 
     @classmethod
     def offloads_to_host(cls, layout: Layout) -> bool:

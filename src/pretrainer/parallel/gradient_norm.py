@@ -26,13 +26,9 @@ def sums_of_squares(tensors: list[torch.Tensor], piece: int = CPU_PIECE) -> torc
     """Each tensor's sum of squares, float64 (the tensors share a device)."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors)).double().square()
-    pieces, counts = [], []
-    for tensor in tensors:
-        parts = tensor.detach().reshape(-1).split(piece)
-        pieces += parts
-        counts.append(len(parts))
-    squares = torch.stack(torch._foreach_norm(pieces)).double().square()
-    return torch.stack([part.sum() for part in squares.split(counts)])
+    split = [tensor.detach().reshape(-1).split(piece) for tensor in tensors]
+    squares = torch.stack(torch._foreach_norm([part for parts in split for part in parts])).double().square()
+    return torch.stack([each.sum() for each in squares.split([len(parts) for parts in split])])
 
 
 def global_norm(grads: list[torch.Tensor], holders: int, sum_over_ranks: Callable[[torch.Tensor], None],

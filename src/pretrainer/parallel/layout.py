@@ -82,14 +82,10 @@ class Layout:
         parts += [own] if own else []
         parts += [f"micro_batch={self.micro_batch}", f"accumulation={self.accumulation}", f"seq={self.seq_length}",
                   f"recompute={self.recompute}", f"dtype={self.dtype}"]
-        if self.loss_chunk:
-            parts.append(f"loss_chunk={self.loss_chunk}")
-        if self.optimizer != "adamw":
-            parts.append(f"optimizer={self.optimizer}")
-        if self.accumulates_sharded:
-            parts.append("accumulate=sharded")
-        if self.compile:
-            parts.append("compile=true")
+        parts += [text for shown, text in ((self.loss_chunk, f"loss_chunk={self.loss_chunk}"),
+                                           (self.optimizer != "adamw", f"optimizer={self.optimizer}"),
+                                           (self.accumulates_sharded, "accumulate=sharded"),
+                                           (self.compile, "compile=true")) if shown]
         return " ".join(parts)
 
     @property
@@ -166,14 +162,9 @@ def tensor_bytes(tensors) -> int:
     """Bytes of the local part of each distinct tensor (a DTensor's own shard)."""
     from torch.distributed.tensor import DTensor
 
-    seen, total = set(), 0
-    for tensor in tensors:
-        if id(tensor) in seen or tensor.numel() <= 1:  # scalars: optimizer step counts
-            continue
-        seen.add(id(tensor))
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total
+    distinct = {id(tensor): tensor for tensor in tensors if tensor.numel() > 1}  # scalars: optimizer step counts
+    parts = (tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in distinct.values())
+    return sum(part.numel() * part.element_size() for part in parts)
 
 
 @dataclass(frozen=True)

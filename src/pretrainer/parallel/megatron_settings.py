@@ -37,11 +37,9 @@ ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
 IGNORED_REASONS = {
     "use_flash_attn": "attention runs through the model's attn_implementation (SDPA; flash kernels where the "
                       "device has them)",
-    "masked_softmax_fusion": "kernel fusion is torch.compile's job here (compile: true)",
-    "bias_gelu_fusion": "kernel fusion is torch.compile's job here (compile: true)",
-    "bias_dropout_fusion": "kernel fusion is torch.compile's job here (compile: true)",
-    "gradient_accumulation_fusion": "kernel fusion is torch.compile's job here (compile: true)",
-    "apply_rope_fusion": "kernel fusion is torch.compile's job here (compile: true)",
+    **dict.fromkeys(("masked_softmax_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
+                     "gradient_accumulation_fusion", "apply_rope_fusion"),
+                    "kernel fusion is torch.compile's job here (compile: true)"),
     "attention_softmax_in_fp32": "attention softmax is computed by SDPA, which accumulates in fp32",
     "async_tensor_model_parallel_allreduce": "DTensor issues the tensor-parallel collectives",
     "overlap_grad_reduce": "FSDP2 overlaps gradient reduction itself",
@@ -96,17 +94,11 @@ class MegatronSettings:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"sequence_parallel={self.sequence_parallel}",
                  f"num_micro_batches={self.num_micro_batches}",
                  f"data_parallel_sharding_strategy={self.sharding_strategy}"]
-        if self.shard_size:
-            parts.append(f"fsdp_shard_size={self.shard_size}")
-        if self.cpu_offload:
-            parts.append("cpu_offload=True")
-        if self.pp > 1:
-            parts.append(f"schedule={self.schedule} stages={self.num_stages}")
-        if self.recompute_granularity:
-            parts.append(f"recompute={self.recompute_granularity}"
-                         + (f"/{self.recompute_method}/{self.recompute_num_layers}"
-                            if self.recompute_granularity == "full" else ""))
-        return " ".join(parts)
+        full = f"/{self.recompute_method}/{self.recompute_num_layers}" if self.recompute_granularity == "full" else ""
+        optional = ((self.shard_size, f"fsdp_shard_size={self.shard_size}"), (self.cpu_offload, "cpu_offload=True"),
+                    (self.pp > 1, f"schedule={self.schedule} stages={self.num_stages}"),
+                    (self.recompute_granularity, f"recompute={self.recompute_granularity}{full}"))
+        return " ".join(parts + [text for shown, text in optional if shown])
 
 
 def _picker(args):
@@ -265,16 +257,10 @@ def _read_pipeline(settings: MegatronSettings, plugin: dict, num_layers: int | N
 
 def unused_keys(args, model_config, settings: MegatronSettings) -> list[str]:
     """Which seed keys are ignored or disagree with the model (`model_config`, None when not known)."""
-    plugin = dict(args.plugin_args or {})
-    megatron = args.megatron_args
-    messages = []
-    for key in plugin:
-        if key in PLUGIN_ENGINE_KEYS or key in HOOK_KEYS:
-            continue
-        if key in COVERED_KEYS:
-            messages.append(f"plugin_args.{key}: covered by {COVERED_KEYS[key]}")
-        else:
-            messages.append(f"plugin_args.{key}: ignored (a MegatronLMPlugin setting with no counterpart here)")
+    plugin, megatron = dict(args.plugin_args or {}), args.megatron_args
+    messages = [f"plugin_args.{key}: covered by {COVERED_KEYS[key]}" if key in COVERED_KEYS else
+                f"plugin_args.{key}: ignored (a MegatronLMPlugin setting with no counterpart here)"
+                for key in plugin if key not in PLUGIN_ENGINE_KEYS and key not in HOOK_KEYS]
     hf = _hf_architecture(model_config) if model_config is not None else {}
     for key, value in megatron.items():
         if key in ENGINE_MEGATRON_KEYS or key in MEGATRON_KEY_TO_FIELD:

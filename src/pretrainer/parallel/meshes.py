@@ -76,12 +76,8 @@ class Meshes:
             model = self.model()
             pp = model.mesh_dim_names.index("pp")
             pipelines = model.mesh.movedim(pp, -1).reshape(-1, self.dims.pp).tolist()
-            mine = None
-            for ranks in pipelines:
-                group = dist.new_group([ranks[0], ranks[-1]])
-                if dist.get_rank() in (ranks[0], ranks[-1]):
-                    mine = group
-            return mine
+            groups = [(ranks, dist.new_group([ranks[0], ranks[-1]])) for ranks in pipelines]
+            return next((group for ranks, group in groups if dist.get_rank() in (ranks[0], ranks[-1])), None)
 
         return self._once("pipeline_ends", build)
 

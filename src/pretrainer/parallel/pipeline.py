@@ -11,6 +11,8 @@ per rank, rank r holds stages r, r+pp, r+2pp, ...
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -35,11 +37,8 @@ def split_layers(num_layers: int, num_stages: int, explicit: list | None = None)
             raise ConfigError(f"{problem}: lower pp_degree or the virtual stages")
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
+    starts = [0, *itertools.accumulate(counts)]
+    return [range(start, stop) for start, stop in zip(starts, starts[1:])]
 
 
 def stages_of_rank(pp_rank: int, pp: int, num_stages: int) -> list[int]:
@@ -170,10 +169,7 @@ class PipelineLoss:
 
     def window_sum(self, device: torch.device) -> torch.Tensor:
         """This rank's summed loss over the window (zero off the last stage)."""
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for summed in self.sums:
-            total += summed.double()
-        return total
+        return sum((summed.double() for summed in self.sums), torch.zeros((), dtype=torch.float64, device=device))
 
 
 @torch.no_grad()

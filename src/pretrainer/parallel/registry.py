@@ -75,16 +75,10 @@ def engine_entry(name: str, key: str = "engine") -> EngineEntry:
     return entry
 
 
-def engine_class(name: str) -> type[Engine]:
-    return engine_entry(name).cls
-
-
 def launcher_engine() -> EngineEntry | None:
     """The engine an `accelerate launch` config asked for, if any."""
-    for entry in ENGINES:
-        if entry.accelerate_flag and os.environ.get(entry.accelerate_flag, "false").lower() == "true":
-            return entry
-    return None
+    return next((entry for entry in ENGINES if entry.accelerate_flag
+                 and os.environ.get(entry.accelerate_flag, "false").lower() == "true"), None)
 
 
 def select_engine(args, world_size: int | None = None) -> EngineEntry:

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..config import ConfigError
 from ..models import find_experts
+from .activation_checkpoint import inner_layer
 
 
 @dataclass
@@ -80,30 +81,21 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
             parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence))
     for layer in stage.layers.values():
         # an MoE block is left whole: under sequence parallelism it routes this rank's tokens (moe_blocks)
-        dense = not find_experts(_inner(layer).mlp)
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=sequence),
-        }
+        dense = not find_experts(inner_layer(layer).mlp)
+        plan = {name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+        plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=sequence)
         if dense:
-            plan.update({
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=sequence),
-            })
+            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                         "mlp.down_proj": RowwiseParallel(output_layouts=sequence)})
         if sequence_parallel:
-            plan.update({
-                "input_layernorm": SequenceParallel(use_local_output=True),
-                "post_attention_layernorm": SequenceParallel(use_local_output=True),
-                # the decoder layer calls self_attn with keyword arguments, mlp positionally
-                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            })
+            plan.update({name: SequenceParallel(use_local_output=True)
+                         for name in ("input_layernorm", "post_attention_layernorm")})
+            # the decoder layer calls self_attn with keyword arguments, mlp positionally
+            plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()})
             if dense:
                 plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        parallelize_module(_inner(layer), mesh, plan)
+        parallelize_module(inner_layer(layer), mesh, plan)
     if stage.norm is not None and sequence_parallel:
         parallelize_module(stage.norm, mesh, SequenceParallel(use_local_output=True))
     if stage.lm_head is not None:
@@ -112,15 +104,11 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
             stage.lm_head.weight = stage.embed_tokens.weight
 
 
-def _inner(layer: torch.nn.Module) -> torch.nn.Module:
-    return getattr(layer, "_checkpoint_wrapped_module", layer)
-
-
 def moe_blocks(stage) -> list[torch.nn.Module]:
     """The MoE blocks (a decoder layer's `mlp` holding routed experts) of this stage's layers. Tensor parallelism leaves
     them whole (Megatron's expert tensor parallel size 1): under sequence parallelism each tp rank routes its own 1/tp
     of the tokens through router, experts and shared experts, so the engine sums their gradients over tp."""
-    return [_inner(layer).mlp for layer in stage.layers.values() if find_experts(_inner(layer).mlp)]
+    return [inner_layer(layer).mlp for layer in stage.layers.values() if find_experts(inner_layer(layer).mlp)]
 
 
 register_split("llama", llama_parts, llama_tensor_parallel)

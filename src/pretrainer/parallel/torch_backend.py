@@ -45,6 +45,7 @@ from ..models.chunked_loss import computes_loss
 from ..models.hf_weights import carry_checkpoint
 from ..models.mtp import decoder_layer_list
 from ..models.registry import parse_model_config
+from . import context_parallel
 from .activation_checkpoint import RecomputeSettings, decoder_layers
 from .engine import Engine, to_device_async
 from .expert_parallel import shard_experts
@@ -96,13 +97,11 @@ class TorchEngine(TorchTraits, Engine):
 
     def __init__(self, options, world, meshes):
         super().__init__(options, world, meshes)
-        dims = self.dims
-        self.dp = dims.dp
         self.mesh = meshes.model()
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
         # gradients and token counts are summed over the ranks holding the same parameters: dp x cp
         self.data_mesh = meshes.data()
-        self.expert_mesh = meshes.experts() if dims.ep > 1 else None
+        self.expert_mesh = meshes.experts() if self.dims.ep > 1 else None
         self._routes_tokens = False  # this rank's stages hold MoE blocks (their routing reads the padding)
         self._tp_partial: list[tuple[torch.nn.Module, str]] = []  # see _sum_partial_gradients_over_tp
         self._experts: list[torch.nn.Module] = []  # the split experts modules of the module being built
@@ -117,18 +116,14 @@ class TorchEngine(TorchTraits, Engine):
         self._has_depths = False  # multi-token prediction depths follow the head (on the last stage)
 
     @property
-    def cpu_offload(self) -> bool:
-        return self.settings.cpu_offload
-
-    @property
     def exports_tensor_by_tensor(self) -> bool:
         # Shards offloaded to host memory cannot be gathered over an accelerator's process group one by one.
-        return not (self.cpu_offload and self.device.type != "cpu")
+        return not (self.settings.cpu_offload and self.device.type != "cpu")
 
     @property
     def wraps_data_ranks(self) -> bool:
         """Data parallelism wraps modules: over 2+ data ranks, or to offload shards to the host (one process too)."""
-        return self.data_mesh.size() > 1 or self.cpu_offload
+        return self.data_mesh.size() > 1 or self.settings.cpu_offload
 
     def autocast(self):
         """Replicated modules compute under autocast; FSDP2 (sharded) ones are cast by FSDP's mixed-precision policy."""
@@ -149,8 +144,8 @@ class TorchEngine(TorchTraits, Engine):
         settings = replace(settings, notices=tuple(unused_keys(args, model_config, settings)))
         if cls.runs_stages(settings):
             check_stages(args, model_config, dtype, settings, cls.name)
-        if args.expert_parallel_degree > 1 and settings.shard_size not in (None, world_size // settings.tp
-                                                                            // settings.pp):
+        holders = world_size // (settings.tp * settings.pp)  # the data ranks: dp x cp
+        if args.expert_parallel_degree > 1 and settings.shard_size not in (None, holders):
             raise ConfigError("key 'fsdp_shard_size': hybrid sharding with expert_parallel_degree > 1 is not "
                               "supported yet; shard over all data ranks (fsdp_shard_size: null)")
         return settings
@@ -175,23 +170,23 @@ class TorchEngine(TorchTraits, Engine):
         return settings.recompute if cls.runs_stages(settings) else super().recompute(args, settings)
 
     def shard_batch(self, batch: dict) -> dict:
-        if not self.context:
-            return batch
-        return self.context.shard(batch, self.options.seq_length if self.settings.pp > 1 else 0)
+        return self.context.shard(batch, self.options.seq_length if self.settings.pp > 1 else 0) if self.context \
+            else batch
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Parallelize the HF model as one module, or cut this rank's pipeline stages from it and parallelize each
         (parallelize.py's order); context-parallel attention goes on the whole model first."""
-        self.install_context_parallel(model)
+        if self.context:
+            context_parallel.install(model, self.context.degree)
         if self.runs_stages(self.settings):
             return self._wrap_stages(model)
-        if not any(p.is_meta for p in model.parameters()) and not self.cpu_offload:
+        if not any(p.is_meta for p in model.parameters()) and not self.settings.cpu_offload:
             model.to(self.device)
         model = parallelize(model, self._steps())
         self.units = [model]
         # offloaded shards live in host memory: materialise them there
-        self.materialize_if_meta(model, torch.device("cpu") if self.cpu_offload else None)
+        self.materialize_if_meta(model, torch.device("cpu") if self.settings.cpu_offload else None)
         return model
 
     def _steps(self, tensor_parallel=None) -> Parallelism:
@@ -231,7 +226,10 @@ class TorchEngine(TorchTraits, Engine):
         _run_depths_as_laid_out(model, self.stages)
         view = StagedModel(model, self.stages)
         if is_meta:
-            self._materialize(view)
+            materialize(view, self.device, self.options.seed)
+            for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
+                if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
+                    stage.lm_head.weight = stage.embed_tokens.weight
         self.loss_weight = 1.0 if self.tp_rank == 0 and s.num_stages - 1 in self.stage_ids else 0.0
         if s.pp > 1:
             self._build_schedule()
@@ -248,12 +246,6 @@ class TorchEngine(TorchTraits, Engine):
         self.schedule = build_schedule(self.stages, self.stage_ids, s.num_stages, s.schedule, s.num_micro_batches,
                                        self.pipeline_loss, self.device, self.mesh.get_group("pp"))
 
-    def _materialize(self, view: StagedModel) -> None:
-        materialize(view, self.device, self.options.seed)
-        for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
-            if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
-                stage.lm_head.weight = stage.embed_tokens.weight
-
     def _tensor_parallel(self, split, stage: DecoderStage) -> None:
         """The family's tp layouts on the tp mesh; without sequence parallelism the norms become replicated
         DTensors too, so every parameter lives on the mesh (one optimizer, one norm)."""
@@ -268,22 +260,17 @@ class TorchEngine(TorchTraits, Engine):
 
     def _replicate_norms(self, stage: DecoderStage) -> None:
         """Without sequence parallelism the norms see the whole sequence on every tp rank."""
-        mesh = self.mesh["tp"]
-
-        def to_replicated(module, inputs, device_mesh):
-            return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
-
-        def to_local(module, output, device_mesh):
-            return output.to_local()
-
         # the decoder layer's norms (a per-head norm inside attention sees this rank's heads only), and a
         # multi-token prediction depth's projection (models/mtp.py), which also sees the whole sequence
         norms = [m for layer in stage.layers.values() for name, m in layer.named_modules()
                  if (type(m).__name__.endswith("RMSNorm") and "self_attn" not in name) or name.endswith("eh_proj")]
         if stage.norm is not None:
             norms.append(stage.norm)
+        mesh = self.mesh["tp"]
         for norm in norms:
-            distribute_module(norm, mesh, input_fn=to_replicated, output_fn=to_local)
+            distribute_module(norm, mesh, output_fn=lambda module, output, device_mesh: output.to_local(),
+                              input_fn=lambda module, inputs, device_mesh: tuple(
+                                  DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs))
 
     def _split_experts(self, module: torch.nn.Module) -> None:
         """The routed experts over the ep ranks; their gradients are reduced over the dp / ep ranks holding the
@@ -301,7 +288,7 @@ class TorchEngine(TorchTraits, Engine):
             if self.expert_mesh is not None else None
         if self.settings.distributed_optimizer:  # FSDP's mixed-precision policy casts (no autocast then)
             shard_layers(module, self.meshes.data_sharding(), layers, self.precision,
-                         self.settings.reshard_parameters, self.cpu_offload, experts)
+                         self.settings.reshard_parameters, self.settings.cpu_offload, experts)
         else:
             replicate_layers(module, self.data_mesh, layers, experts)
         return module
@@ -329,22 +316,18 @@ class TorchEngine(TorchTraits, Engine):
         return list(self.stages) or [model]
 
     # ------------------------------------------------------------- the step
+    @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module):
-        if self.options.accumulate == "sharded":  # the distributed optimizer's gradients stay sharded
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def skip_gradient_sync():
-            wrapped = [unit for unit in self.units if hasattr(unit, "set_requires_gradient_sync")]
+        # sharded: the distributed optimizer's gradients stay sharded (reduce-scattered every micro-batch)
+        wrapped = [] if self.options.accumulate == "sharded" else \
+            [unit for unit in self.units if hasattr(unit, "set_requires_gradient_sync")]
+        for unit in wrapped:
+            unit.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
             for unit in wrapped:
-                unit.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                for unit in wrapped:
-                    unit.set_requires_gradient_sync(True)
-
-        return skip_gradient_sync()
+                unit.set_requires_gradient_sync(True)
 
     def padded_length(self, length: int) -> int:
         """Sequence length a batch is right-padded to: a multiple of tp under sequence parallelism (each rank
@@ -392,9 +375,7 @@ class TorchEngine(TorchTraits, Engine):
             else:
                 output = forward_in_order(self.stage_ids, self.stages, self.settings.num_stages,
                                           self.mesh.get_group("pp"), input_ids.to(self.device), call, self.autocast)
-        if output is None:
-            return None
-        return HeadOutput.of(output, self._head_loss, call).first_positions(length)
+        return None if output is None else HeadOutput.of(output, self._head_loss, call).first_positions(length)
 
     def forward_backward(self, model, micro_batches: list[dict], loss_fn, scale: float,
                          extra_losses=None) -> torch.Tensor:
@@ -409,9 +390,8 @@ class TorchEngine(TorchTraits, Engine):
         # of a user DataLoader gains rows whose targets are all ignored.
         length = self.padded_length(max(b["input_ids"].shape[1] for b in micro_batches))
         rows = max(self.options.micro_batch_size, *(b["input_ids"].shape[0] for b in micro_batches))
-        inputs = torch.cat([_pad_rows(_pad(b["input_ids"], length, 0), rows, 0) for b in micro_batches])
-        targets = torch.cat([_pad_rows(_pad(batch_targets(b), length, IGNORE), rows, IGNORE)
-                             for b in micro_batches])
+        inputs = torch.cat([_pad(b["input_ids"], length, 0, rows) for b in micro_batches])
+        targets = torch.cat([_pad(batch_targets(b), length, IGNORE, rows) for b in micro_batches])
         last = self.settings.num_stages - 1
         # a head that computes the loss is handed each micro-batch's targets with its hidden states, and
         # multi-token prediction depths after the head the tokens as well
@@ -419,7 +399,7 @@ class TorchEngine(TorchTraits, Engine):
         if self._has_depths and last in self.stage_ids:
             stage_inputs["mtp_tokens"] = inputs
         if self._routes_tokens:  # an MoE model's routing reads each micro-batch's padding (every stage is handed it)
-            stage_inputs["attention_mask"] = torch.cat([_pad_rows(_pad(_attention_mask(b), length, 0), rows, 0)
+            stage_inputs["attention_mask"] = torch.cat([_pad(_attention_mask(b), length, 0, rows)
                                                         for b in micro_batches])
         # return_outputs=False: the schedule would otherwise keep every micro-batch's logits until the next step
         with self.autocast(), self.sequence_layout(micro_batches[0]):
@@ -460,8 +440,7 @@ class TorchEngine(TorchTraits, Engine):
         group = self.meshes.pipeline_ends()
         if group is None:  # a stage in between holds neither
             return
-        held = next(stage.embed_tokens if stage.embed_tokens is not None else stage.mtp_embed_tokens
-                    for stage in self.stages if stage.embed_tokens is not None or stage.mtp_embed_tokens is not None)
+        held = next(e for stage in self.stages for e in (stage.embed_tokens, stage.mtp_embed_tokens) if e is not None)
         if held.weight.grad is None:  # no gradient reached it here: the other end's is the sum
             held.weight.grad = torch.zeros_like(held.weight)
         grad = held.weight.grad
@@ -490,10 +469,8 @@ class TorchEngine(TorchTraits, Engine):
             return
         flat = torch.cat([g.reshape(-1) for g in local])
         dist.all_reduce(flat, group=self.mesh.get_group("tp"))
-        offset = 0
-        for g in local:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, summed in zip(local, flat.split([g.numel() for g in local])):
+            g.copy_(summed.view_as(g))
         for param, tp_dim in partial:
             grad = param.grad
             placements = list(grad.placements)
@@ -531,7 +508,7 @@ class TorchEngine(TorchTraits, Engine):
 
     def describe(self) -> str:
         cp = f" x cp={self.context.degree}" if self.context else ""
-        return super().describe() + f" mesh=(dp={self.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
+        return super().describe() + f" mesh=(dp={self.dims.dp} x pp={self.settings.pp}{cp} x tp={self.settings.tp}) " \
             + self.settings.describe()
 
 
@@ -629,18 +606,13 @@ def _release_other_stages(parts, stages: list[DecoderStage]) -> None:
             module.to("meta")
 
 
-def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    """Right-pad [batch, seq] to `length` (targets there are ignored; causal attention hides it from real tokens)."""
-    extra = length - tensor.shape[1]
-    return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra > 0 else tensor
+def _pad(tensor: torch.Tensor, length: int, value: int, rows: int = 0) -> torch.Tensor:
+    """Right-pad [batch, seq] to `length` (targets there are ignored; causal attention hides it from real tokens),
+    and below with rows of `value` to `rows`."""
+    extra, extra_rows = max(length - tensor.shape[1], 0), max(rows - tensor.shape[0], 0)
+    return torch.nn.functional.pad(tensor, (0, extra, 0, extra_rows), value=value) if extra or extra_rows else tensor
 
 
 def _attention_mask(batch: dict) -> torch.Tensor:
     mask = batch.get("attention_mask")
     return mask if mask is not None else torch.ones_like(batch["input_ids"])
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    extra = rows - tensor.shape[0]
-    return torch.cat([tensor, tensor.new_full((extra, tensor.shape[1]), value)]) if extra > 0 else tensor
-

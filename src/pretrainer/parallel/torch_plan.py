@@ -68,29 +68,25 @@ class SingleTraits(TorchTraits):
         return False
 
 
-class SingleCosts(CostModel):
-    """The single engine's cost model: the backend's answers on one process."""
-
-    traits = SingleTraits
-
-    @classmethod
-    def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        if world_size != 1:
-            return []
-        return [{"dims": cls.traits.parallel_dims(1, 1, MegatronSettings()), "settings": MegatronSettings()}]
-
-
 class DDPCosts(CostModel):
     """A whole model replicated over the data ranks: a plain torch engine's answers, for every cp degree."""
 
     traits = TorchTraits
+    one_process = False  # the worlds it offers layouts for: one process, or several
 
     @classmethod
     def layout_variants(cls, world_size: int, devices_per_node: int, shape, seq_length: int) -> list[dict]:
-        if world_size == 1:
+        if (world_size == 1) != cls.one_process:
             return []
         return [{"dims": cls.traits.parallel_dims(world_size, cp, MegatronSettings()), "settings": MegatronSettings()}
                 for cp in context_parallel_degrees(world_size, seq_length)]
+
+
+class SingleCosts(DDPCosts):
+    """The single engine's cost model: the backend's answers on one process."""
+
+    traits = SingleTraits
+    one_process = True
 
 
 class MegatronCosts(CostModel):
@@ -114,8 +110,7 @@ class MegatronCosts(CostModel):
         """The stages of the first and of the last pipeline rank, as `wrap` splits them."""
         s = layout.settings
         ranges = split_layers(num_layers, s.num_stages, s.pipeline_layers)
-        held = [sum(len(ranges[i]) for i in stages_of_rank(rank, s.pp, s.num_stages)) for rank in (0, s.pp - 1)]
-        return held[0], held[1]
+        return tuple(sum(len(ranges[i]) for i in stages_of_rank(rank, s.pp, s.num_stages)) for rank in (0, s.pp - 1))
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:

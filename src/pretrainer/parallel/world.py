@@ -47,10 +47,6 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def launch_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
 @dataclass(frozen=True)
 class World:
     rank: int
@@ -110,7 +106,7 @@ def join_world(device: torch.device, timeout_minutes: float) -> World:
     """Join (or create) the world process group the launch describes; a launch-free process gets a group of
     one. On an accelerator, this process takes the device of its local rank."""
     global _created
-    local_rank, launched = launch_local_rank(), launch_world_size()
+    local_rank, launched = int(os.environ.get("LOCAL_RANK", "0")), launch_world_size()
     if launched > 1 and "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"WORLD_SIZE={launched} but MASTER_ADDR is not set: start the processes with torchrun, "
                           "accelerate launch or deepspeed")
