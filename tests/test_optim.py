@@ -83,6 +83,13 @@ def test_every_wsd_shape_equals_its_formula_at_every_step_in_steps_and_in_tokens
     assert in_steps[32] == 1.0 and in_steps[33] < 1.0 and in_steps[-1] == pytest.approx(low)
 
 
+def test_the_scheduler_decays_over_the_configured_wsd_fraction():
+    """Through the scheduler, not the formula alone: half of the 98 post-warmup updates decay (49 updates)."""
+    values = schedule_lrs(num_training_steps=100, warmup_steps=1, lr_decay_style="wsd", wsd_decay_fraction=0.5)
+    assert values[50] == 1.0 and values[51] < 1.0
+    assert values[75] == pytest.approx(0.1 + 0.9 * (1 - (76 - 51) / 49))
+    assert values[-1] == pytest.approx(0.1)
+
 def test_token_warmup_equals_its_formula_under_cosine():
     values = schedule_lrs(num_training_steps=12, warmup_tokens=96, tokens_per_step=32)  # 3 updates
     assert values[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])

@@ -50,8 +50,8 @@ def schedule_multiplier(settings: ScheduleSettings, step: int) -> float:
         low = settings.min_ratio
         return low + (branch.lr_ratio - low) * DECAY_SHAPES[settings.decay_shape](progress)
     return lr_multiplier(step, total=settings.total_steps, warmup=settings.warmup_steps, style=settings.style,
-                         min_ratio=settings.min_ratio, decay_shape=settings.decay_shape,
-                         decay=settings.decay_steps)
+                         min_ratio=settings.min_ratio, wsd_decay_fraction=settings.wsd_decay_fraction,
+                         decay_shape=settings.decay_shape, decay=settings.decay_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: ScheduleSettings) -> torch.optim.lr_scheduler.LambdaLR:
