@@ -1,27 +1,15 @@
-"""The output head and cross-entropy in chunks of tokens (`loss_chunk_size`), so the `[tokens, vocab]` logits, the
-largest tensor of a step with long sequences and large (extended) vocabularies (4 bytes x tokens x vocabulary in fp32),
-never exist whole.
+"""The output head and cross-entropy in chunks of tokens (`loss_chunk_size`), so the `[tokens, vocab]` logits never
+exist whole (docs/long-context.md, 'The chunked loss').
 
-Each chunk's logits are made, turned into the chunk's loss and, when a backward will follow, into the gradients for the
-hidden states and the head's weight at once, then dropped; backward only scales the stored gradients. The head's weight
-is thus used only inside the head's own forward, where every engine has it whole (FSDP's unsharded parameters, DeepSpeed
-ZeRO-3's gathered ones). The math is plain softmax cross-entropy: loss and gradients equal the unchunked ones within
-fp32 rounding.
+Each chunk's loss and its gradients for the hidden states and the head's weight are made at once in forward; backward
+only scales the stored gradients. The head's weight is thus used only inside the head's own forward, where every
+engine has it whole (FSDP's unsharded parameters, ZeRO-3's gathered ones). A vocab-parallel head's hidden-state
+gradient is a partial sum that the tensor-parallel layout reduces in backward.
 
-A head split by vocabulary rows over tensor-parallel ranks (the megatron engine's DTensor sharded on dim 0) computes
-each chunk's logits for its own rows only, as Megatron's vocab-parallel cross-entropy does: the ranks all-reduce each
-token's max logit, then its sum of exponentials and target logit; the hidden states' gradient is a partial sum that the
-tensor-parallel layout reduces in backward.
-
-With an output z-loss (`z_loss_coeff` c, PaLM's), each chunk also sums logsumexp(logits)^2 over its trained tokens and
-the stored gradients are those of cross-entropy + c x that sum. The head returns `[cross-entropy sum, correct, z sum]`,
-the first entry carrying the cross-entropy's value and the objective's gradient (as ce + c(z - sg(z)) does), so every
-engine's backward trains the z-loss while the logged loss stays the cross-entropy.
-
-The head (`get_output_embeddings()`, a bias-free Linear) keeps its module and parameter names; only its forward changes:
-handed a `batch.HeadCall` (`lm_head(hidden, call=...)`) it computes the loss for the call's targets, without one
-(`generate`, a user's call) it returns logits. `install_head_call` gives the model a forward that hands the head the
-call `batch.forward_head` makes for each batch (a pipeline stage hands it the call itself, parallel/pipeline.py).
+With an output z-loss (`z_loss_coeff` c) the head returns `[cross-entropy sum, correct, z sum]`, the first entry
+carrying the cross-entropy's value and the objective's gradient (as ce + c(z - sg(z)) does), so every engine's
+backward trains the z-loss while the logged loss stays the cross-entropy. Handed a `batch.HeadCall` the head computes
+the loss; without one (`generate`, a user's call) it returns logits.
 """
 
 from __future__ import annotations

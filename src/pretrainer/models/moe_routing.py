@@ -1,31 +1,9 @@
 """Mixture-of-Experts routing as the loop sees it: balancing losses, expert bias updates and routing counts.
 
-HF MoE models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) route with a router module returning
-`(router_logits, weights, expert_indices)`, named by the model for its `router_logits` output. `MoeRouting` hooks every
-router, so it needs no per-family code and works through any engine keeping the modules (single, ddp, fsdp, DeepSpeed):
-
-- balancing losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`), computed from each router's logits in training forwards,
-  are added by the engine to the same micro-batch's scaled loss (under a pipeline schedule they ride on the router's
-  output: `attach_losses`); each unit (a sequence, or a micro-batch) is weighted by the loop, so the gradient is that of
-  the mean over the global batch's units, however ranks and micro-batches split it;
-- aux-loss-free balancing (`moe_expert_bias_update_rate`, DeepSeek-V3): after each applied update, every router's
-  `e_score_correction_bias` moves by the rate towards the mean load of the step's token counts summed over ranks;
-- `moe_capacity_factor`: an expert takes at most its capacity of a micro-batch's assignments; in training forwards the
-  rest get weight 0 (dropped: the token's residual stream passes that expert by);
-- routing counts per layer and expert are kept over the logging interval for the metrics.
-
-Padding (attention_mask 0 in the forward's arguments: the HF model's, or a pipeline stage's, which the engine hands each
-micro-batch's mask) is routed but counts nowhere: not in the balancing losses (as HF's load_balancing_loss_func with a
-mask), the capacity, the bias updates or the metrics. The loss ignores it anyway, and engines attend to it differently
-(a padding mask, or the megatron engine's causal mask alone).
-
-Where an engine splits each sequence's tokens over ranks before routing (the megatron engine's sequence parallelism:
-`split_sequences`), each rank computes its tokens' part of every unit's losses from the unit's whole counts (one small
-all-reduce per router call): the parts add up to the single-process loss, with its exact gradient.
-
-Evaluation forwards (eval mode or no grad) and recomputations (activation checkpointing replaying a layer inside
-backward, after the engine took the micro-batch's losses) are not counted; a recomputation still computes the losses and
-drops them, since the checkpoint checks that it saves what the forward did.
+`MoeRouting` hooks every router (the module whose output the model names for `router_logits`), so it needs no
+per-family code and works through any engine that keeps the modules. Padding, evaluation forwards and recomputations
+count nowhere; a recomputation still computes the losses and drops them, since the checkpoint checks that it saves
+what the forward did. The rules and why they are so: docs/moe.md, 'The knobs' and 'On the megatron engine: tp x ep'.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Multi-token prediction (MTP, DeepSeek-V3's report section 2.2): `mtp_num_layers` (D) modules after the model, depth k
-predicting the token k + 1 ahead of each position.
+predicting the token k + 1 ahead of each position; what a depth computes: docs/multi-token-prediction.md.
 
-Depth k normalises the previous depth's hidden state (for k = 1 the main model's final one, the head's input) and the
-embedding of the token k ahead, each with its own norm (`hnorm`, `enorm`: the model's final-norm class), projects their
-concatenation 2H -> H (`eh_proj`, embedding first, as DeepSeek-V3's files and the inference engines reading them order
-it), runs one block of the model's decoder-layer class, normalises (`shared_head.norm`) and predicts with the main
-model's output head. Embedding and head are the main model's own, so both paths train them.
+Each depth is a decoder layer of the model's class with its extra modules added, appended after the
+`num_hidden_layers` layers HF decoders iterate (so the main forward never runs it): its parameters are named as in
+DeepSeek-V3's files, and every engine treats it as a layer (FSDP unit, checkpointing, compile, MoE routing hooks).
 
-Each depth is a decoder layer of the model's class with those modules added, appended to the layer list after the
-`num_hidden_layers` layers HF decoders iterate (so the main forward never runs it). Its parameters are thus named as in
-DeepSeek-V3's files (`model.layers.<num_hidden_layers + k - 1>.enorm`, ...), HF folders load into them and export writes
-them without renaming, and every engine treats a depth as a layer: FSDP shards it as a unit, activation checkpointing
-and compile wrap it, MoE routing hooks its router.
-
-The depths run inside the main forward, after the output head (a forward hook), only in training forwards whose head was
-handed a call with the batch's tokens (`batch.HeadCall`: from the model's forward, `chunked_loss.install_head_call`, or
-a pipeline's last stage), not in evaluation, scoring or generation. They attend as the main layers do, reusing the masks
-and rotary embeddings the last main layer received. Each depth's summed cross-entropy and correct predictions are kept
-for the loop's metrics (`take_results`); a head that computes the loss in chunks (models/chunked_loss.py) does so for
-the depths too, so no depth's full logits exist either.
-
-The depths' weighted loss rides on the head's output (`AddToBackward`, as Megatron-Core's MTP loss rides on its hidden
-states): its backward starts when the main loss's reaches the model's output, so every engine runs it inside its own
-backward, behind the hooks it places on the model's outputs (FSDP gathers the root's parameters, embedding and head,
-there; a pipeline schedule runs each micro-batch's backward itself).
+The depths run after the output head (a forward hook), only in training forwards whose head was handed a
+`batch.HeadCall`, reusing the masks and rotary embeddings the last main layer received. Their weighted loss rides
+on the head's output (`AddToBackward`), so every engine runs it inside its own backward, behind the hooks it places
+on the model's outputs (FSDP gathers embedding and head there; a pipeline schedule runs each backward itself).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Model-config parsers: how a model type's HF config maps to Megatron's network arguments and a model split.
 
-The seed (openmind-accelerate) registers a parser per model type with `@add_model_config_to_megatron_parser("llama")`; a
-parser is called as `fn(megatron_lm_plugin, model, batch_data)` and fills `megatron_lm_plugin.megatron_lm_default_args`
-and `megatron_lm_plugin.seq_length`. The same decorator and call convention work here. Lookup is the seed's: the first
-registered key that is a substring of `model.config.model_type.lower()`.
-
-What the engine reads back from the filled arguments:
-- `parallel_split` (earlier spelt `parallel_plan`, still read): the name of a model split in
-  `pretrainer.parallel.splits` (built in: "llama", the decoder of Llama, Mistral, Mixtral, Qwen2/3 and Qwen2/3-MoE:
-  q/k/v/o attention, gate/up/down SwiGLU MLP or an MoE block, RMSNorm, RoPE);
-- `num_layers`, `num_attention_heads`, `num_query_groups`, `ffn_hidden_size`, `untie_embeddings_and_output_weights`: for
-  the tensor-parallel divisibility checks and the pipeline split (`hidden_size`, `kv_channels` and the vocabulary size
-  are read back too, for other callers such as the Megatron-Core weight conversion). FLOPs per token are counted from
-  the model itself (`pretrainer.perf.flops`), whatever the engine.
-
-The built-in llama parser maps what the seed's left to `other_megatron_args`: grouped-query attention, FFN size,
-RMSNorm, SwiGLU, RoPE (base and scaling) and untied embeddings.
+The decorator and call convention are the seed's (openmind-accelerate's `add_model_config_to_megatron_parser`), and
+so is the lookup: the first registered key that is a substring of `model.config.model_type.lower()`. What the engine
+reads back from the filled arguments: docs/megatron.md. FLOPs per token are counted from the model itself
+(`pretrainer.perf.flops`), not from these arguments.
 """
 
 from __future__ import annotations

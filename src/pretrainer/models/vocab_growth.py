@@ -1,19 +1,9 @@
 """Growing a model's vocabulary to an extended tokenizer, before any engine shards the model.
 
-`plan_growth` (at preflight) picks the new size, the tokenizer's length rounded up to `pad_vocab_to_multiple_of` and to
-the tensor-parallel degree (which splits the vocabulary), and checks that every token of the model's own tokenizer keeps
-its id. `grow_embeddings` (after loading) resizes the input embedding and output head and fills the new rows by
-`new_token_init`:
-
-- `subtoken_mean`: the mean of the rows (input and output alike) of the pieces the model's own tokenizer splits the new
-  token's text into, so it starts where the model already "reads" it; a text the old tokenizer cannot split gets the
-  mean of all rows;
-- `mean`: the mean of all rows plus a perturbation with 1e-9 times their covariance (transformers'
-  `resize_token_embeddings` default);
-- `normal`: N(0, init_method_std or the config's initializer_range).
-
-Padding rows (past the tokenizer's length) get the mean of all rows. Random draws use a generator seeded with `seed`, so
-every rank builds the same rows.
+`plan_growth` (at preflight) picks the new size and checks that every token of the model's own tokenizer keeps its
+id; `grow_embeddings` (after loading) fills the new rows by `new_token_init` (docs/new-language.md). A text the old
+tokenizer cannot split, and every padding row, gets the mean of all rows. Random draws use a generator seeded with
+`seed`, so every rank builds the same rows.
 """
 
 from __future__ import annotations

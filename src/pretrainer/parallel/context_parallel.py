@@ -1,18 +1,9 @@
 """Context parallelism (`context_parallel_degree`, cp) for the ddp, fsdp and megatron engines: each sequence is split
-over the cp ranks of a data replica, which see the same batches; processes = dp x cp (x tp x pp).
+over the cp ranks of a data replica, which see the same batches (docs/long-context.md).
 
-Load balance: a window of T tokens is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r, so under a causal
-mask every rank has the same attention work. Attention: each rank computes queries, keys and values of its own tokens
-(RoPE at their global positions), all-gathers its cp group's keys and values (differentiable: the backward sums all
-ranks' gradients for each rank's part) and attends its queries to all of them, causally by global position. This is the
-all-gather scheme of Megatron-Core's `allgather` CP and of the Llama 3 paper, not ring attention (torch's
-`context_parallel`): it runs on any torch.distributed backend, gloo included, and any attention mask shape, at the cost
-of a layer's keys and values for the whole sequence (small beside the step with grouped-query attention).
-
-Each rank's loss covers its own tokens; loss sums and token counts are reduced over all ranks, and the engine averages
-gradients over all of them (cp ranks hold the same parameters: whole replicas under ddp and fsdp, the same tp shard of
-the same pipeline stage under megatron, which reduces gradients over dp x cp). A short final window is padded (ignored
-targets) to a multiple of 2 x cp. Document masking (`reset_attention_mask`) is refused; `reset_position_ids` works
+The keys and values are all-gathered (differentiable: the backward sums all ranks' gradients for each rank's part),
+not passed in a ring as torch's `context_parallel` does: that runs on any torch.distributed backend, gloo included,
+and any attention mask shape. Document masking (`reset_attention_mask`) is refused; `reset_position_ids` works
 (positions feed RoPE; the causal mask uses window order).
 """
 

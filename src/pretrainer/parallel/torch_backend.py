@@ -1,30 +1,11 @@
 """The torch-native backend: data, tensor, sequence, pipeline, context and expert parallelism on PyTorch's own
-machinery (DTensor, FSDP2, `torch.distributed.pipelining`), over one device mesh `dp x pp x cp x tp` (tp innermost,
-then context parallelism, as in Megatron; parallel/meshes.py).
+machinery (DTensor, FSDP2, `torch.distributed.pipelining`), over one device mesh `dp x pp x cp x tp` (meshes.py).
 
-`engine: single | ddp | fsdp | megatron` name this backend's defaults, not different code:
-
-    single    one process (a group of one): the model as it is, nothing split or wrapped
-    ddp       whole model per rank, gradients all-reduced (FSDP2's `replicate`)
-    fsdp      parameters, gradients and optimizer state sharded over the data ranks (FSDP2's `fully_shard`;
-              `fsdp_reshard_after_forward`, `fsdp_cpu_offload`, `fsdp_shard_size` for hybrid sharding)
-    megatron  Megatron-Core's: replicated unless `use_distributed_optimizer` / `data_parallel_sharding_strategy` shards
-              (optim_grads: gradients and optimizer state; optim_grads_params: parameters too); always pipeline stages
-
-Every name takes every dimension: `plugin_args` tp/pp degrees (or their other_megatron_args spellings) split the model,
-`context_parallel_degree` splits sequences (context_parallel.py), `expert_parallel_degree` the experts
-(expert_parallel.py), and the sharding strategy overrides the name's default. Where the model is split (tp or pp > 1,
-or always under megatron) each rank builds only its pipeline stages (`pipeline.DecoderStage`) and the loop holds a
-`StagedModel`: those modules under the HF model's own names, so optimizer, DCP checkpoints (resumable on any mesh or
-engine) and HF export all see HF keys. Otherwise the HF model itself is parallelized and runs its own forward (any
-architecture, padding on either side, fp16 with a loss scaler).
-
-Each module (the model, or a stage) goes through parallelize.py's steps, the family's tensor-parallel split chosen by
-the model-config parser registry (`splits`); data parallelism spans dp x cp (the ranks holding the same parameters,
-Megatron's dp-cp group). Tensor parallelism leaves MoE blocks whole (`moe_blocks`; sequence parallelism required), so
-their gradients, like per-head norms', are summed over tp at the step; split experts' gradients are reduced over the
-dp / ep ranks holding them. With pp > 1 micro-batches (`num_micro_batches` = `gradient_accumulation_steps`) run through
-a GPipe, 1F1B or interleaved 1F1B schedule.
+`engine: single | ddp | fsdp | megatron` name this backend's defaults, not different code, and every name takes every
+dimension (docs/engines.md). Where the model is split (tp or pp > 1, or always under megatron) each rank builds only
+its pipeline stages and the loop holds a `StagedModel`: those modules under the HF model's own names, so optimizer,
+DCP checkpoints and HF export all see HF keys. Tensor parallelism leaves MoE blocks whole, so their gradients, like
+per-head norms', are summed over tp at the step (docs/moe.md, 'On the megatron engine: tp x ep').
 """
 
 from __future__ import annotations

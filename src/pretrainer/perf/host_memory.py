@@ -1,19 +1,10 @@
-"""What glibc's malloc does with freed host memory when training on the CPU (`host_malloc_reuse`).
+"""What glibc's malloc does with freed host memory when training on the CPU (`host_malloc_reuse`; the policies and
+their measurements: docs/configuration.md and docs/performance.md).
 
-glibc hands blocks above its mmap threshold (128 KB growing to at most 32 MB) back to the kernel when they are freed,
-and trims the top of its heap once 128 KB there is free. Two policies replace that:
-
-- `reuse`: both thresholds raised to 1 GiB, so freed blocks stay for the next request. A step that allocates and frees
-  the same activation, logit and gradient buffers every step then stops faulting them in again (on the 5M-parameter
-  quickstart Llama ~40k page faults and about 10% of the step), at the same peak RSS, because the same sizes come back.
-- `return`: blocks of RETURN_ABOVE_BYTES and more are mapped on their own and given back when freed. For engines that
-  gather each layer's parameters or reduce-scatter its gradients every micro-batch (FSDP, megatron's sharded data
-  parallelism), `reuse` keeps what sharding saves: activations are carved out of the freed layer-sized buffers, the next
-  gather cannot reuse them, and the heap grows until a rank holds about what an unsharded one does (82M model, 4 FSDP
-  ranks: 2,975 MB; with `return` 1,265 MB, the step about 20% slower from page faults).
-
-`auto` picks `return` where the engine says so for the layout (`returns_freed_blocks`), else `reuse`. Settings a user
-made (`USER_SETTINGS`: the malloc environment variables, or a preloaded jemalloc/tcmalloc) win: nothing is changed then.
+`return` exists because, where an engine gathers each layer's parameters or reduce-scatters its gradients every
+micro-batch, a heap that keeps freed blocks carves activations out of the freed layer-sized buffers, the next gather
+cannot reuse them, and the heap grows until a rank holds about what an unsharded one does. Settings a user made
+(`USER_SETTINGS`) win: nothing is changed then.
 """
 
 from __future__ import annotations

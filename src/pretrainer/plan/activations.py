@@ -1,20 +1,11 @@
-"""Activation memory of one decoder layer and of the rest of the model, measured on fake tensors.
+"""Activation memory of one decoder layer and of the rest of the model, measured on fake tensors
+(docs/plan.md, 'How the prediction is made').
 
-The model's own forward runs under `FakeTensorMode` (shapes and dtypes, no storage, no arithmetic) with one and with two
-decoder layers, at one sequence of the run's local length (everything scales with the micro-batch); every tensor
-autograd saves for backward is counted once (by storage). Parameters are not activations; neither are the weight
-copies autocast keeps in the compute dtype (the estimate counts those with the parameters). The difference between the
-two models is one layer; the rest is the embedding, the final norm and the rotary tables. `selective` recomputation
-keeps the outputs of the matmuls and attention (parallel/activation_checkpoint.py): those are summed separately.
-
-With `compile: true` the decoder layers are traced as the run compiles them, and what the compiled forward saves is
-counted: inductor's partitioner (min-cut rematerialization) splits the graph into forward and backward, recomputing
-cheap element-wise work in backward instead of saving its results (HF's RMSNorm keeps an fp32 copy of its input in
-eager mode; compiled, only the input and the inverse RMS). Nothing is generated or run: the trace is on fake tensors.
-
-Tensor parallelism is probed on the shard itself: the config with heads, kv heads and ffn width divided by tp gives the
-split part; what stays whole on every rank (norms, residual) is the rest, divided by tp again under sequence
-parallelism.
+Every tensor autograd saves for backward is counted once (by storage). Parameters are not activations; neither are
+the weight copies autocast keeps in the compute dtype (the estimate counts those with the parameters). With
+`compile: true` what inductor's partitioner saves is counted; nothing is generated or run, the trace is on fake
+tensors. Tensor parallelism is probed on the shard's own config; what stays whole on every rank is divided by tp
+again under sequence parallelism.
 """
 
 from __future__ import annotations

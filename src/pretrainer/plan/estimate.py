@@ -1,24 +1,10 @@
 """Per-rank memory and step time of one layout: the model the planner, `pretrainer plan` and `train`'s
-pre-launch check share.
+pre-launch check share (docs/plan.md, 'How the prediction is made').
 
-Memory per rank, in the engines' own terms: the engine's cost model answers for its model states
-(`CostModel.model_states`, in each engine's plan module: fp32 master weights whole, sharded or split by stage and tp,
-compute copies, gradients, optimizer state, buffers); the rest is counted here from the layout's dimensions:
-- activations: the probed bytes (activations.py) x micro-batch x layers on the rank x micro-batches in flight
-  (pipeline), plus the recomputed layer in backward;
-- logits: the output head's fp32 logits, log-softmax and their gradients (or one chunk of them);
-- runtime: the process before the model (device_spec.py).
-The peak is the runtime plus the persistent state plus the larger of two moments of a step: the start of backward
-(activations, logits and the last layer's backward alive; gradients too when micro-batches accumulate) and its end
-(every gradient and the first layer's backward). On CPU the tensors' bytes are scaled by the heap's overhead
-(CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and engines that gather layers add
-what the heap keeps of the gathers (their `cpu_gather_retention`, measured) where it keeps freed blocks
-(`host_malloc_reuse: on`; by default those engines' runs return them: `Layout.cpu_heap`). A model loaded from weights
-is first read whole in fp32 on every rank (`build_model`), which can be the peak itself for engines that shard it
-afterwards. Pipeline stages differ: the first holds the embedding and the most micro-batches in flight, the last the
-head and its logits; the higher of their peaks is the estimate.
-
-Step time: step_time.py (kernels timed from the device's rates, collectives on their links, overlap as engines do it).
+The engine's cost model answers for its model states (`CostModel.model_states`, in each engine's plan module);
+activations, logits, runtime and the peak's two moments are counted here. On CPU the tensors' bytes are scaled by
+the heap's overhead (CPU_HEAP_OVERHEAD, measured; higher for tensor-parallel layers recomputed in full), and engines
+that gather layers add what the heap keeps of the gathers (`cpu_gather_retention`) where it keeps freed blocks.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Step time of a layout: each micro-batch's kernels timed from the device's rates, the collectives on the
-links they cross, and what the engines overlap hidden behind compute.
-
-On an accelerator, one rank's micro-batch costs:
-- GEMMs: 6 FLOPs per matmul parameter per token (8 with full recomputation) at a share of the rated peak that grows
-  with the rows of the GEMMs (tokens of the micro-batch): GEMM_PEAK_SHARE x T / (T + GEMM_HALF_TOKENS);
-- attention: the causal half of the QK^T and PV products (forward; 2.5x that in backward) at flash kernels' peak share;
-- element-wise ops (norms, activations, rotary, residual adds, casts): memory-bound, the bytes the family's own layer
-  moves through them on the rank, measured (elementwise.py), the forward's again where recomputation runs it,
-  COMPILED_ELEMENTWISE of it when `compile` fuses them;
-then the optimizer step streams its states once. A pipeline adds its bubble.
-
-Collectives run as rings at COLLECTIVE_EFFICIENCY of the link they cross (NVLink within a machine; across machines the
-network cards of the group's ranks on one machine together, see ring_bandwidth). Those the engines overlap with compute
-(FSDP's prefetched all-gathers and reduce-scatters, DDP's and ZeRO's bucketed gradient reductions, context parallelism's
-key/value all-gathers) hide behind up to OVERLAP_SHARE of the compute; the rest (tensor-parallel all-reduces in the
-layer's path, pipeline sends, expert all-to-alls, Muon's gathers) adds to it.
+links they cross, and what the engines overlap hidden behind compute (docs/plan.md, 'How the prediction is made').
 
 The constants are set from published H100 measurements (bench/plan_vs_published.py prints the table, with its
-sources, that docs/plan.md shows). On CPU the step is the model FLOPs at CPU_MFU of the measured GEMM peak plus
-the gradient traffic over gloo, unhidden.
+sources, that docs/plan.md shows).
 """
 
 from __future__ import annotations
