@@ -4,12 +4,9 @@ forward hands back (`HeadOutput`), on either batch convention.
 Packed batches carry `shift_labels` (target of position j is the next token). Batches from a user DataLoader follow
 the HF convention: `labels` aligned with `input_ids`, -100 to ignore; they are shifted here. Targets that fall on
 padding (attention_mask 0) are ignored too. The loss is returned as a sum with its target count, so accumulation and
-ranks can average over tokens exactly.
-
-An output head may compute the loss itself, chunk by chunk, so the full `[batch, seq, vocab]` logits never exist
-(`models/chunked_loss.py`). It gets what it needs as a `HeadCall` (targets, whether each token's loss or each row's sum
-is wanted, the tokens and positions multi-token prediction's depths read); a `HeadOutput` holds the logits or the head's
-own sums, and every reader (loss, z-loss, per-source losses, evaluation, scoring) asks it, never the tensor's shape.
+ranks can average over tokens exactly. Every reader of a forward's result asks its `HeadOutput`, never the tensor's
+shape, since a chunked head never makes the full logits (docs/architecture.md, and docs/long-context.md, 'The chunked
+loss').
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """A training mixture, read once from the config: named sources weighted in tokens (`train_data` as a list of
 `{name, path, weight[, max_epochs]}`), and weights that change at token boundaries (`mixture_schedule`).
 
-    train_data:
-      - {name: web, path: data/web/*.jsonl, weight: 0.6}
-      - {name: code, path: [data/code.jsonl, data/more-code/], weight: 0.3, max_epochs: 2}
-      - {name: zh, path: data/zh.csv, weight: 0.1, eval_path: data/zh-held-out.csv}
-    mixture_schedule:                   # optional; the last stage runs to the end
-      - {until_tokens: 8.0e+9, weights: {web: 0.7, code: 0.3}}
-      - {weights: {web: 0.4, code: 0.2, zh: 0.4}}
-
-A weight is a share of the trained tokens, normalised over the stage's sources; a source absent from a stage's
-weights gets none of its tokens. With `mixture_schedule` the stages give every weight (a source's own `weight`
-is refused). The blend itself is data/mixture.py's.
+The keys and how a stage's weights apply: docs/data.md, 'Mixtures'. The blend itself is data/mixture.py's.
 """
 
 from __future__ import annotations

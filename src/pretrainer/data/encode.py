@@ -1,14 +1,11 @@
 """Tokenizing documents in worker processes, straight into an indexed token store.
 
-Workers load only the `tokenizers` library (no torch, no transformers) from the tokenizer's serialized JSON and encode
-batches of texts; the parent reads records in order and streams the tokens they hand back (two arrays per batch: nearly
-free to pickle) to an `IndexedDatasetWriter`. Two policies:
+Workers load only the `tokenizers` library (no torch, no transformers) from the tokenizer's serialized JSON, and hand
+back two arrays per batch (nearly free to pickle); the parent writes them in record order. Two policies:
 
-- `prepare` (`pretrainer prepare`, as Megatron-LM's preprocess_data.py): the tokenizer's own special tokens (a Llama
-  BOS) are added, a doubled BOS from a text that already starts with it is dropped, and the EOS is appended when asked;
-- `pack` (the training pipeline's `train_data`): the text's tokens, with BOS in front unless the text already starts
-  with it (only a BOS distinct from the EOS) and EOS at the end unless it already ends with it; an empty text stays an
-  empty document, so document indices match the records.
+- `prepare` (`pretrainer prepare`, as Megatron-LM's preprocess_data.py, without doubling a BOS or EOS the text has);
+- `pack` (`train_data`): BOS in front (only a BOS distinct from the EOS) and EOS at the end unless the text already has
+  them; an empty text stays an empty document, so document indices match the records.
 """
 
 from __future__ import annotations

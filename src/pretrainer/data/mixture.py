@@ -1,13 +1,9 @@
 """Mixing named sources by token weight (`config.mixture`): which source, and which of its windows, every global sample
 position reads, and the dataset that reads through that index.
 
-Every window holds `seq_length` targets of one source (each source is packed on its own), so a share of the windows is a
-share of the tokens, whatever the documents' lengths. Within a stage of `n` samples, source `s` of weight `w_s` takes
-its k-th sample at the ideal time `(k + 1/2) / w_s`; the stage's samples go to the `n` earliest ideal times (Webster's
-apportionment), so after any number of samples each source's count is within one of `w_s` times it. Stages start at
-token boundaries (sequences x seq_length, as the batch ramp counts). A source's draws walk its windows in a seeded
-permutation per epoch; a source drawn past its windows repeats (the plan says how often). The index depends only on the
-config and the data, so a run resumes at the same sample on any number of ranks.
+The apportionment (Webster's, within one window of each share) and the per-source epochs: docs/data.md, 'Mixtures'.
+Stages start at token boundaries counted as the batch ramp counts them (sequences x seq_length). The index depends
+only on the config and the data, so a run resumes at the same sample on any number of ranks.
 """
 
 from __future__ import annotations

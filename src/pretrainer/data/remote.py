@@ -1,11 +1,9 @@
-"""Files in object storage (`s3://`, `gs://`, `az://`, any URL fsspec knows) as training data.
+"""Files in object storage (`s3://`, `gs://`, `az://`, any URL fsspec knows) as training data (docs/data.md,
+'Files in object storage').
 
 A remote file stands in for a local `Path` where the data pipeline lists, fingerprints and opens files: it is
-read as a stream (never copied whole to local disk first) into the local token cache, which then serves every
-later run. Its fingerprint is its URL, size and version (the ETag, else the modification time), so a changed
-object is tokenized again. Endpoint and credentials come from the filesystem's own configuration (for S3:
-`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `~/.aws`, or fsspec's `FSSPEC_S3_*`); nothing
-here logs or stores them. The filesystem package is an extra: `pip install 'pretrainer[s3]'` (s3fs).
+read as a stream (never copied whole to local disk first) into the local token cache. Endpoint and credentials come
+from the filesystem's own configuration; nothing here logs or stores them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Multiple-choice task files read into records of (context, choices, gold): the generic layout and the row
-layouts of published sets as `datasets` saves them (to_json / to_parquet).
-
-| format    | fields read                                              | prompt (as lm-evaluation-harness)        |
-|-----------|----------------------------------------------------------|------------------------------------------|
-| choices   | context, choices (list of strings), gold (index)         | the context as given                     |
-| hellaswag | activity_label, ctx_a, ctx_b, endings, label             | "label: ctx", bracketed tags removed     |
-| arc       | question, choices {text, label}, answerKey               | "Question: ...\\nAnswer:"                 |
-| piqa      | goal, sol1, sol2, label                                  | "Question: ...\\nAnswer:"                 |
-| mmlu      | question, choices (4), answer (index), subject           | question, lettered options, "Answer:"    |
-| ceval     | question, A, B, C, D, answer (letter)                    | question, lettered options, "答案："     |
-
-`auto` picks the format from the first record's fields. Few-shot examples are solved records (context, the
-delimiter, the gold choice) put before each context; by default they are the file's first records, which
-are then not scored.
+layouts of published sets as `datasets` saves them (to_json / to_parquet). The formats, their prompts (as
+lm-evaluation-harness) and the few-shot rules: docs/downstream-eval.md, 'Task files'.
 """
 
 from __future__ import annotations

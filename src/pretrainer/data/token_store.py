@@ -1,15 +1,9 @@
-"""Raw training files tokenized once into a cached token store that every run and rank memory-maps.
+"""Raw training files tokenized once into a cached token store that every run and rank memory-maps (where it lives,
+when it is rebuilt, who builds it: docs/data.md, 'The token cache').
 
-`train_data` / `eval_data` files are read record by record, tokenized by worker processes (`encode`) and written as an
-indexed `.bin/.idx` pair (one document per record, in order; an empty text is an empty document) under a folder named by
-a hash of everything that changes the tokens: each file's path, size and modification time, the tokenizer, `text_key`,
-`txt_mode` and the BOS/EOS policy. A changed input or tokenizer gets a new folder; `manifest.json`, written last, marks
-a store complete, so an interrupted build leaves nothing that looks finished, and a store whose files no longer match
-their index is rebuilt.
-
-Where: `data_cache_path` if set, else `$PRETRAINER_CACHE_DIR`, else `~/.cache/pretrainer/tokenized` (never under
-`save_dir`, so the next run on the same corpus starts from it). Who builds: rank 0 first; then, on machines that do not
-see its store (node-local caches), each node's local rank 0; everyone else waits.
+The store's folder is named by a hash of everything that changes the tokens, and `manifest.json`, written last, marks
+it complete, so an interrupted build leaves nothing that looks finished. One document per record, in order (an empty
+text is an empty document), so document indices match the records.
 """
 
 from __future__ import annotations
@@ -92,8 +86,8 @@ def store_spec(files: list[Path], tokenizer, text_key: str, txt_mode: str, on_er
 
 
 def open_store(spec: StoreSpec, root: Path, what: str, tokenizer, placement, workers: int = 1) -> IndexedDataset:
-    """The store of `spec` under `root`, built where it is missing by the ranks whose turn it is (see the
-    module docstring); every rank returns the memory-mapped store."""
+    """The store of `spec` under `root`, built where it is missing by the ranks whose turn it is (docs/data.md,
+    'The token cache'); every rank returns the memory-mapped store."""
     folder = root / spec.key()
     store = None
     phases = ((placement.is_main, "rank 0"),

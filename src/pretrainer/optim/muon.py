@@ -1,15 +1,9 @@
-"""Muon for the hidden matrices, AdamW for the rest, as one optimizer.
+"""Muon for the hidden matrices, AdamW for the rest, as one optimizer (docs/optimization.md, 'Muon').
 
-Muon (Keller Jordan, 2024; "Muon is Scalable for LLM Training", Moonshot 2025) keeps a momentum buffer per matrix and
-replaces the update by its nearest semi-orthogonal matrix, found by a few Newton-Schulz iterations. That iteration needs
-the whole matrix: a parameter sharded over ranks (FSDP2, tensor parallel, the distributed optimizer; all DTensors here)
-has its update gathered and orthogonalised on every rank holding a piece, each rank keeping its own piece, so the step
-equals one process's. Momentum and weight decay are elementwise and stay on the shards.
-
+Newton-Schulz needs the whole matrix: a parameter sharded over ranks (a DTensor) has its update gathered and
+orthogonalised on every rank holding a piece, each keeping its own piece, so the step equals one process's.
 One optimizer object (an `AdamW` whose groups marked `muon` take the Muon update), so the schedule, clipping, skipped
 updates and DCP checkpoints see a single optimizer and the AdamW groups keep torch's fused kernel and state names.
-`torch.optim.Muon` is not used directly: it takes 2-D tensors only, always orthogonalises in bf16 and knows nothing of
-shards; `tests/test_optim.py` holds this update equal to it where both apply.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """One assembly of a run, for every command that runs a model: `train`, `evaluate`, `export`, the lm-eval adapter
-and the planner's baseline run all go through `assemble_run`, so each puts a run together the same way:
-
-    resolve_run        the engine, its dimensions, the dtype, the model config and tokenizer, the sizes (once)
-    before_build       an optional plan before anything large is allocated (train's memory check, which also
-                       decides `accumulate_gradients: auto`)
-    create_engine      the engine with its device meshes
-    assemble_data      this rank's train stream and eval batches (training only)
-    the model          built (or the one given), its trainable parameters chosen, the chunked loss installed,
-                       what the run trains read off it, its callbacks made (an MoE model's routing)
-    the engine's setup wrapped with its optimizer and schedule (training), or only placed (evaluate, export)
+and the planner's baseline run all go through `assemble_run`, so each puts a run together the same way (the steps, in
+order: docs/architecture.md, 'One assembly').
 """
 
 from __future__ import annotations

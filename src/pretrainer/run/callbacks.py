@@ -1,13 +1,7 @@
-"""Callbacks: the one way to add to a training run without changing the loop. A callback is told of each step
-(before it, with the step's global counts and this rank's batches; after it, with the step's typed result and the
-run's `TrainState`; once the step is measured, with the loop's parts, to log, evaluate or save), may add losses to
-each micro-batch's backward (already weighted) or a term to its loss, adds metrics to the logged rows, sees every
-row written and every checkpoint saved, and registers its own saved state. The loop's own parts are callbacks
-(train/: the interval's metrics row, evaluation, downstream scoring, checkpoints), and so are the model's features,
-made by the run for itself: a Mixture-of-Experts model's routing (balancing losses, routing statistics,
-aux-loss-free bias updates), the output z-loss (a term on each micro-batch's loss), multi-token prediction (its
-depths' losses), a mixture's accounting. A user's come in through `PreTrainer(..., callbacks=[...])` and are
-called after those, in the order given.
+"""Callbacks: the one way to add to a training run without changing the loop (the events, their order and what each
+is given: docs/python-api.md, 'Callbacks'). The loop's own parts are callbacks (train/), and so are the model's
+features, made by the run for itself: a Mixture-of-Experts model's routing, the output z-loss, multi-token prediction,
+a mixture's accounting.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Every rule between a key and the engine it depends on, in one table evaluated once while the run is resolved.
 
 A row names the keys it governs, when they take effect on the chosen engine, what a value asks for (a key left at
-its default or set to a neutral value asks for nothing and never trips a row), and why not. Two kinds of row:
-
-- CANNOT: the engine cannot do what the value asks (split sequences on one process, skip an update DeepSpeed
-  applies): refused, whoever chose the engine.
-- NO_EFFECT: the key belongs to another engine (`fsdp_cpu_offload` under ddp): refused with one line naming the
-  key and the engine where the user chose the engine (the `engine` key or an `accelerate launch` config); where
-  `engine: auto` chose it, one warning says why the key has no effect, and the run goes on.
+its default or set to a neutral value asks for nothing and never trips a row), and why not. CANNOT rows are refused
+whoever chose the engine; NO_EFFECT rows (the key belongs to another engine) are refused where the user chose it and a
+warning under `engine: auto` (docs/engines.md, 'Keys of an engine not in use').
 
 Rows read what engine classes declare (capabilities, `own_keys`), never names: the table holds any registered engine.
 """

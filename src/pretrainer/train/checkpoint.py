@@ -1,15 +1,10 @@
-"""Resumable checkpoints in `save_dir/checkpoints/step-<N>/`.
+"""Resumable checkpoints in `save_dir/checkpoints/step-<N>/` (the files and the resume checks:
+docs/checkpoints-and-faults.md, 'Checkpoints').
 
-Model and optimizer state go through the engine (torch.distributed.checkpoint: each rank writes its own shards,
-and a checkpoint loads on another data-parallel size, which DCP reshards). Beside them, the run's registered
-state components (run_state.py): each rank's own in `extra_state_rank<R>.pt` (RNG, loss scaler, scheduler), the
-run's in `trainer_state.json` (tokens, data position, ...) with the step, engine and world size; then
-`config.yaml`; `trainer_state.json` is written last. All of it goes into a hidden temporary folder that is renamed
-into place only when complete, so a folder named `step-<N>` is always whole; `latest` names the newest one.
-`manifest.json` lists every file with its size and CRC-32, and a checkpoint that no longer matches it (truncated,
-corrupted) is skipped on resume with a message naming the file. Before a save, the free space is checked against
-the previous checkpoint's size; after one, older checkpoints beyond the retention settings are deleted (never
-before the new one is complete).
+Model and optimizer state go through the engine (torch.distributed.checkpoint, which reshards on load); the run's
+registered state components (run_state.py) go beside them. Everything is written into a hidden temporary folder renamed
+into place only when complete, so a folder named `step-<N>` is always whole; older checkpoints are deleted only after
+the new one is complete.
 """
 
 from __future__ import annotations

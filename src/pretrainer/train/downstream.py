@@ -1,12 +1,7 @@
-"""Downstream evaluation: multiple-choice tasks scored by log-likelihood in the training loop.
+"""Downstream evaluation: multiple-choice tasks scored by log-likelihood in the training loop (`scoring.py`).
 
-For each record every choice is scored as the continuation `target_delimiter + choice` of its context
-(`scoring.py`). A task reports, over its records:
-- `acc`: the choice with the highest log-likelihood is the gold one;
-- `acc_norm`: the same with each log-likelihood divided by its choice's length in characters (as
-  lm-evaluation-harness's acc_norm);
-- `bpb`: bits per UTF-8 byte of the gold choice, -log2 p(gold) / bytes (as OLMo's downstream evaluator).
-Files are read and tokenized once, when the run starts.
+Each task reports `acc`, `acc_norm` (as lm-evaluation-harness's) and `bpb` (as OLMo's downstream evaluator); their
+definitions: docs/downstream-eval.md, 'What is scored'. Files are read and tokenized once, when the run starts.
 """
 
 from __future__ import annotations

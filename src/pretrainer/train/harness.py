@@ -3,12 +3,8 @@ folder, through a pretrainer engine: no conversion to an HF folder first.
 
     python -m pretrainer.train.harness --model pretrainer --model_args path=runs/quickstart --tasks hellaswag
 
-`python -m pretrainer.train.harness` is lm-evaluation-harness's own command line with this model registered (importing
-this module registers it for `lm_eval.simple_evaluate` too). `model_args`: `path` (a save_dir or HF folder), and any
-config key as `key=value` (`dtype=fp32`, `seq_length=2048`, `micro_batch_size=8`: each scored batch holds at most
-micro_batch_size x seq_length tokens). Log-likelihood requests are tokenized and scored as `pretrainer evaluate` scores
-them (train/scoring.py); rolling log-likelihoods (perplexity tasks) use the harness's windows of seq_length tokens.
-Generation tasks are not served: export the run (save_dir/hf) and use `--model hf`. Needs `pip install lm_eval`.
+Importing this module registers the model (for `lm_eval.simple_evaluate` too); `model_args`, what is scored and
+what is not: docs/downstream-eval.md, 'lm-evaluation-harness'. Needs `pip install lm_eval`.
 """
 
 from __future__ import annotations

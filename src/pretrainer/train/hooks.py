@@ -1,26 +1,8 @@
 """The seed's four custom Megatron hooks, set with `pretrain_args.update_distributed_train_args(extra_args={...})`.
 
-Same keys and roles as openMind's Megatron path; the signatures follow Megatron's `pretrain_gpt.py`
-conventions, adapted to this engine (HF models, host batches as dicts):
-
-- `custom_megatron_datasets_provider_function(train_val_test_num_samples) -> (train, valid, test)`: replaces the
-  `.bin/.idx` datasets (`megatron_dataset_flag: true`). Each dataset has `len()` and `[i]`; a sample is a 1-D array of
-  seq_length+1 tokens, a dict with `text` (Megatron's GPTDataset), or a dict with `tokens`, `labels` and optionally
-  `loss_mask` (Megatron-Core's GPTDataset). `valid` may be None; `test` is not used. `train_val_test_num_samples` =
-  [train, valid, test] samples the run reads (all data-parallel ranks).
-- `custom_get_batch_function(data_iterator) -> (tokens, labels, loss_mask, attention_mask, position_ids)`:
-  `data_iterator` yields this rank's micro-batches (dicts of CPU tensors: `input_ids`, `shift_labels`, maybe
-  `position_ids`); called once per micro-batch. `labels[:, j]` is the target of position j, `loss_mask` 0 drops it;
-  `attention_mask` must be None (attention is causal, per document with reset_attention_mask); `position_ids` may be
-  None. A dict in the input form may be returned instead.
-- `custom_model_provider_function(pre_process=True, post_process=True) -> model`: builds the model instead of
-  `model_path`: an HF causal LM (its model type needs a model-config parser). The engine cuts pipeline stages from it,
-  so it is asked for the whole model.
-- `custom_loss_function(loss_mask, output_tensor) -> (loss, {"lm loss": value})`: `output_tensor` is the per-token
-  cross-entropy [batch, seq] (fp32), `loss_mask` [batch, seq] float; `loss` is the micro-batch mean, as in Megatron.
-  Micro-batches are then weighted by their token counts.
-
-The hooks work on every engine; on `megatron` they are the seed's extension points.
+Same keys, roles and signatures as openMind's Megatron path (Megatron's `pretrain_gpt.py` conventions, adapted to this
+engine: HF models, host batches as dicts); they work on every engine. Each hook's contract: docs/megatron.md,
+'Custom hooks'.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""A run's checkpoints in object storage, when `save_dir` is a URL.
+"""A run's checkpoints in object storage, when `save_dir` is a URL: staged locally as by checkpoint.py, then
+uploaded and committed (docs/remote-storage.md, 'How a run writes to a URL' and 'Failures').
 
-A checkpoint is written to the local staging folder exactly as to a local save_dir (checkpoint.py), then
-uploaded to `save_dir/checkpoints/step-<N>/`: the first process of every node uploads the files its node wrote
-(so each rank's shards leave from the node that holds them), then the main rank writes `manifest.json` (every
-node's files with their sizes and CRC-32) and `trainer_state.json` last, as the commit, then `latest`. Object
-stores cannot rename a folder, so the commit is the last object: a folder without it is never resumed from, and
-one whose objects do not match its manifest is skipped. With `async_checkpoint` the upload runs in the
-background while training goes on and is committed at the next save or at the end of the run (a collective
-point); without it, at once. After the commit the staged copy is deleted, and a save first waits for the
-previous upload. Before anything trains, the main rank checks the bucket (`check_save_dir`).
-
-A failed upload (after `storage_retries` tries of each object) ends the run with one line naming the URL and
-the newest complete checkpoint in the bucket, if any (`checkpoint_failure: fatal`), or is logged and the run
-goes on (`warn`). Either way the checkpoint is never deleted from the staging folder until it, or a newer one
-the retention rules prefer, reaches the bucket: after the next commit it is uploaded again. The run's end names
-the checkpoints that exist only in staging, and a run none of whose checkpoints reached the bucket ends with
-exit code 4; the partial folder in the bucket is never resumed from (retention deletes it later).
+Object stores cannot rename a folder, so the commit is the last object (`trainer_state.json`, after `manifest.json`):
+a folder without it, or one whose objects do not match its manifest, is never resumed from. A checkpoint leaves the
+staging folder only once it, or a newer one the retention rules prefer, has reached the bucket.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The run report: `save_dir/report/report.html` (self-contained) and the SVG plots beside it.
+"""The run report: `save_dir/report/report.html` (self-contained) and the SVG plots beside it (the plots and the
+table: docs/checkpoints-and-faults.md, 'Run report').
 
 Built from `metrics.jsonl` alone (and the run's `config.yaml` when a checkpoint holds one), so it can be made any time,
-even mid-run: `pretrainer report SAVE_DIR`. Plots: train and eval loss, learning rate, tokens/s, MFU and peak memory
-over steps; each downstream task's accuracy against tokens trained on; a Mixture-of-Experts model's routing (imbalance,
-dead experts, a per-layer heatmap); a data mixture's tokens (stacked) and train and eval loss per source; cooldown
-branches' losses (RUN/branches/*, or given) over the run's. A table gives the config, engine, hardware, lineage and
-final figures. The plots are SVG drawn by `svg_plot` (no plotting library: written in milliseconds at every run's end).
+even mid-run. The plots are SVG drawn by `svg_plot` (no plotting library: written in milliseconds at every run's end).
 """
 
 from __future__ import annotations

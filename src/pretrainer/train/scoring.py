@@ -1,14 +1,12 @@
 """Log-likelihood scoring of continuations through an engine's own forward, as lm-evaluation-harness scores
-multiple-choice tasks.
+multiple-choice tasks (docs/downstream-eval.md, 'What is scored').
 
 A request is one (context, continuation) pair, tokenized as the harness does: the whole text and the context
 are encoded apart and the continuation's tokens are what the whole has beyond the context (trailing spaces
-of the context move into the continuation), after the BOS the training documents start with. Requests are
-sorted by length and packed into right-padded batches of at most `batch_tokens` tokens; the data-parallel
-replicas take turns (every rank runs the same number of forwards, a stand-in batch where it has none left,
-so sharded engines gather their parameters in step). Each continuation's log-likelihood is the sum over its
-tokens; the replicas' sums are added with the engine's `reduce_sum`, which also adds context-parallel
-ranks' parts and counts one tensor-parallel / pipeline rank per replica.
+of the context move into the continuation), after the BOS the training documents start with. Every rank runs
+the same number of forwards (a stand-in batch where it has none left), so sharded engines gather their
+parameters in step; the sums are added with the engine's `reduce_sum`, which counts one tensor-parallel /
+pipeline rank per replica.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Stop cleanly on SIGTERM/SIGINT (preemption, Ctrl-C): finish the step, checkpoint, exit with a code of its own.
+"""Stop cleanly on SIGTERM/SIGINT (preemption, Ctrl-C): finish the step, checkpoint, exit with a code of its own
+(docs/checkpoints-and-faults.md, 'Faults').
 
 The handler only records the signal; the loop asks every rank after each step whether any rank got one (one host-side
-all-reduce), so all ranks stop after the same step and write the same checkpoint. A second signal restores the default
-handling and aborts at once. One stop often arrives twice within a moment (Slurm signals every process of the job step,
-and the launcher forwards the signal it got to its workers; a terminal's Ctrl-C reaches the launcher and its workers
-alike): a repeat within `REPEAT_WINDOW_S` of the first is the same request.
+all-reduce), so all ranks stop after the same step and write the same checkpoint. One stop often arrives twice (Slurm
+signals every process of the job step, and the launcher forwards it to its workers): a repeat within
+`REPEAT_WINDOW_S` of the first is the same request.
 """
 
 from __future__ import annotations

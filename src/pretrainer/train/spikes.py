@@ -1,12 +1,7 @@
-"""The optional spike rules, which skip an update (weights, optimizer state and schedule stay as they were):
+"""The optional spike rules (`loss_spike_factor`, `spike_zscore`), which skip an update: weights, optimizer state and
+schedule stay as they were (docs/optimization.md, 'Spike rules').
 
-- `loss_spike_factor: f`: the step's loss is above f x the mean loss of the last 50 accepted steps;
-- `spike_zscore: k` (with `spike_window: n`): the step's loss, or its gradient norm, is more than k standard
-  deviations above the mean of the last n accepted steps' values (OLMo-core's rule: a spike shows in the
-  gradient norm as often as in the loss, and the norm is known before the update).
-
-A rule applies once its window holds enough accepted steps (5 for the factor, n / 2 for the z-score). Only
-accepted steps join the windows, so a run of spikes cannot raise the mean that judges them. The rules run
+Only accepted steps join the windows, so a run of spikes cannot raise the mean that judges them. The rules run
 inside the engine's optimizer step, once the gradient norm is known, and read the loss with it.
 """
 

@@ -1,12 +1,8 @@
 """`PreTrainer`: the training loop, readable in one sitting.
 
-Construction is a list of steps, cheapest checks first: the launch, the checkpoint to resume from (elected by the
-main rank), the seed, one assembly of the run (`run.assemble_run`: the resolved run, the engine with its meshes,
-the memory check, the data, the model, optimizer and schedule, the callbacks: the model features' and the user's),
-then the train module (train_module.py: the step), the saved state and the loop's own callbacks (the interval's
-row, the validator, the downstream evaluator, the checkpointer). `train()` resumes, then runs optimizer steps, each
-returning a `StepResult` that every callback is handed; the stop rules say when to leave. At the end the callbacks
-evaluate and save; the loop exports an HF folder and writes the report.
+Construction is a list of steps, cheapest checks first (the launch, the checkpoint to resume from, the seed, one
+assembly of the run, the train module, the saved state, the loop's own callbacks); `train()` resumes, runs optimizer
+steps until a stop rule says to leave, then exports and reports. The order and why: docs/architecture.md, 'The loop'.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """`pretrainer tokenizer extend`: new tokens learned on a corpus (or taken from another tokenizer), appended to a base
-tokenizer so that every base token keeps its id. Two kinds of base, the ones Llama-family models ship:
-
-- a SentencePiece BPE `tokenizer.model` (Llama-2): new pieces are appended scored below every base piece, so they merge
-  only after every base merge; transformers converts the result to `tokenizer.json`, so slow and fast tokenizers agree;
-- an HF byte-level BPE `tokenizer.json` (Llama-3, Qwen): new merges are appended after the base's, each a merge of two
-  tokens the merged vocabulary already has.
+tokenizer (a SentencePiece BPE `tokenizer.model` or a byte-level BPE `tokenizer.json`) so that every base token keeps
+its id; docs/new-language.md, 'Extend a tokenizer'.
 
 A candidate is kept only if it holds a character of a target script (see `scripts`), is not a base token, and can be
-built from tokens already kept, so text without target-script characters tokenizes exactly as before. Candidates come in
-the order they were learned (most frequent first) until `add` are kept.
+built from tokens already kept, so text without target-script characters tokenizes exactly as before.
 """
 
 from __future__ import annotations
