@@ -70,7 +70,7 @@ def _build_datasets(args, sizes, tokenizer, placement: DataPlacement, datasets_p
     if args.megatron_dataset_flag and datasets_provider is not None:
         return provided_datasets(datasets_provider, sizes)
     if args.megatron_dataset_flag:
-        return build_indexed_datasets(args, sizes, placement.is_main, placement.barrier)
+        return build_indexed_datasets(args, sizes, placement.is_main, placement.barrier, tokenizer)
     if not args.resolved_train_data:
         raise ConfigError("no training data: set `train_data` (files, globs or folders of json/jsonl/csv/txt/parquet), "
                           "or data_path with megatron_dataset_flag: true for prepared .bin/.idx data, or pass "

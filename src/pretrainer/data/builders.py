@@ -131,7 +131,7 @@ def mixture_plan(args, tokenizer, sizes) -> str | None:
     if args.megatron_dataset_flag:
         args = with_local_prefixes(args)
         mixture = args.mixture
-        trains = [_prepared_windows(args, source, sizes.seq_length) for source in mixture.sources]
+        trains = [_prepared_windows(args, source, sizes.seq_length, tokenizer) for source in mixture.sources]
     else:
         trains, _ = _source_windows(args, sizes.seq_length, _stores(args, tokenizer, None, build=False))
     missing = [source.name for source, train in zip(mixture.sources, trains) if train is None]
@@ -172,11 +172,11 @@ class _Counted:
         return self.windows * self.seq_length
 
 
-def _prepared_windows(args, source, seq_length: int) -> _Counted:
+def _prepared_windows(args, source, seq_length: int, tokenizer=None, dataset=None) -> _Counted:
     """One epoch of GPT samples of a prepared source's train part, counted without building its index."""
-    from .indexed import IndexedDataset
+    from .token_formats import open_prepared
 
-    dataset = IndexedDataset(source.paths[0])
+    dataset = dataset if dataset is not None else open_prepared(source.paths[0], tokenizer)
     tokens = _split_tokens(dataset, split_ranges(args.data_split, dataset.num_documents)[0])
     return _Counted(max(1, (tokens - 1) // seq_length), seq_length)
 
@@ -188,22 +188,22 @@ def _blend_index(mixture, sizes) -> np.ndarray:
                        sizes.train_samples)
 
 
-def build_prepared_mixture(args, sizes, cache) -> BuiltData:
+def build_prepared_mixture(args, sizes, cache, tokenizer=None) -> BuiltData:
     """Named sources from prepared `.bin/.idx` prefixes (`data_path` as a list of {name, path, weight}): each
     prefix's train part (Megatron's `split`) gives one epoch of GPT samples, blended as raw sources are."""
     from .gpt_samples import GPTSamples
-    from .indexed import IndexedDataset
+    from .token_formats import open_prepared
 
     trains, evals = [], {}
     for source in args.mixture.sources:
         if len(source.paths) != 1:
             raise DataError(f"data_path source {source.name}: give one prepared prefix, got {list(source.paths)}")
-        dataset = IndexedDataset(source.paths[0])
+        dataset = open_prepared(source.paths[0], tokenizer)
         train_range, valid_range, _ = split_ranges(args.data_split, dataset.num_documents)
         if _split_tokens(dataset, train_range) < 2:
             raise DataError(f"data_path source {source.name}: split {args.data_split!r} leaves it no training "
                             "tokens; give the first (train) part a non-zero share")
-        epoch = _prepared_windows(args, source, sizes.seq_length).windows
+        epoch = _prepared_windows(args, source, sizes.seq_length, dataset=dataset).windows
         trains.append(GPTSamples(dataset, train_range, sizes.seq_length, epoch, args.seed, cache,
                                  f"train-{source.name}"))
         if _split_tokens(dataset, valid_range) > sizes.seq_length:
@@ -219,13 +219,14 @@ def _windows(store, ids: np.ndarray, seq_length: int) -> PackedDataset:
                                                     store.sequence_lengths[ids]))
 
 
-def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: None) -> BuiltData:
+def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: None, tokenizer=None) -> BuiltData:
     """GPT-style train/valid samples from prepared `.bin/.idx` prefixes, split by Megatron's contiguous
     document ranges and blended by weight when several prefixes are given. `sizes` (the run's BatchSizes) says the
     sequence length and how many samples the run and one evaluation read; the main rank builds the index
-    caches while the others wait at `barrier`."""
+    caches while the others wait at `barrier`. A prefix may also name corpora tokenized elsewhere
+    (token_formats.py), checked against `tokenizer`."""
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, samples_per_dataset
-    from .indexed import IndexedDataset
+    from .token_formats import open_prepared
 
     args = with_local_prefixes(args)  # prefixes in object storage: copied to local disk on first use
     if args.mixture is not None:  # named prefixes: the cache goes next to the first
@@ -239,8 +240,8 @@ def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: No
         Path(prefixes[0]).resolve().parent / "cache" / "pretrainer_indices", args)
     cache = IndexCache(cache_folder, build_on_this_rank=is_main, barrier=barrier)
     if args.mixture is not None:
-        return build_prepared_mixture(args, sizes, cache)
-    datasets = [IndexedDataset(p) for p in prefixes]
+        return build_prepared_mixture(args, sizes, cache, tokenizer)
+    datasets = [open_prepared(p, tokenizer) for p in prefixes]
     ranges = [split_ranges(split, d.num_documents) for d in datasets]
 
     def build(part: int, name: str, num_samples: int):

@@ -82,9 +82,7 @@ class GPTSamples(torch.utils.data.Dataset):
             raise DataError(f"{where}: asked for {num_samples} samples")
         # Epoch e's block = samples starting in [e*T, (e+1)*T); enough blocks for num_samples.
         self.num_epochs = (num_samples - 1) * seq_length // tokens_per_epoch + 1
-        idx_stat = dataset.idx_path.stat()  # a re-prepared dataset gets new indices
-        description = {"version": INDEX_VERSION, "class": "GPTSamples", "bin": str(dataset.bin_path.resolve()),
-                       "idx_bytes": idx_stat.st_size, "idx_mtime_ns": idx_stat.st_mtime_ns,
+        description = {"version": INDEX_VERSION, "class": "GPTSamples", **dataset.describe(),
                        "documents": [first, last], "seq_length": seq_length, "seed": seed,
                        "num_epochs": self.num_epochs}
         arrays = cache.arrays(name, description, ("document_order", "sample_starts", "sample_order"),

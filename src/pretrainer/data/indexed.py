@@ -140,6 +140,12 @@ class IndexedDataset:
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
+    def describe(self) -> dict:
+        """What the sample-index cache is keyed by: a re-prepared dataset gets new indices."""
+        idx_stat = self.idx_path.stat()
+        return {"bin": str(self.bin_path.resolve()), "idx_bytes": idx_stat.st_size,
+                "idx_mtime_ns": idx_stat.st_mtime_ns}
+
     def document_token_range(self, first: int, last: int) -> tuple[int, int]:
         """Token offsets [start, end) of documents [first, last) in `tokens`."""
         itemsize = np.dtype(self.dtype).itemsize
