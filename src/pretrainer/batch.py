@@ -146,10 +146,8 @@ def loss_sum(output: HeadOutput, targets: torch.Tensor) -> torch.Tensor:
 
 
 def depth_targets(batch: dict, depth: int) -> torch.Tensor:
-    """The targets of multi-token prediction depth `depth` (k): position i predicts the token k + 1 ahead, the main
-    target of position i + k, kept only where position i + k is in the window and in position i's document (no depth
-    predicts across a document boundary: a depth's view of the next document starts with its own first token, as the
-    main head's). Depth 0 is the main targets."""
+    """The targets of multi-token prediction depth `depth` (docs/multi-token-prediction.md, 'What a depth computes');
+    depth 0 is the main targets."""
     targets = batch_targets(batch)
     if depth == 0:
         return targets

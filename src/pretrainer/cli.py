@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_error(exc: Exception, code: int) -> None:
-    """The error's one line, said once per launch. A worker of `pretrainer train --nproc-per-node` leaves it to the
-    launcher, which prints each distinct line once. Under torchrun every rank records its line in torchrun's error file
-    (torchrun's summary lists each failed rank's line, so a rank's own error is never lost); a usage error (exit 2: the
-    same config and files on every rank) is printed by rank 0 only, any other error by each rank that meets it."""
+    """The error's one line, said once per launch (docs/commands.md, 'Launching' and 'Under plain torchrun')."""
     line = f"pretrainer: error: {exc}"
     if record_worker_status(code, str(exc), consequence=isinstance(exc, CollectiveFailure)):
         return
@@ -99,9 +96,8 @@ def exit_code(exc: BaseException) -> int | None:
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """A usage error as one line, like every other error of the command line (argparse prints the usage first); the
-    subcommands' parsers are of this class too. Flags are never abbreviated: an abbreviation would reach a launched
-    worker's command line, which keeps everything but the launcher's own flags."""
+    """A usage error as one line, like every other error. Flags are never abbreviated: an abbreviation would reach
+    a launched worker's command line, which keeps everything but the launcher's own flags."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
@@ -301,12 +297,8 @@ def report_command(ns) -> int:
 
 
 def run() -> None:
-    """The console entry point: `main`, then exit without the interpreter's teardown.
-
-    Everything a run writes is on disk when `main` returns; tearing the interpreter down would then free every module,
-    tensor and extension one by one (about 0.8 s after a short CPU run). Threads still running are stopped or waited
-    for as at a normal exit, and atexit handlers (trackers, logging, worker processes) run first.
-    """
+    """The console entry point: `main`, then exit without the interpreter's teardown, which would free every module,
+    tensor and extension one by one (about 0.8 s after a short CPU run); threads and atexit handlers end first."""
     try:
         code = main()
     except SystemExit as exc:  # a stop request's checkpoint (exit 75), argparse's usage error

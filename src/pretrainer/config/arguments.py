@@ -503,10 +503,8 @@ class PreTrainingArguments:
         read_downstream_tasks(self.downstream_evals)
 
     def _read_paths(self) -> None:
-        """Every key's paths through the one URL parser (config/urls.py): scheme lower-cased, malformed URL
-        (`s3:/bucket`, `s3://`) refused naming the key. A run's folders (`save_dir`, `resume`, `cooldown_from`:
-        train/remote_checkpoints.py), data and task files (data/remote.py) may be URLs; other keys refuse one by name:
-        models and tokenizers are read locally, and as a path `s3://bucket/run` would be a local `s3:/bucket/run`."""
+        """Every key's paths through the one URL parser (config/urls.py), so a string means the same everywhere
+        (docs/remote-storage.md, 'URLs and clients')."""
         for key in URL_KEYS + LOCAL_KEYS:
             def read(text: str, key=key) -> str:
                 try:

@@ -114,9 +114,8 @@ def coerce_scientific(value):
 
 
 def non_finite_at(value, where: str) -> tuple[str, float | int] | None:
-    """The first number in `value` (walked through its lists and mappings) that a run cannot compute with, and its
-    position (`key.sub[1]`), or None: NaN, an infinity (YAML's `.nan`, `.inf`, or a number beyond the float range) or a
-    whole number too large for a float. NaN passes every comparison such as `x <= 0`, so range checks would miss it."""
+    """The first number in `value` (walked through its lists and mappings) that is not finite as a float, and its
+    position (`key.sub[1]`), or None. NaN passes every comparison such as `x <= 0`, so range checks would miss it."""
     if isinstance(value, float):
         return None if math.isfinite(value) else (where, value)
     if isinstance(value, int) and not isinstance(value, bool):

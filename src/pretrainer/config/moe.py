@@ -14,12 +14,9 @@ MOE_KEYS = ("moe_aux_loss_coeff", "moe_aux_loss_type", "moe_z_loss_coeff", "moe_
             "moe_experts_implementation", "moe_capacity_factor", "moe_token_drop_policy")
 # an over-full expert drops its tokens of lowest routing weight (probs) or its last in the micro-batch (position)
 DROP_POLICIES = ("probs", "position")
-# how the local experts compute (transformers' experts interface): auto = transformers' choice (grouped_mm where
-# torch dispatches it, else eager); eager = one matmul pair per expert hit; batched_mm; grouped_mm
+# how the local experts compute (transformers' experts interface; docs/configuration.md)
 EXPERTS_IMPLEMENTATIONS = ("auto", "eager", "batched_mm", "grouped_mm")
-# seq: per sequence, averaged over the global batch's sequences: the same whatever the split over ranks and
-# micro-batches (DeepSeek-V3's sequence-wise loss). micro_batch: over each micro-batch's tokens (HF's and
-# Megatron's aux_loss), which depends on how the global batch is cut into micro-batches.
+# the balance loss per sequence or per micro-batch (docs/moe.md, 'The knobs')
 AUX_LOSS_TYPES = ("seq", "micro_batch")
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 

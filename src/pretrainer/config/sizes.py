@@ -58,10 +58,8 @@ def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, d
 
 @dataclass(frozen=True)
 class BatchRamp:
-    """`batch_size_schedule`: the global batch (sequences) grows in stages that start at a number of trained tokens
-    (sequences x seq_length, so the stage of every step follows from the steps before it, on any world size and on
-    resume). A stage's batch is made of more accumulated micro-batches, never larger ones. Every question is answered by
-    arithmetic over the stages (at most one segment of equal updates each), so 1e15 tokens cost what 1e3 do."""
+    """`batch_size_schedule` (docs/optimization.md, 'Batch-size ramp'). Every question is answered by arithmetic over
+    the stages (at most one segment of equal updates each), so 1e15 tokens cost what 1e3 do."""
     stages: tuple[tuple[int, int], ...]  # (first token, sequences per step), the first at token 0
     seq_length: int
     # (first update, tokens before it, sequences per step)

@@ -220,11 +220,9 @@ def _windows(store, ids: np.ndarray, seq_length: int) -> PackedDataset:
 
 
 def build_indexed_datasets(args, sizes, is_main: bool = True, barrier=lambda: None, tokenizer=None) -> BuiltData:
-    """GPT-style train/valid samples from prepared `.bin/.idx` prefixes, split by Megatron's contiguous
-    document ranges and blended by weight when several prefixes are given. `sizes` (the run's BatchSizes) says the
-    sequence length and how many samples the run and one evaluation read; the main rank builds the index
-    caches while the others wait at `barrier`. A prefix may also name corpora tokenized elsewhere
-    (token_formats.py), checked against `tokenizer`."""
+    """GPT-style train/valid samples from prepared `.bin/.idx` prefixes (docs/data.md, 'Prepared data'); the main
+    rank builds the index caches while the others wait at `barrier`. `tokenizer` checks the ids of corpora
+    tokenized elsewhere (token_formats.py)."""
     from .gpt_samples import BlendedSamples, GPTSamples, IndexCache, samples_per_dataset
     from .token_formats import open_prepared
 

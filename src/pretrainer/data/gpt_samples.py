@@ -32,10 +32,8 @@ INDEX_VERSION = 1  # bump when the index layout or algorithm changes, so old cac
 
 
 class IndexCache:
-    """Where index arrays live: built by one rank, then memory-mapped by all. `build_on_this_rank` is true on the
-    rank that writes missing files; `barrier` lets the others wait for it. A rank that still finds a file missing
-    afterwards (a cache folder not shared between nodes) builds it itself; the arrays are deterministic, so both
-    copies are identical."""
+    """Where index arrays live: built by one rank, then memory-mapped by all. A rank that still finds a file missing
+    afterwards (a cache folder not shared between nodes) builds it itself: the arrays are deterministic."""
 
     def __init__(self, folder: Path, build_on_this_rank: bool = True, barrier: Callable[[], None] = lambda: None):
         self.folder = Path(folder)
@@ -149,11 +147,9 @@ def build_sample_index(lengths: np.ndarray, seq_length: int, num_epochs: int, se
 
 
 class BlendedSamples(torch.utils.data.Dataset):
-    """Samples drawn from several datasets in proportion to their weights, deterministically interleaved.
-
-    Dataset d's j-th sample gets the key (j + 0.5) / w_d and the blend is the first `num_samples` keys in order:
-    after any n samples each dataset has contributed within one sample of n * w_d, the property Megatron's greedy
-    "largest sampling error" rule keeps, here computed with one sort."""
+    """Samples drawn from several datasets in proportion to their weights, deterministically interleaved: dataset
+    d's j-th sample gets the key (j + 0.5) / w_d and the blend is the first `num_samples` keys in order, which keeps
+    Megatron's greedy "largest sampling error" property (within one sample of n * w_d) with one sort."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int, cache: IndexCache, name: str,
                  description: dict):

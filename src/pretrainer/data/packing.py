@@ -15,10 +15,7 @@ import torch
 
 class PackedDataset(torch.utils.data.Dataset):
     """Windows of `seq_length` inputs over the concatenation of documents, each with its pre-shifted targets.
-
-    `tokens` is a token store's memory-mapped array (or any 1-D array); `documents` picks the documents, in order, as
-    (start offsets, lengths) into it (None: all of `tokens`, one stream). Reading a window touches only the documents
-    it spans."""
+    `documents`: (start offsets, lengths) into `tokens`, in order (None: all of `tokens`, one stream)."""
 
     def __init__(self, tokens: np.ndarray, seq_length: int, documents: tuple[np.ndarray, np.ndarray] | None = None):
         self.tokens = tokens
@@ -70,13 +67,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
 @dataclass(frozen=True)
 class DocumentMasking:
-    """Megatron's reset_position_ids / reset_attention_mask for packed windows.
-
-    Positions restart after every EOS, so each document is encoded as if it began the window. With `attention` set
-    the model gets no attention mask either: HF models then read the restarting positions as packed sequences and
-    mask attention block-diagonally (free with flash-attention varlen kernels; SDPA and eager build a
-    [batch, 1, seq, seq] mask, which costs memory and rules out SDPA's flash kernel); without `attention` an all-ones
-    mask keeps attention causal over the whole window."""
+    """Megatron's reset_position_ids / reset_attention_mask for packed windows (docs/data.md, 'Document masking').
+    With `attention` the model gets no attention mask, so HF models mask block-diagonally from the restarting
+    positions; without it an all-ones mask keeps attention causal over the whole window."""
     eod_token_id: int
     attention: bool = False
 

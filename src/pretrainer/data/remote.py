@@ -99,9 +99,8 @@ def expand_remote(pattern: str, what: str, supported) -> list[RemoteFile]:
 
 # ---------------------------------------------------------------- objects copied locally on first use
 def local_prefix(prefix: str, attempts: int = 4) -> str:
-    """A prepared prefix in object storage (`s3://bucket/data/web_text_document`: its `.bin` and `.idx`) as a
-    local prefix: both copied into the local cache on first use (storage/cache.py says why not range reads),
-    into a folder named by both objects' identities."""
+    """A prepared prefix in object storage as a local prefix: its `.bin` and `.idx` copied into the local cache on
+    first use (storage/cache.py says why not range reads), into a folder named by both objects' identities."""
     try:
         identities = [object_identity(prefix + suffix, attempts) for suffix in (".bin", ".idx")]
         folder = remote_cache_root() / "prefixes" / identity_key(identities)

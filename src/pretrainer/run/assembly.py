@@ -69,11 +69,9 @@ class AssembledRun:
 
 def assemble_run(args, world: World, *, model=None, optimizer=None, lr_scheduler=None,
                  data: DataSources | None = DataSources(), before_build=None, callbacks=()) -> AssembledRun:
-    """The run `args` describes on `world`. `model` (and `optimizer`, `lr_scheduler`): the user's own; `data`
-    None: no data and no optimizer (the model is only placed: evaluate, export); `before_build(args, resolved,
-    world) -> (resolved, prediction)`: called before the engine, the data and the model take memory (not for a
-    model already built); it may decide what the run left to it (`accumulate_gradients: auto`); `callbacks`: the
-    user's (run/callbacks.py), attached after the run's own."""
+    """The run `args` describes on `world` (docs/architecture.md, 'One assembly'). `data` None: no data and no
+    optimizer (the model is only placed); `before_build(args, resolved, world) -> (resolved, prediction)` runs
+    before anything large is allocated and may decide what the run left to it (`accumulate_gradients: auto`)."""
     resolved = resolve_run(args, world, model_config=model.config if model is not None else None,
                            check_model=model is None or data is None or data.train_dataloader is None)
     predicted = None

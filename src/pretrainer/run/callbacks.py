@@ -63,9 +63,7 @@ class Callback:
         """After the optimizer step (`state.step` already counts it)."""
 
     def after_step(self, result: StepResult, state: TrainState, loop) -> None:
-        """Once the step is measured and before the next is timed: where rows are logged, evaluations run and
-        checkpoints are saved. `loop`: the model and optimizer being trained, the run's log (`RunLog`) and
-        `count_tokens()` (moves the trained target count into `state.tokens`; it reads the device)."""
+        """Once the step is measured and before the next is timed (docs/python-api.md, 'Callbacks')."""
 
     def on_stop(self, state: TrainState, loop) -> None:
         """The loop leaves before its last step (a stop request, exit_interval), after `after_step`."""
@@ -78,13 +76,10 @@ class Callback:
         return {}
 
     def on_row(self, row: dict) -> None:
-        """Every row the run writes to metrics.jsonl (start, train, eval, downstream, skipped updates), after
-        it is written, on every rank."""
+        """Every row the run writes to metrics.jsonl, after it is written, on every rank."""
 
     def on_save(self, step: int, path) -> None:
-        """Once the checkpoint of `step` is complete in its folder `path`, on every rank (with async_checkpoint,
-        when its background write has finished; for a save_dir URL, `path` is the staging copy, whose upload
-        follows)."""
+        """Once the checkpoint of `step` is complete in its folder `path`, on every rank."""
 
     def start_row(self) -> dict:
         return {}
@@ -142,12 +137,9 @@ class MoeStep(Callback):
 
 
 class OutputZLoss(Callback):
-    """PaLM's output z-loss, `z_loss_coeff` x mean over trained tokens of logsumexp(logits)^2: it keeps the
-    softmax normaliser near 1 (log 0), against the logit drift that precedes loss spikes in bf16. It is
-    normalised as the cross-entropy is (the same token-mean), so its term is c x (z - sg(z)) on the summed
-    loss: the value stays the cross-entropy, the gradient gains the z-loss's. A chunked head computes it inside
-    its chunks with its gradient already included (models/chunked_loss.py). Logged as `z_loss`: the mean of
-    logsumexp^2, before the coefficient."""
+    """PaLM's output z-loss (docs/optimization.md, 'Output z-loss'). Its term on the summed loss is c x (z - sg(z)):
+    the value stays the cross-entropy, the gradient gains the z-loss's. A chunked head computes it inside its
+    chunks, its gradient already included (models/chunked_loss.py)."""
 
     def __init__(self, coeff: float):
         self.coeff = coeff
@@ -189,11 +181,7 @@ class OutputZLoss(Callback):
 
 
 class SourceAccounting(Callback):
-    """A mixture's accounting. `source_tokens/<name>`: the target tokens trained from each source so far, read
-    off the blend index at the stream's position (the same on every rank, exact on resume). `source_loss/<name>`:
-    each source's mean token loss over the interval, from each row's loss sum in the step's own forwards (the
-    chunked head hands them over; plain logits give them), added over ranks as the loss is. A pipeline
-    schedule hands the chunked head no row sources: with pp > 1 and the chunked loss, no source_loss."""
+    """A mixture's `source_tokens/<name>` and `source_loss/<name>` (docs/data.md, 'Mixtures', Accounting)."""
 
     def __init__(self, mixture, stream):
         self.mixture, self.stream = mixture, stream
@@ -266,13 +254,9 @@ class SourceAccounting(Callback):
 
 
 class MultiTokenPrediction(Callback):
-    """Multi-token prediction's loss weights and metrics (models/mtp.py runs the depths and adds their loss to the
-    backward). The loss is `mtp_loss_coeff` / D x the sum over depths of each depth's mean cross-entropy over the
-    step's global batch: each depth's summed loss is weighted by its own global target count (a depth has fewer
-    targets than the main head: none past the window or across documents), counted on the host from the same
-    rule (batch.depth_targets) and summed over ranks with the step's counts. Logged: `mtp_loss/<k>` and
-    `mtp_acc/<k>` (the depth's mean cross-entropy and top-1 accuracy, a proxy for speculative decoding's
-    acceptance) and `mtp_loss`, their mean over depths; `loss` stays the main head's."""
+    """Multi-token prediction's loss weights and metrics (docs/multi-token-prediction.md; models/mtp.py runs the
+    depths). Each depth's global target count is counted on the host from the same rule (batch.depth_targets) and
+    summed over ranks with the step's counts."""
 
     def __init__(self, model: torch.nn.Module, settings):
         self.settings = settings

@@ -32,8 +32,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(setting: str, device_type: str, agree: Callable = lambda value: value,
                   accelerator_bf16: bool | None = None) -> tuple[str, str | None]:
     """(compute dtype, why, for `auto`). `auto` is measured on CPUs, so every rank takes rank 0's choice (`agree`: a
-    broadcast). An explicit low precision that is slower than fp32 on this CPU is warned about. `accelerator_bf16`:
-    whether the accelerator has bf16 (default: asked of the device; the planner, for a named GPU, says it has)."""
+    broadcast). `accelerator_bf16`: whether the accelerator has bf16 (default: asked of the device)."""
     on_cpu = device_type == "cpu"
     if setting != "auto":
         if on_cpu and setting != "fp32":

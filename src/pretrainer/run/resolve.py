@@ -155,11 +155,9 @@ def launch_world(args) -> World:
 
 def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | None = None,
                 check_model: bool = True, check_dp: bool = True, warn: bool = True) -> ResolvedRun:
-    """The run `args` describes on `world`. `model_config`: the config of a model built by the caller (a
-    custom_model_provider_function, or a model passed to PreTrainer); `check_model` False: the caller brings its own
-    model and DataLoaders (no model folder, tokenizer or vocabulary checks). `accelerator_bf16`: whether a planned GPU
-    has bf16 (`dtype: auto`). `check_dp` False: the world is not the config's `dp` one (`pretrainer plan --world-size`).
-    `warn` False: warnings are left to the workers that resolve it again (the launcher's check before starting them)."""
+    """The run `args` describes on `world` (docs/architecture.md, 'The resolved run'). `check_model` False: the
+    caller brings its own model and DataLoaders; `check_dp` False: the world is not the config's `dp` one
+    (`pretrainer plan --world-size`); `warn` False: the workers that resolve it again warn."""
     entry = select_engine(args, world.size)
     cls = entry.cls
     dtype, reason = resolve_dtype(args.dtype, world.device.type, world.broadcast_object, accelerator_bf16)

@@ -67,8 +67,7 @@ class RemoteFolder:
     # ------------------------------------------------------------ access
     def check_access(self, probe: str, need_delete: bool) -> None:
         """That this folder's bucket exists and these credentials may write, list (and, with `need_delete`,
-        delete) objects in it: the object `probe` is written, the folder listed, the probe deleted. A refusal
-        raises StorageError, one line naming the URL and what failed; transient errors are retried as any."""
+        delete) objects in it; a refusal raises StorageError, one line naming the URL and what failed."""
         where = self.url_of(probe)
         refused = self._refusal(lambda: self.fs.pipe_file(self._path(probe), b""), f"writing {where}")
         if isinstance(refused, FileNotFoundError):

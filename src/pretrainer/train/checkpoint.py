@@ -56,16 +56,11 @@ FORMAT_NAMES = {DCP: "torch.distributed.checkpoint", "deepspeed": "DeepSpeed ZeR
 
 class Checkpointer(Callback):
     """Writes checkpoints: as the loop's callback, every `save_interval` steps, when the loop stops early and at
-    the end (once a step); with `async_save`, the model/optimizer shards are written in the background.
-
-    An asynchronous save copies the state to host memory and returns; the write finishes while training
-    goes on, and the folder is completed (trainer_state.json, rename, `latest`) when the write is done:
-    at the next save, or at the end of the run (`wait`). Every rank calls the same methods in order.
-    """
+    the end (once a step). An asynchronous save's folder is completed (trainer_state.json, rename, `latest`) at
+    the next save or at the end of the run (`wait`). Every rank calls the same methods in order."""
 
     def __init__(self, args, engine, state: RunState, after_commit=None, callbacks=()):
-        """The checkpointer a config asks for (save_dir, async_checkpoint, retention, checksums, save_interval;
-        for a save_dir URL, the uploads from the staging folder, `after_commit` following each)."""
+        """For a save_dir URL, the uploads from the staging folder, `after_commit` following each."""
         self.root = checkpoints_root(args.run_dir)
         self.uploads = None  # a save_dir URL's: each checkpoint uploaded from this (staging) folder
         if args.remote_save_dir:
@@ -281,8 +276,7 @@ def load_model_weights(path: str | Path, model) -> None:
 
 def elect_resume(world, args) -> Path | None:
     """The checkpoint to resume from (`resume`, `save_dir`), chosen (and verified against its manifest) by the main
-    rank only and the same on every rank. One in object storage (a URL in `resume`, or `resume: auto` with a
-    save_dir URL) is downloaded into the run's local folder first (`.resume/`)."""
+    rank only and the same on every rank; one in object storage is downloaded first (docs/remote-storage.md)."""
     url = args.resume if is_url(args.resume) else args.remote_save_dir if args.resume == "auto" else None
     if url is not None:
         local_root = (args.run_dir or staging_folder(url, args.staging_dir)) / RESUME_DOWNLOADS
@@ -303,9 +297,7 @@ def elect_resume(world, args) -> Path | None:
 
 
 def refuse_to_overwrite(args) -> None:
-    """`resume: none` starts afresh: refused where save_dir (a folder or a URL) already holds an earlier run's
-    checkpoints, which the new run's would replace step by step (and its retention delete), or its metrics, which
-    the new run's would be appended to."""
+    """`resume: none` is refused where save_dir holds an earlier run (docs/checkpoints-and-faults.md, 'Checkpoints')."""
     if not args.save_dir:
         return
     if args.remote_save_dir:

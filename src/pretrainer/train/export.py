@@ -42,10 +42,8 @@ def deepspeed_left_unimported():
 
 def export_hf(engine, model: torch.nn.Module, tokenizer, out_dir: str | Path, dtype: str,
               max_shard_size: str | int) -> Path | None:
-    """Write an HF folder from the engine's model (all ranks call; the main rank writes and gets its path, others None).
-    Weights stream tensor by tensor into the safetensors files `save_pretrained` would write (split by `max_shard_size`,
-    names, metadata, index), so no rank holds the whole model. Where the engine cannot stream (FSDP with CPU offload on
-    GPUs) or saving converts tensors (fused MoE experts), the main rank gathers all for `save_pretrained`."""
+    """Write an HF folder from the engine's model (all ranks call; the main rank writes and gets its path, others None),
+    streamed tensor by tensor (docs/loading.md, 'Export without gathering')."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     torch_dtype = dtype_to_torch(dtype)

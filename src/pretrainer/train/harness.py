@@ -22,8 +22,7 @@ class PretrainerLM(LM):
     def __init__(self, path: str, batch_size: int | str | None = None, device: str | None = None,
                  max_batch_size: int | None = None, **config):
         """`config`: key=value overrides of the run's config; `batch_size` (an integer) sets micro_batch_size, `device`
-        the device key (not the harness's default cuda:0 on a machine without CUDA: `device: auto` picks). Full logits
-        are kept (loss_chunk_size=0): the harness asks if greedy decoding yields each continuation."""
+        the device key (not the harness's default cuda:0 on a machine without CUDA: `device: auto` picks)."""
         import torch
 
         super().__init__()

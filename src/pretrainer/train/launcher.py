@@ -116,9 +116,8 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 
 def check_before_launch(args, world_size: int, local_size: int) -> None:
-    """What a worker would refuse before allocating anything, decided here for the planned world: the config's
-    keys, the engine and layout for `world_size` processes, the model and tokenizer folders, and the memory
-    plan. A run whose model comes from a custom_model_provider_function is checked by its workers."""
+    """What a worker would refuse before allocating anything, decided here for the planned world (docs/commands.md,
+    'Launching')."""
     from ..parallel.world import planned_world
     from ..plan.memory_check import check_memory_before_build
     from ..run import resolve_run
@@ -212,9 +211,8 @@ def rendezvous_timeout(plan: LaunchPlan, cause: str) -> CollectiveFailure:
 
 
 def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float] | None = None) -> int:
-    """Print what went wrong, causes first, each distinct line once, and return the launch's exit code (the first
-    cause's). `statuses`: what workers that ended on their own said (code, error line, whether it follows another rank's
-    failure); `failures`: failed ranks' exit codes; `failed_at`: when torch saw each (orders the crashes)."""
+    """Print what went wrong and return the launch's exit code (docs/commands.md, 'Launching'). `statuses`: what
+    workers that ended on their own said; `failures`: failed ranks' exit codes; `failed_at`: when torch saw each."""
     errors = {rank: status for rank, status in statuses.items() if status.get("message")}
     causes = [rank for rank in sorted(errors) if not errors[rank].get("consequence")]
     consequences = [rank for rank in sorted(errors) if errors[rank].get("consequence")]
@@ -242,9 +240,8 @@ def outcome(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict
 
 def crashes(statuses: dict[int, dict], failures: dict[int, int], failed_at: dict[int, float]) \
         -> tuple[list[int], bool]:
-    """The ranks that ended without a word, first to fail first, and whether any others were stopped. Once a
-    rank has failed, torch's agent ends the others with SIGTERM: a rank that died of it, beside a rank that
-    failed otherwise (or said why), is a consequence, not a cause."""
+    """The ranks that ended without a word, first to fail first, and whether any others were stopped: a rank that
+    died of torch's SIGTERM, beside one that failed otherwise (or said why), is a consequence, not a cause."""
     silent = sorted((rank for rank in failures if rank not in statuses),
                     key=lambda rank: (failed_at.get(rank, 0), rank))
     by_agent = [rank for rank in silent if failures[rank] == -signal.SIGTERM]

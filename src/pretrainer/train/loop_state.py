@@ -45,9 +45,8 @@ def loop_state(trainer) -> RunState:
 
 
 def elect_start(world, args, branch) -> tuple[Path | None, bool]:
-    """The checkpoint the run starts from, and whether it is a cooldown branch's first start: the run's own newest
-    (`resume`), else the branch point; checked against the keys that shape the run's state before anything is
-    built (resume_keys.py)."""
+    """The checkpoint the run starts from (its own newest, else the branch point), checked by resume_keys.py, and
+    whether it is a cooldown branch's first start."""
     checkpoint = ckpt.elect_resume(world, args)
     starting_branch = branch is not None and checkpoint is None
     if starting_branch:  # the branch point, downloaded first when it is a URL (collective)

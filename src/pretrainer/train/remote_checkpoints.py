@@ -120,9 +120,8 @@ class Upload:
 
 
 class CheckpointUploads:
-    """Each checkpoint saved to the staging folder, uploaded and committed; every rank calls `start` and
-    `finish` in the same order (`finish` is collective, and every rank keeps the same record of what reached the
-    bucket and what did not)."""
+    """Each checkpoint saved to the staging folder, uploaded and committed (docs/remote-storage.md). Every rank calls
+    `start` and `finish` in the same order: `finish` is collective, and every rank keeps the same record."""
 
     def __init__(self, args, engine, after_commit=None):
         self.remote = RemoteCheckpoints(RemoteFolder(args.remote_save_dir, args.storage_retries))
@@ -139,9 +138,7 @@ class CheckpointUploads:
         self.last_problem: str | None = None
 
     def keep_leftovers(self, root: Path) -> None:
-        """What an earlier process left in the staging folder `root` (this node's): partial folders go; a
-        complete checkpoint stays unless the bucket holds it committed (its upload failed, or the process ended
-        before it finished), and is named now and at the run's end."""
+        """What an earlier process left in this node's staging folder `root` (docs/remote-storage.md, 'Failures')."""
         if not self.uploads_here or not root.is_dir():
             return
         complete = []
@@ -226,9 +223,8 @@ class CheckpointUploads:
             shutil.rmtree(upload.local, ignore_errors=True)
 
     def _upload_staged_again(self, newest: int) -> None:
-        """After `newest` reached the bucket: each checkpoint kept in staging is uploaded again, oldest first,
-        unless retention would delete it there at once (then it leaves staging); the first that fails again
-        stays, with those after it, for the next commit (collective)."""
+        """After `newest` reached the bucket, the checkpoints kept in staging (docs/remote-storage.md, 'Failures'); the
+        first that fails again stays, with those after it, for the next commit (collective)."""
         known = sorted({*self.committed, *self.staged})
         outdated = set(retention_victims(known, set(known), newest, self.keep_last, self.keep_every))
         for step in sorted(self.staged):
@@ -309,9 +305,7 @@ WRITE_CHECK = ".pretrainer-write-check"  # the probe object written and deleted 
 
 
 def check_save_dir(world, args) -> None:
-    """A save_dir URL's bucket exists and takes this run's objects (written, listed, deleted with retention),
-    checked by the main rank before anything trains; a refusal is one line naming the URL on every rank
-    (StorageError: exit code 4)."""
+    """A save_dir URL's bucket takes this run's objects (docs/remote-storage.md, 'How a run writes to a URL')."""
     if not args.remote_save_dir:
         return
     problem = None
@@ -347,10 +341,9 @@ def locate_remote(url: str, retries: int) -> tuple[RemoteCheckpoints, int | None
 
 
 def fetch_checkpoint(world, url: str, local_root: Path, retries: int, given_as: str | None = None) -> Path | None:
-    """The checkpoint `url` names, chosen by the main rank and downloaded by the first process of every node into
-    `local_root/step-<N>` (replacing what an earlier download left there; collective); None when a save_dir URL
-    holds none yet, unless the URL was given as the checkpoint to start from (`given_as`, e.g. "key 'resume'"):
-    then, as for a local folder, a URL that names no complete checkpoint is a ConfigError."""
+    """The checkpoint `url` names, downloaded by the first process of every node into `local_root/step-<N>`
+    (collective; docs/remote-storage.md, 'Resuming'). None where the URL holds none, unless it was `given_as` the
+    checkpoint to start from (e.g. "key 'resume'"): then that is a ConfigError."""
     choice = None
     if world.is_main:
         try:

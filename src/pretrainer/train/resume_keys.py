@@ -101,9 +101,8 @@ def saved_keys(state: dict, checkpoint) -> dict:
 
 def check_resume_keys(args, branch, checkpoint: Path | None, starting_branch: bool, shown: str | None = None) \
         -> list[str]:
-    """Refuse, in one line naming every change, a resume (or branch start) whose keys differ from `checkpoint`'s record,
-    unless the group's override key is set; returns accepted changes (to log). A branch start is checked against the
-    parent's checkpoint minus the branch's own keys. `shown`: the checkpoint as the user knows it (a URL if fetched)."""
+    """Refuse a resume (or branch start) that changes `checkpoint`'s recorded keys (docs/checkpoints-and-faults.md,
+    'What a resume compares'); returns accepted changes. `shown`: the checkpoint as the user knows it (its URL)."""
     if checkpoint is None:
         return []
     saved, current = saved_keys(read_trainer_state(checkpoint), shown or checkpoint), recorded_keys(args, branch)

@@ -32,9 +32,8 @@ class SpikeGuard:
         return SpikeGuard(args.loss_spike_factor, args.spike_zscore, args.spike_window)
 
     def rule(self, loss_sum: torch.Tensor, targets: torch.Tensor):
-        """The step's skip rule for the engine's optimizer step: `loss_sum` / `targets` (device tensors, over all
-        ranks) is the step's loss; it is read with the gradient norm, in one transfer (the non-finite check
-        reads the norm anyway), so the rules add no wait of their own for the device."""
+        """The step's skip rule for the engine's optimizer step: the step's loss is read with the gradient norm, in one
+        transfer (the non-finite check reads the norm anyway), so the rules add no wait of their own for the device."""
         def decide(grad_norm: torch.Tensor) -> bool:
             loss, norm = torch.stack([loss_sum.double() / targets.double().clamp(min=1),
                                       grad_norm.detach().double().to(loss_sum.device)]).tolist()

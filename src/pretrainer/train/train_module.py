@@ -22,8 +22,7 @@ class TrainModule:
         self.callbacks, self.clip_grad, self.skips, self.spike_guard = callbacks, clip_grad, skips, spike_guard
 
     def step(self, host_batches: list[dict], state: TrainState, phases: StepPhases, defer) -> StepResult:
-        """One update from this rank's micro-batches (`gradient_accumulation_steps`, or a batch ramp's), averaged
-        over all their tokens on every rank; `state` counts it before the callbacks hear of it, `defer` takes the
+        """One update from this rank's micro-batches, averaged over all their tokens on every rank; `defer` takes the
         row of an update skipped. Nothing here waits for the device (the result's tensors are device tensors)."""
         engine = self.engine
         with phases.host("data"):

@@ -105,8 +105,7 @@ class PreTrainer:
         self.files.pull_metrics()
         self.checkpointer = ckpt.Checkpointer(args, engine, self.state, self.files.push_metrics, self.callbacks) \
             if args.save_dir else None
-        # In this order: the interval's row, the features' and the user's (what they keep is saved with the step), the
-        # checkpoint, then evaluation (a failing evaluation never costs the step's checkpoint)
+        # The order of docs/python-api.md, 'Callbacks': evaluation after the checkpoint, so that it never costs one
         self.loop_callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
                                *self.callbacks, *([self.checkpointer] if self.checkpointer is not None else []),
                                Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
@@ -116,9 +115,8 @@ class PreTrainer:
 
     # ----------------------------------------------------------------- loop
     def train(self) -> dict:
-        """Train to `num_training_steps` (resuming first). SIGTERM/SIGINT end it after a checkpoint by raising
-        `TrainingInterrupted` (a SystemExit with code 75). A run that fails leaves an asynchronous checkpoint
-        being written incomplete: it is never resumed from."""
+        """Train to `num_training_steps` (resuming first); a stop request raises `TrainingInterrupted` after its
+        checkpoint (docs/checkpoints-and-faults.md, 'Ending cleanly')."""
         self.stop_requests.install()
         try:
             return self._train()
@@ -133,10 +131,8 @@ class PreTrainer:
             self.stop_requests.uninstall()
 
     def close(self, barrier: bool = True) -> None:
-        """End the run's use of the processes: drop the model, optimizer and schedule, release the engine and
-        destroy the process group (once, last; with `barrier`, when every rank has got here). Called by
-        `pretrainer train` at its end, by `with PreTrainer(...) as trainer:`, and otherwise at interpreter
-        exit (without the barrier: a peer may have failed)."""
+        """End the run's use of the processes (docs/checkpoints-and-faults.md, 'Ending cleanly'); at interpreter
+        exit without the `barrier`, as a peer may have failed."""
         if self._closed:
             return
         self._closed = True
