@@ -108,12 +108,9 @@ def load_tokenizer(tokenizer_path: str | None, model_path: Path):
 
 
 def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Module:
-    """The model in fp32 master weights: loaded on CPU from weights, or on the meta device from a config.
-
-    An engine places it (shards and/or moves it, and materialises a meta model with `init.materialize`; mixed
-    precision is the engine's too). With `read_slices` (an engine that shards or splits the model) a safetensors
-    checkpoint is not loaded here: the model is built on the meta device with the files' reader attached, and each
-    rank reads only its own slices when it is materialised."""
+    """The model in fp32 master weights: loaded on CPU from weights, or on the meta device from a config, for an
+    engine to place, materialise (`init.materialize`) and cast. With `read_slices` a safetensors checkpoint is not
+    loaded here: the meta model gets the files' reader, and each rank reads its own slices (docs/loading.md)."""
     from transformers import AutoModelForCausalLM
 
     config = spec.config
@@ -148,9 +145,8 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
 
 
 def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelSpec | None, seed: int) -> None:
-    """`mtp_num_layers` depths appended to the model (models/mtp.py), before an engine lays it out: read from the
-    model folder's files where they hold them (DeepSeek-V3's layout), the rest initialised, saying which. A
-    model still on the meta device has them materialised with it by the engine."""
+    """`mtp_num_layers` depths appended before an engine lays the model out: read from the model folder's files
+    where they hold them (docs/multi-token-prediction.md, 'HF folders in and out'), the rest initialised."""
     config = model.config
     held = int(getattr(config, CONFIG_KEY, 0) or 0)
     folder = Path(spec.source) if spec is not None and spec.has_weights and Path(spec.source).is_dir() else None

@@ -96,9 +96,8 @@ def takes_head_call(model: torch.nn.Module) -> bool:
 
 
 def install_head_call(model: torch.nn.Module) -> None:
-    """Give the model a forward that runs its decoder, then hands the output head the call's targets (`head_call`,
-    made by `batch.forward_head`) and returns a `HeadOutput`; without a call it is the model's own forward. A head
-    that does not compute the loss takes the call too (multi-token prediction reads its tokens) and returns logits."""
+    """Give the model a forward that runs its decoder, then hands the output head the call (`head_call`) and returns
+    a `HeadOutput` (docs/architecture.md); a head that does not compute the loss takes the call too (for MTP)."""
     if takes_head_call(model):
         return
     head = model.get_output_embeddings()
@@ -175,10 +174,9 @@ def _vocab_parallel_loss(hidden, weight, targets: torch.Tensor, chunk: int, per_
 class LinearCrossEntropy(torch.autograd.Function):
     """[sum over tokens of cross_entropy(hidden @ weight.T, targets), correct next-token predictions], ignoring
     IGNORE targets, in chunks (the count is for evaluation; only the sum has a gradient). With a `VocabShard`,
-    `weight` holds the shard's rows and the result covers the whole vocabulary. With `per_token` (scoring, no
-    gradient): each target's loss instead, shaped as `targets`. With `z_coeff` > 0 a third entry sums
-    logsumexp(logits)^2 over the valid targets, and the first entry's gradient is that of sum + z_coeff x it (the
-    third has none). `rows`, a list, receives each row's loss sum (no gradient)."""
+    `weight` holds the shard's rows (docs/long-context.md, 'The chunked loss'). `per_token` (scoring): each
+    target's loss instead. With `z_coeff` > 0 a third entry sums logsumexp(logits)^2 over the valid targets, its
+    gradient folded into the first's (sum + z_coeff x it). `rows`, a list, receives each row's loss sum."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,

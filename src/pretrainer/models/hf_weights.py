@@ -290,10 +290,8 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 
 def mtp_shared_copies(model: torch.nn.Module) -> dict[str, str]:
-    """{name in the files: the model's tensor it copies} for the embedding and output head each multi-token
-    prediction depth shares with the main model: DeepSeek-V3's files repeat them in every depth
-    (`model.layers.<L + k - 1>.embed_tokens.weight`, `.shared_head.head.weight`), where inference engines read
-    them. Loading ignores these copies (the depths use the main model's own)."""
+    """{name in the files: the model's tensor it copies} for the embedding and head copies each multi-token
+    prediction depth carries (docs/multi-token-prediction.md, 'HF folders in and out'); loading ignores them."""
     embedding, head = _embedding_names(model)
     head = head if head and head not in _tied_aliases(model) else embedding
     return {prefix + copy: source for prefix in depth_prefixes(model)

@@ -30,9 +30,8 @@ def has_meta_tensors(model: torch.nn.Module) -> bool:
 def materialize(model: torch.nn.Module, device: torch.device, seed: int,
                 partition: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
     """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module.
-
-    `partition` (DeepSpeed ZeRO-3) shards each module's parameters as soon as they are filled, so only one module is
-    ever whole; storage is then allocated module by module instead of for the whole model."""
+    `partition` (DeepSpeed ZeRO-3) shards each module's parameters once filled, so only one module is ever whole
+    and storage is allocated module by module."""
     checkpoint = take_checkpoint(model)
     if checkpoint is not None:
         checkpoint.check(model)

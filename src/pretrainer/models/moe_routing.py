@@ -59,9 +59,8 @@ class MoeRouting:
         self._start_hooks += [m.register_forward_hook(self._end_forward) for m in modules]
 
     def attach_losses(self) -> None:
-        """Where the engine runs no backward of its own per micro-batch (a pipeline schedule), each router call's
-        weighted balancing losses ride on its routing weights: their backward starts the losses' own with gradient 1,
-        as if added to the micro-batch's loss (Megatron's MoEAuxLossAutoScaler)."""
+        """Under a pipeline schedule, each router call's weighted balancing losses ride on its routing weights
+        (Megatron's MoEAuxLossAutoScaler; docs/moe.md, 'On the megatron engine: tp x ep')."""
         self._attach = True
 
     def split_sequences(self, group) -> None:
@@ -224,14 +223,9 @@ class AddToBackward(torch.autograd.Function):
 def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sigmoid_scores: bool,
                      split_group=None, split: int = 1, valid: torch.Tensor | None = None):
     """Per unit (rows of `logits` [units, tokens, experts]; `chosen` [units, tokens * top_k]: the experts picked): the
-    load-balancing loss E / (k T^2) * sum_e count_e * sum_t p_te (Switch/GShard; 1.0 when the load is even, gradient
-    through the probabilities only) and the z-loss mean_t logsumexp(logits)^2 (ST-MoE). Sigmoid routers (DeepSeek-V3)
-    use their per-token normalised scores as p. `valid` [units, tokens] (bool) marks the tokens that count: padding
-    takes no part, and T counts valid tokens only.
-
-    With each unit's tokens split over the `split` ranks of `split_group`, `logits` holds this rank's part: counts
-    are summed over the group and T is the whole unit's, so the returned values are this rank's parts of the unit's
-    losses (they add up over the group), with their exact gradient."""
+    load-balancing loss and the z-loss of docs/moe.md, 'The knobs'; `valid` [units, tokens]: the tokens that count.
+    With each unit's tokens split over the `split` ranks of `split_group` (docs/moe.md, 'On the megatron engine'),
+    the returned values are this rank's parts of the unit's losses: they add up over the group."""
     units, tokens, experts = logits.shape
     if sigmoid_scores:
         scores = logits.sigmoid()
@@ -252,9 +246,8 @@ def balancing_losses(logits: torch.Tensor, chosen: torch.Tensor, top_k: int, sig
 
 def capacity_mask(weights: torch.Tensor, indices: torch.Tensor, experts: int, factor: float,
                   policy: str, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Which of the (token, slot) assignments [tokens, top_k] an expert takes: at most ceil(factor * tokens *
-    top_k / experts) each, the highest weights first (`probs`) or the earliest tokens (`position`). With
-    `valid` [tokens] (bool), padding counts as no token: it takes no place and is never kept."""
+    """Which of the (token, slot) assignments [tokens, top_k] an expert takes under `moe_capacity_factor`
+    (docs/moe.md, 'The knobs'); with `valid` [tokens], padding takes no place and is never kept."""
     tokens, top_k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(-weights.detach().reshape(-1).float(), stable=True) if policy == "probs" \

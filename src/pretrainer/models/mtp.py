@@ -91,9 +91,8 @@ def depth_prefixes(model: torch.nn.Module) -> list[str]:
 
 
 def add_mtp_layers(model: torch.nn.Module, depths: int) -> list[torch.nn.Module]:
-    """Append `depths` MTP depths (on the meta device: an engine materialises them, from the files or by the
-    init rule) to the model's decoder layers, and record the count in its config (`num_nextn_predict_layers`,
-    which export writes)."""
+    """Append `depths` MTP depths on the meta device (an engine materialises them) to the model's decoder layers,
+    and record the count in its config (`num_nextn_predict_layers`, which export writes)."""
     config = model.config
     layers = decoder_layer_list(model)
     _check_forward_runs_main_layers_only(model)

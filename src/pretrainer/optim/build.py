@@ -17,9 +17,8 @@ logger = logging.getLogger("pretrainer")
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float, exclude: frozenset = frozenset()) -> list[dict]:
-    """Decay matrices; never decay biases, norm weights or embeddings (tied heads count as embeddings).
-    `exclude`: ids of parameters another group takes. Where a model holds both DTensor and plain parameters
-    (tensor parallelism leaves some whole), each kind gets its own groups: one fused kernel takes one kind."""
+    """Decay matrices, never biases, norm weights or embeddings; `exclude`: ids another group takes. DTensor and
+    plain parameters (tensor parallelism leaves some whole) get separate groups: one fused kernel takes one kind."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay, seen = [], [], set(exclude)
     for param in model.parameters():
@@ -40,9 +39,8 @@ def _dims(param: torch.Tensor) -> int:
 
 
 def muon_parameters(model: torch.nn.Module, settings) -> dict[int, str]:
-    """The trained parameters Muon updates, by id, with their names: every matrix (2-D, or 3-D stacked experts)
-    except the input embedding and the output head; then `muon_params` globs added and `adamw_params` globs
-    removed. `model`: the model as built (unwrapped), whose modules say which are embeddings and the head."""
+    """The trained parameters Muon updates, by id, with their names (docs/optimization.md, 'Muon'). `model`: the
+    model as built (unwrapped), whose modules say which are embeddings and the head."""
     named = {id(param): (parameter_name(name), param) for name, param in model.named_parameters()
              if param.requires_grad}
     table = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}

@@ -39,9 +39,7 @@ def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
 
 
 def lr_scale(shape: torch.Size, rule: str) -> float:
-    """The factor on the learning rate for a matrix of `shape` ([..., out, in]): `match_rms_adamw`
-    0.2 x sqrt(max(out, in)) gives the update AdamW's RMS, so AdamW's lr and weight decay carry over
-    (Moonlight); `spectral` sqrt(out / in), the spectral-norm condition; `original` sqrt(max(1, out / in))."""
+    """The lr factor for a matrix of `shape` ([..., out, in]) under `muon_adjust_lr` (docs/optimization.md)."""
     rows, cols = shape[-2], shape[-1]
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))

@@ -162,8 +162,7 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
             raise ConfigError(f"{folder}: no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) could be loaded")
 
     def export_tensors(self, model):
-        """ZeRO-3: each partitioned parameter is gathered on its own (GatheredParameters) and copied on the
-        main rank; stages 1-2 hold whole 16-bit weights on every rank (the main rank's are taken)."""
+        """ZeRO-3 gathers one partitioned parameter at a time (docs/loading.md); stages 1-2: the main rank's copy."""
         if self.settings.zero_stage != 3:
             yield from super().export_tensors(model)
             return

@@ -40,10 +40,8 @@ class DeepSpeedCosts(CostModel):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """Counted as DeepSpeed's estimators do: 16-bit weights (a shard and the largest live layer at stage 3), 16-bit
-        gradients (none at stage 3), and per trained parameter an fp32 master copy, two moments and an fp32 gradient,
-        partitioned from stage 1 (fp32 runs count weights as 4); buffers: the reduce bucket, and the all-gather bucket
-        (stages 1-2) or the prefetch bucket and the parameters kept gathered (stage3_max_live_parameters)."""
+        """Counted as DeepSpeed's estimators do (docs/plan.md, 'How the prediction is made'); fp32 runs count the
+        16-bit weights and gradients as 4 bytes."""
         settings, dp, c = layout.settings, layout.dims.dp, compute_bytes(layout.dtype)
         stage, n, t = settings.zero_stage, share.parameters, share.trained
         largest_layer = max(shape.layer_parameters, shape.embedding_parameters, shape.head_parameters)
@@ -83,9 +81,7 @@ class DeepSpeedCosts(CostModel):
             traffic.append(Collective(2 * c * shape.parameters, dp, per_micro_batch=True, overlaps=True))
         return traffic
 
-    # returns_freed_blocks stays False: with freed blocks returned, an 82M model's ZeRO-3 rank measured 3,618 MB
-    # instead of 4,588, but 16-24% above the plan's terms (DeepSpeed's own buffers, not modelled), where the heap
-    # that keeps them is predicted within 7%, 2.1% at 82M (bench/plan_accuracy.py, docs/plan.md).
+    # returns_freed_blocks stays False: the heap that keeps them is predicted closer (docs/plan.md, 'Accuracy')
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:

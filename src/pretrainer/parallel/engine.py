@@ -62,19 +62,14 @@ class EngineOptions:
 class Engine(EngineTraits, ABC):
     name: str
 
-    # ---- capabilities: what the loop and the checkpointer may rely on (subclasses override) ----
-    # Wrapping re-creates parameters as shards: an optimizer built over the unwrapped model's parameters cannot be used.
+    # ---- capabilities the loop and the checkpointer rely on (docs/architecture.md's table; subclasses override) ----
     shards_parameters = False
-    # Every update handed to `step` is applied (the engine's own optimizer step cannot be skipped).
     applies_every_update = False
-    # State format: "dcp" (torch.distributed.checkpoint, reshardable onto any layout) or the engine's own.
     checkpoint_format = "dcp"
-    # Checkpoints load only on the same number of processes.
     checkpoint_needs_same_world_size = False
     supports_async_save = True
     # The HF export streams the weights tensor by tensor (`export_tensors`) instead of one full state dict.
     exports_tensor_by_tensor = True
-    # Runs one process only (a launch of several is refused before anything is built).
     one_process = False
     # Config keys only engines of this kind read (run/rules.py refuses or warns of them under other engines).
     own_keys: tuple[str, ...] = ("distributed_timeout_minutes",)
@@ -193,10 +188,9 @@ class Engine(EngineTraits, ABC):
     def forward_backward(self, model: torch.nn.Module, micro_batches: list[dict], loss_fn,
                          scale: float, extra_losses=None) -> torch.Tensor:
         """Forward and backward over one accumulation window: gradients of sum(loss_fn) * scale; returns this rank's
-        summed loss over the window (a device tensor). `loss_fn(output, targets)` returns a micro-batch's summed token
-        loss from its forward's `HeadOutput`. `extra_losses()`, called after each forward, returns what that forward
-        adds to the backward as it is (already weighted; None: nothing), e.g. an MoE model's balancing losses, not part
-        of the returned loss. Only the last micro-batch communicates gradients."""
+        summed loss over the window (a device tensor), without what `extra_losses()` (called after each forward:
+        an already weighted addition to its backward, e.g. MoE balancing losses; None: nothing) adds. Only the last
+        micro-batch communicates gradients."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
@@ -212,10 +206,9 @@ class Engine(EngineTraits, ABC):
     def step(self, model: torch.nn.Module, optimizer, max_norm: float | None,
              skip_nonfinite: bool = True, skip_rule=None) -> tuple[torch.Tensor, bool]:
         """Unscale, clip, step. Returns (grad norm before clipping, whether the update was applied). With
-        `skip_nonfinite`, a non-finite gradient norm (a NaN/inf loss or gradient on any rank: the norm is global) skips
-        the update; that check reads the norm, the one device sync of a step. fp16 runs leave it to the loss scaler,
-        which skips and lowers the scale. `skip_rule(norm)`, given (the spike rules), may drop the update from the norm
-        and the step's loss, read with it in the same sync; the norm is still computed, for the log."""
+        `skip_nonfinite`, a non-finite norm (global: a NaN/inf on any rank) skips the update; reading it is the one
+        device sync of a step (fp16 runs leave it to the loss scaler). `skip_rule(norm)` (the spike rules) may drop
+        the update and the step's loss in the same sync; the norm is still computed, for the log."""
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -293,8 +286,7 @@ class Engine(EngineTraits, ABC):
         return bool(value.item())
 
     def save_own_state(self, folder) -> None:
-        """Write model and optimizer state in the engine's own format (engines whose checkpoint_format is not
-        "dcp"; the others' state is written by train/checkpoint_io.py)."""
+        """Write model and optimizer state in the engine's own format (not "dcp": train/checkpoint_io.py's)."""
         raise NotImplementedError
 
     def load_own_state(self, folder) -> None:
@@ -306,9 +298,8 @@ class Engine(EngineTraits, ABC):
 
     def export_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The model's weights under their HF names, in its state-dict order, one whole tensor at a time: on the main
-        rank on the CPU, None on the others. Every rank iterates to the end: the ranks holding a tensor gather it
-        whole (a DTensor's shards over its own mesh) and the first of them sends it to the main rank; ranks that do
-        not hold it (other pipeline stages) hold it on the meta device. No rank holds more than one whole tensor."""
+        rank on the CPU, None on the others (docs/loading.md, 'Export without gathering'). Every rank iterates to the
+        end; ranks that do not hold a tensor (other pipeline stages) hold it on the meta device."""
         state = {parameter_name(k): v for k, v in self.unwrap(model).state_dict().items()}
         holders = self.all_gather_object([name for name, tensor in state.items() if not tensor.is_meta])
         # each tensor's sender: the first rank holding it (ranks in reverse order: the lowest one's entry is kept)

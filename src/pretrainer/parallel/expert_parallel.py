@@ -35,9 +35,8 @@ class _LocalExperts:
 
 
 def shard_experts(model: torch.nn.Module, mesh, gradient_scale: float) -> list[torch.nn.Module]:
-    """Split every experts module of `model` over `mesh` (the ep mesh) and route its forward through the token
-    exchange; the expert weights' gradients are multiplied by `gradient_scale`. Works on the meta device
-    (before materialisation) and on loaded weights (each rank keeps its slice). Returns the experts modules."""
+    """Split every experts module over the ep `mesh`, route its forward through the token exchange and scale its
+    gradients by `gradient_scale`; on the meta device or on loaded weights (each rank keeps its slice)."""
     modules = find_experts(model)
     for module in modules:
         for name, parameter in list(module.named_parameters(recurse=False)):

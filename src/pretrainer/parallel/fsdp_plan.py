@@ -20,10 +20,8 @@ from .layout import (
 from .megatron_settings import MegatronSettings
 from .torch_plan import TorchTraits
 
-# On CPU, FSDP's per-layer gathers leave the heap far above the live tensors: activations are carved out of
-# the freed layer-sized buffers, so the next gather cannot reuse them and glibc's heap grows until a rank
-# holds about what a DDP rank does. A multiple of the model's fp32 bytes, with full recompute and without,
-# measured on bench/plan_accuracy.py's 27M model (2 ranks) and checked on its 5M and 82M models.
+# On CPU, FSDP's per-layer gathers leave the heap far above the live tensors (docs/plan.md, 'Accuracy'): a multiple
+# of the model's fp32 bytes, measured on bench/plan_accuracy.py's 27M model (2 ranks), checked on its 5M and 82M.
 CPU_GATHER_RETENTION = {"full": 2.9, "other": 1.6}
 
 
@@ -43,9 +41,7 @@ class FSDPCosts(CostModel):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """fp32 shards; the layers being computed gathered in the compute dtype (every layer, from forward to
-        backward, without resharding); sharded gradients plus one layer's whole gradient before its reduce-
-        scatter, whole while micro-batches accumulate; sharded AdamW moments."""
+        """fp32 shards, gathered layers, sharded gradients and moments: docs/plan.md, 'How the prediction is made'."""
         settings, shards = layout.settings, layout.dims.shard
         n, t, c = share.parameters, share.trained, compute_bytes(layout.dtype)
         root = shape.embedding_parameters + shape.head_parameters + shape.other_parameters
@@ -77,9 +73,8 @@ class FSDPCosts(CostModel):
 
     @classmethod
     def gradient_traffic(cls, layout: Layout, shape, trained: int) -> list[Collective]:
-        """Each micro-batch gathers every layer (twice when resharded after forward); gradients are
-        reduce-scattered once a step, or every micro-batch when they accumulate sharded. FSDP prefetches the next
-        layer's gather and reduce-scatters beside backward: all of it overlaps compute."""
+        """Each micro-batch gathers every layer (twice when resharded after forward); gradients are reduce-scattered
+        once a step, or every micro-batch when they accumulate sharded. All of it overlaps compute (prefetched)."""
         shards, c = layout.dims.shard, compute_bytes(layout.dtype)
         gathers = 2 if layout.settings.reshard_parameters else 1
         experts = shape.expert_parameters if layout.dims.ep > 1 else 0  # gathered and reduced apart, see below

@@ -217,8 +217,7 @@ class EngineTraits:
 
     @classmethod
     def reads_weight_slices(cls, settings) -> bool:
-        """Builds an HF checkpoint's model on the meta device and fills each rank's slices from the files
-        (models/hf_weights.py) instead of loading it whole in every process."""
+        """Builds an HF checkpoint's model on the meta device and each rank reads its own slices (docs/loading.md)."""
         return False
 
     @classmethod
@@ -288,14 +287,12 @@ class CostModel:
     @classmethod
     def returns_freed_blocks(cls, layout: Layout) -> bool:
         """On a CPU under `host_malloc_reuse: auto`: this layout's runs give large freed blocks back to the kernel
-        rather than keep them (perf/host_memory.py). For engines that allocate and free layer-sized buffers every
-        micro-batch (per-layer gathers, gradient reduce-scatters), which a keeping heap cannot reuse for activations."""
+        (perf/host_memory.py; docs/performance.md, 'Settings that matter', says which engines and why)."""
         return False
 
     @classmethod
     def cpu_gather_retention(cls, layout: Layout) -> float:
-        """On a CPU whose heap keeps freed blocks: what it keeps of per-layer gathers, as a multiple of the fp32
-        model (measured)."""
+        """On a CPU whose heap keeps freed blocks: what it keeps of per-layer gathers, in fp32 models (measured)."""
         return 0.0
 
     @classmethod

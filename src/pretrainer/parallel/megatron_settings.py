@@ -15,9 +15,7 @@ from ..config.openmind import PLUGIN_ENGINE_KEYS
 from .activation_checkpoint import RecomputeSettings
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# Megatron-Core's data_parallel_sharding_strategy, each run on FSDP2 over the dp x cp ranks, composed with tp, sp, pp,
-# cp and ep: whole parameters, gradients all-reduced; optimizer state and gradients sharded, parameters gathered from
-# forward to backward (ZeRO-2; what use_distributed_optimizer selects); parameters resharded after forward too (ZeRO-3).
+# Megatron-Core's data_parallel_sharding_strategy, each run on FSDP2 over the dp x cp ranks (docs/megatron.md).
 SHARDING_STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
 
 # plugin_args keys that the run's own keys already cover.
@@ -126,8 +124,7 @@ def splits_model(args) -> bool:
 def read_settings(args, num_layers: int | None = None, default_strategy: str = "no_shard",
                   reads_shard_size: bool = True, stages: bool = True) -> MegatronSettings:
     """The engine settings from `args.plugin_args` (seed names) and the native keys, checked; `default_strategy`:
-    the data-parallel sharding where neither use_distributed_optimizer nor data_parallel_sharding_strategy is set
-    (the engine name's default: no_shard for megatron and ddp, optim_grads_params for fsdp)."""
+    the engine name's data-parallel sharding (no_shard for megatron and ddp, optim_grads_params for fsdp)."""
     plugin, megatron = dict(args.plugin_args or {}), args.megatron_args
     pick = _picker(args)
     tp = _positive("tp_degree", pick("tp_degree", "tensor_model_parallel_size", 1))

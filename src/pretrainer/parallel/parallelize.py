@@ -67,8 +67,7 @@ def parallelize(module: torch.nn.Module, steps: Parallelism) -> torch.nn.Module:
 
 def compile_layers(model: torch.nn.Module, precision: Precision) -> None:
     """`torch.compile` each decoder layer in place (as torchtitan does): identical layers share one compiled
-    graph, the compile stays inside FSDP2's wrapping, and state-dict keys do not change. In bf16/fp16 on a
-    CPU, `sdpa` attention becomes models/cpu_attention.py's, whose backward the compile fuses."""
+    graph, the compile stays inside FSDP2's wrapping, and state-dict keys do not change."""
     if precision.device.type == "cpu" and precision.dtype != "fp32":
         cpu_attention.install(model)
     for layer in decoder_layers(model):

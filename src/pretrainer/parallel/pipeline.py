@@ -72,8 +72,7 @@ class DecoderStage(torch.nn.Module):
         self.recompute_groups: list[tuple[list[str], bool]] = [(main, False)]
 
     def set_recompute(self, method: str, num_layers: int | None) -> None:
-        """Megatron's full recompute: `uniform` checkpoints every run of `num_layers` layers as one unit,
-        `block` checkpoints the first `num_layers` layers of the stage one by one."""
+        """Megatron's full recompute, `uniform` or `block`, over `num_layers` (docs/megatron.md's recompute row)."""
         names = self.main_layers
         if method == "block":
             count = len(names) if num_layers is None else min(num_layers, len(names))
@@ -88,10 +87,9 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, call: HeadCall | None = None) -> torch.Tensor:
-        """Hidden states (token ids on the first stage) to the next stage's hidden states, or on the last what its head
-        returns for `call` (logits, or a loss-computing head's sums). A schedule hands the last stage each micro-batch's
-        `targets` (and tokens, `mtp_tokens`, where multi-token prediction depths follow the head, models/mtp.py), which
-        become its head's call. `attention_mask` (padding) is read only by MoE routing hooks: stages attend causally."""
+        """Hidden states (token ids on the first stage) to the next stage's, or on the last what its head returns for
+        `call`, which the schedule's `targets` (and `mtp_tokens`) become. `attention_mask` (padding) is read only by
+        MoE routing hooks: stages attend causally."""
         if self.embed_tokens is not None:
             batch, seq = hidden.shape
             hidden = self.embed_tokens(hidden)
@@ -145,9 +143,8 @@ def build_schedule(stage_modules: list[DecoderStage], stage_ids: list[int], num_
 
 class PipelineLoss:
     """The loss a pipeline schedule calls on the last stage per micro-batch: the loop's summed token loss, scaled for
-    the backward, each sum kept for the step's loss. `head_computes_loss`: the last stage outputs its head's sums, not
-    logits (set when the stages are built). `infers_shapes`: the next call is the schedule's first-step shape inference
-    on a stand-in output: a zero loss of its shape, never reaching the loop's loss function or its extensions."""
+    the backward, each sum kept for the step's loss. `infers_shapes`: the next call is the schedule's first-step
+    shape inference on a stand-in output: a zero loss, never reaching the loop's loss function or its extensions."""
 
     def __init__(self) -> None:
         self.loss_fn, self.scale, self.sums = None, 1.0, []

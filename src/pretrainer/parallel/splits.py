@@ -105,9 +105,8 @@ def llama_tensor_parallel(stage, mesh, sequence_parallel: bool) -> None:
 
 
 def moe_blocks(stage) -> list[torch.nn.Module]:
-    """The MoE blocks (a decoder layer's `mlp` holding routed experts) of this stage's layers. Tensor parallelism leaves
-    them whole (Megatron's expert tensor parallel size 1): under sequence parallelism each tp rank routes its own 1/tp
-    of the tokens through router, experts and shared experts, so the engine sums their gradients over tp."""
+    """The MoE blocks (a decoder layer's `mlp` holding routed experts) of this stage's layers, which tensor
+    parallelism leaves whole and the engine sums over tp (docs/moe.md, 'On the megatron engine: tp x ep')."""
     return [inner_layer(layer).mlp for layer in stage.layers.values() if find_experts(inner_layer(layer).mlp)]
 
 

@@ -261,8 +261,7 @@ class TorchEngine(TorchTraits, Engine):
 
     def _data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
         """Gradients over dp x cp: all-reduced (`replicate`), or reduce-scattered with the optimizer state sharded
-        (FSDP2, parameters resharded after forward with optim_grads_params; offloaded to host with fsdp_cpu_offload).
-        Each decoder layer is its own unit; split experts are units over the ranks holding the same ones."""
+        (FSDP2), each decoder layer and the split experts of each layer their own units."""
         self._start_as_first_data_rank(module)
         layers = list(module.layers.values()) if isinstance(module, DecoderStage) else decoder_layers(module)
         experts = ExpertSharding(self._experts, self.expert_mesh["expert_replicas"]) \
@@ -428,12 +427,10 @@ class TorchEngine(TorchTraits, Engine):
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
     def _sum_partial_gradients_over_tp(self, model: torch.nn.Module) -> None:
-        """Sum over tp, once per step in one flat all-reduce (as Megatron's finalize_model_grads), the gradients that
-        hold only this tp rank's part:
-        - parameters tensor parallelism left whole but fed this rank's part of the data (per-head norms, MoE blocks:
-          router, experts, shared experts), read by module and name (data parallelism may have replaced them since);
-        - DTensor gradients left Partial over tp (sequence-parallel norms), made Replicate so the gradient norm and
-          clipping see their sums, not one rank's part."""
+        """Sum over tp, once per step in one flat all-reduce (docs/moe.md, 'On the megatron engine: tp x ep'), the
+        gradients that hold only this tp rank's part: parameters tp left whole but fed this rank's part of the data,
+        read by module and name (data parallelism may have replaced them since), and DTensor gradients left Partial
+        over tp (sequence-parallel norms), made Replicate so the gradient norm and clipping see their sums."""
         if self.settings.tp == 1:
             return
         plain = [module._parameters[name].grad for module, name in self._tp_partial]
@@ -494,8 +491,7 @@ class TorchEngine(TorchTraits, Engine):
 
 
 class SingleEngine(SingleTraits, TorchEngine):
-    """`engine: single`: the backend on one process (a process group of one): the HF model runs as it is, on one
-    device, loaded whole; nothing splits it and nothing wraps its parameters."""
+    """`engine: single`: the HF model as it is, on one process and device, loaded whole; nothing wraps it."""
 
     name = "single"
     one_process = True
@@ -521,9 +517,7 @@ class DDPEngine(TorchEngine):
 
 
 class FSDPEngine(TorchEngine):
-    """`engine: fsdp`: parameters, gradients and optimizer state sharded over the data ranks (optim_grads_params;
-    `fsdp_reshard_after_forward` false keeps parameters gathered from forward to backward, optim_grads),
-    `fsdp_shard_size`: hybrid sharding, `fsdp_cpu_offload`: shards and optimizer step on the host."""
+    """`engine: fsdp`: parameters, gradients and optimizer state sharded over the data ranks (docs/engines.md)."""
 
     name = "fsdp"
     own_keys = (*Engine.own_keys, "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_shard_size")
@@ -543,8 +537,7 @@ class FSDPEngine(TorchEngine):
 
 
 class MegatronEngine(TorchEngine):
-    """`engine: megatron`: Megatron-Core's defaults (replicated data ranks unless the distributed optimizer is asked
-    for), the model always run as pipeline stages."""
+    """`engine: megatron`: Megatron-Core's defaults, the model always run as pipeline stages (docs/megatron.md)."""
 
     name = "megatron"
     own_keys = (*Engine.own_keys, "fsdp_shard_size")  # hybrid sharding of the distributed optimizer

@@ -114,10 +114,8 @@ class MegatronCosts(CostModel):
 
     @classmethod
     def model_states(cls, layout: Layout, shape, share: RankShare, on_cpu: bool) -> ModelStates:
-        """With the distributed optimizer each stage is FSDP2 over dp x cp: fp32 shards; layers gathered in the compute
-        dtype (FSDP's mixed precision, no autocast), all from forward to backward, or only those computing under
-        optim_grads_params; gradients reduce-scattered (one layer whole before it; all whole while micro-batches
-        accumulate unsharded); moments sharded. Else a torch engine's states over the stage's tp share."""
+        """With the distributed optimizer each stage is FSDP2 over dp x cp, counted as fsdp's states are (FSDP's mixed
+        precision, no autocast); else a torch engine's states over the stage's tp share."""
         shards = layout.dims.shard
         if not cls.shards_over_data(layout):
             return super().model_states(layout, shape, share, on_cpu)

@@ -51,8 +51,7 @@ class GemmMeasurement:
 
 
 def measure_gemm(device: torch.device, dtype: torch.dtype) -> GemmMeasurement:
-    """Square matmuls in `dtype`: the size grows while a call stays short (a slow dtype stays small), then
-    `TRIALS` timed trials; the best is the peak."""
+    """Square matmuls in `dtype`, the best of `TRIALS` (docs/performance.md, 'What every run measures')."""
     generator = torch.Generator().manual_seed(0)  # the run's own random state is left alone
     for size in SIZES:  # the last one tried is timed
         a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)

@@ -49,8 +49,7 @@ def _rate(dtype: torch.dtype) -> float:
 
 def choose_dtype(device_type: str, accelerator_bf16: bool, cpu_bf16_speedup: float | None,
                  flags: list[str] = ()) -> tuple[str, str]:
-    """`dtype: auto`: (dtype, why). bf16 on accelerators that support it and on CPUs where it is measured
-    faster than fp32; fp32 otherwise (fp16 needs loss scaling: ask for it explicitly)."""
+    """`dtype: auto` (docs/configuration.md): (dtype, why); never fp16, which needs loss scaling."""
     if device_type != "cpu":
         if accelerator_bf16:
             return "bf16", f"the {device_type} device supports bf16"

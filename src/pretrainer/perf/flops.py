@@ -59,9 +59,8 @@ class FlopsCount:
 
 def flops_per_token(model: torch.nn.Module, seq_length: int, idle_expert_parameters: int = 0,
                     mtp_depths: int = 0) -> FlopsCount:
-    """Count from the model itself (before sharding) and its HF config. A Mixture-of-Experts model counts its active
-    parameters (`idle_expert_parameters`, the routed experts' a token does not use, are left out). Each multi-token
-    prediction depth (models/mtp.py; its parameters are the model's) adds one layer's attention and one head pass."""
+    """Count from the model itself (before sharding) and its HF config: an MoE model's active parameters only, and
+    one layer's attention and one head pass per multi-token prediction depth (docs/performance.md)."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight

@@ -18,8 +18,7 @@ M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
 KEEP_BELOW_BYTES = 1 << 30  # reuse: blocks under 1 GiB come from (and return to) malloc's heap
 # return: a layer's weight matrix and up is mapped on its own (a fixed threshold also stops glibc raising it as
-# such blocks are freed); smaller blocks, most activations of a small model, stay in the heap. 64 KB held the
-# 4-rank FSDP rank above at 1,045 MB, its step 40% slower.
+# such blocks are freed); smaller blocks, most activations of a small model, stay in the heap (64 KB: docs/plan.md).
 RETURN_ABOVE_BYTES = 4 << 20
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 

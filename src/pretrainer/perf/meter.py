@@ -18,9 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepPhases:
-    """Where a step's time goes: data wait, compute (forward + backward), communication, optimizer. Host phases
-    (waiting for the DataLoader, host-side collectives) are timed with the host clock; device phases with CUDA events
-    on GPUs, read only when a row is logged (the one sync), and with the host clock on CPU, where work is synchronous.
+    """Where a step's time goes: data wait, compute (forward + backward), communication, optimizer. Host phases are
+    timed with the host clock, device phases with CUDA events read only when a row is logged (on CPU: host clock).
     Gradient all-reduces that DDP/FSDP overlap with backward count as compute (only a profiler separates them)."""
 
     def __init__(self, device: torch.device):
@@ -109,9 +108,8 @@ class IntervalMeter:
 
 
     def _check_peak(self, tokens_per_s_per_device: float) -> None:
-        """When a device does more than its peak: a measured peak (from a busy CPU) is raised to what was done, in MFU's
-        count when that is more (so MFU stays at most 100%); a rated or configured one is reported; MFU above 100% from
-        PaLM's full attention square alone is explained. Every rank decides alike (the rate is global)."""
+        """When a device does more than its peak: raise a measured one, report a rated or configured one, explain
+        MFU above 100% from PaLM's full attention square (docs/performance.md). Every rank decides alike."""
         done = tokens_per_s_per_device * self.performed_per_token / 1e12
         counted = tokens_per_s_per_device * self.flops.per_token / 1e12
         if max(done, counted) > self.peak.tflops and self.peak.cache_key is not None:

@@ -73,8 +73,7 @@ def rated_peak(name: str, dtype: torch.dtype) -> float | None:
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak:
-    """The best rate of square matmuls in `dtype` on this machine, its thread count and torch: measured once
-    (again while the cached figure was taken on a busy CPU), never lowered."""
+    """The best rate of square matmuls in `dtype` here, measured once and cached (docs/performance.md)."""
     threads = torch.get_num_threads()
     key = (f"gemm|{device.type}|{processor_name(device)}|threads={threads}|{dtype_name(dtype)}|"
            f"torch={torch.__version__}")

@@ -220,9 +220,8 @@ def active_ffn_width(config) -> int:
 
 
 def _formula(config, seq_length: int, compute: str, param: str) -> ActivationProfile:
-    """Saved bytes of a Llama-like layer per sequence when the probe cannot run: the residual stream and norms
-    (10 x hidden), the gated MLP (4 x ffn; an MoE layer's top_k experts and shared experts) and keys/values
-    (2 x kv width), and an MoE router's outputs, in the compute dtype."""
+    """Saved bytes of a Llama-like layer per sequence when the probe cannot run (an MoE layer: its top_k experts
+    and shared experts), in the compute dtype."""
     arch = Architecture.of(config)
     hidden, kv_width, ffn = arch.hidden, arch.kv_heads * arch.head_dim, active_ffn_width(config)
     shape = expert_shape(config, "the model config")

@@ -65,9 +65,8 @@ class DeviceSpec:
 def device_spec(dtype: str, ranks_per_node: int, name: str | None = None, memory: str | None = None,
                 baseline_engine: str = SingleEngine.name, memory_key: str = "--device-memory",
                 host_memory: str | None = None, links: tuple[str | None, str | None] = (None, None)) -> DeviceSpec:
-    """`name`: a device to plan for (e.g. H100, A100-40GB, cpu); None: this machine's. `memory`: a size replacing the
-    device's (per device; on CPU per machine). `baseline_engine`: the engine whose tiny run measures a CPU process's
-    runtime (the run's engine class says which). `links`: bytes/s replacing the table's, within and between machines."""
+    """The device to plan for (`name`: e.g. H100, A100-40GB, cpu; None: this machine's), with the `pretrainer plan`
+    flags' replacements (docs/plan.md); `baseline_engine`: the engine whose tiny run measures a CPU's runtime."""
     if name is None:
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if name.lower() == "cpu":

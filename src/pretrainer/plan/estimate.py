@@ -20,13 +20,10 @@ from .model_shape import ModelShape
 from .step_time import step_time
 
 LOSS_BYTES_PER_LOGIT = 12    # fp32 logits (or log-softmax), and two gradients of that size at the start of backward
-# On CPU a process's RSS exceeds the bytes of its live tensors: glibc's heap keeps freed blocks that later
-# requests of other sizes do not fit exactly. Fitted on bench/plan_accuracy.py's 27M model (single and ddp,
-# with and without recompute: 1.14-1.25), checked on the other sizes.
+# On CPU a process's RSS exceeds its live tensors' bytes: glibc's heap keeps freed blocks that later requests of
+# other sizes do not fit. Both fitted on bench/plan_accuracy.py's 27M model (docs/plan.md, 'Accuracy').
 CPU_HEAP_OVERHEAD = 1.2
-# Tensor-parallel layers under full recomputation fragment the heap further: each layer recomputed in backward allocates
-# DTensor temporaries (shards, all-reduced outputs) among the new gradients, leaving holes later requests do not fit.
-# Fitted on bench/plan_accuracy.py's 27M model (tp=2, full: 1.45), checked on its 5M and 82M (1.44-1.66).
+# Tensor-parallel layers recomputed in full fragment it further (DTensor temporaries among the new gradients).
 CPU_HEAP_OVERHEAD_TP_RECOMPUTE = 1.45
 
 
@@ -90,17 +87,15 @@ class Estimate:
 
 def estimate(layout: Layout, shape: ModelShape, config, device: DeviceSpec, trainable: str | list = "all",
              weights: str = "none") -> Estimate:
-    """`config`: the HF model config (the probes build from it); `trainable`: `trainable_parameters`; `weights`: how
-    the run reads its weights: "none" (random init), "whole" (every rank loads the whole model) or "slices" (an engine
-    that lays the model out first reads only its own slices). A pipeline's highest-peak rank is the estimate."""
+    """`trainable`: `trainable_parameters`; `weights`: "none" (random init), "whole" (every rank loads the model)
+    or "slices" (each rank reads its own). A pipeline's highest-peak rank is the estimate."""
     return max((_estimate_rank(layout, shape, config, device, trainable, weights, part)
                 for part in rank_parts(layout, shape, trainable)), key=lambda e: e.peak)
 
 
 def rank_parts(layout: Layout, shape: ModelShape, trainable="all") -> list[RankShare]:
     """The kinds of rank a layout has: one, or a pipeline's first and last stages (the middle ones hold less than
-    either), each as its engine splits it (`held_parameters`). With 1F1B stage s of pp holds min(pp - s, micro-batches)
-    forwards before its first backward; GPipe runs every forward first; interleaved counts as 1F1B's first stage."""
+    either), each as its engine splits it, with the forwards in flight docs/plan.md counts per schedule."""
     share = _trained_share(shape, trainable)
     muon = layout.optimizer == "muon"
     held = functools.partial(layout.costs.held_parameters, layout, shape)
@@ -216,9 +211,7 @@ def _activations(layout: Layout, shape: ModelShape, config, part: RankShare, not
 
 
 def _logits(layout: Layout, shape: ModelShape) -> int:
-    """The main head's, and each multi-token prediction depth's: whole logits alive until backward, or (chunked)
-    one chunk at a time, beside the gradients each depth's chunked head keeps for backward (its hidden states',
-    and an fp32 one of this rank's head rows)."""
+    """The main head's and each multi-token prediction depth's logits (docs/plan.md, 'How the prediction is made')."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     rows = -(-shape.vocab // layout.tp)
     if layout.loss_chunk:  # one chunk at a time, of this rank's vocabulary rows under tensor parallelism

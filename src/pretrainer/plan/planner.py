@@ -58,8 +58,7 @@ def _ramp_stages(layout, run: ResolvedRun, estimate_of) -> list[tuple[int, int, 
 
 
 def _decide_accumulation(whole: Estimate, estimate_of) -> tuple[Estimate, tuple[str, str]]:
-    """`accumulate_gradients: auto`: whole gradients while micro-batches accumulate (less traffic) where they fit,
-    else sharded ones (each micro-batch reduce-scatters its own)."""
+    """`accumulate_gradients: auto`: whole gradients (less traffic) where they fit, else sharded ones."""
     memory = size(whole.device.memory_bytes)
     if whole.fits:
         why = f"auto: whole gradients fit, predicted {size(whole.peak)} of {memory}"

@@ -63,9 +63,8 @@ EXTRA_DIMENSION_COST = 0.03
 
 
 def ranked(estimates: list[Estimate]) -> list[Estimate]:
-    """Layouts that fit first: those within TIE of the fastest (with EXTRA_DIMENSION_COST per extra dimension)
-    simplest first, then with the most memory to spare; then the other fitting ones, fastest first (equal times:
-    the larger micro-batch, then the smaller peak); then those that do not fit, smallest first."""
+    """Fitting layouts first, ties (TIE, EXTRA_DIMENSION_COST) simplest first, then the fastest; then those that do
+    not fit, smallest first (docs/plan.md, 'How the prediction is made')."""
     fitting = sorted((e for e in estimates if e.fits), key=_ranked_seconds)
     best = _ranked_seconds(fitting[0]) if fitting else 0.0
     tied = [e for e in fitting if _ranked_seconds(e) <= best * (1 + TIE)]
