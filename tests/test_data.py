@@ -56,6 +56,9 @@ def test_formats_json_array_jsonl_csv_txt(tmp_path):
     assert [d.text for d in docs(tmp_path / "d.txt", txt_mode="file")] == ["seven\neight\n"]
     assert len(docs(tmp_path)) == 2 + 2 + 2 + 2  # a directory reads every supported file
     assert len(list(read_documents(expand_paths([str(tmp_path / "*.json*")])))) == 4
+    long = "x" * 200_000  # longer than the csv module's default field limit (128 KiB)
+    (tmp_path / "long.csv").write_text(f"text\n{long}\n")
+    assert [d.text for d in docs(tmp_path / "long.csv")] == [long]
 
 
 def test_alpaca_records_use_the_alpaca_template():

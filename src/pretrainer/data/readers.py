@@ -216,6 +216,7 @@ def _txt_records(path: Path, mode: str, meter: BytesRead | None) -> Iterator[tup
 
 def _csv_records(path: Path, text_key: str, meter: BytesRead | None) -> Iterator[tuple[str, object]]:
     text = _read_text(path, meter)  # a CSV field may span lines, so the file is parsed whole
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # a document may pass csv's 128 KiB default
     reader = csv.DictReader(text.splitlines(keepends=True))
     if reader.fieldnames is None:
         return
