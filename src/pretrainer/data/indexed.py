@@ -106,7 +106,30 @@ class IndexedDatasetWriter:
             tmp.unlink(missing_ok=True)
 
 
-class IndexedDataset:
+class IndexedTokens:
+    """What the samplers read: `tokens` (sliceable), `dtype`, per sequence its length and byte pointer, and the
+    sequence boundaries of documents. IndexedDataset reads them from a `.idx`; token_formats.py from other formats."""
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def document_token_range(self, first: int, last: int) -> tuple[int, int]:
+        """Token offsets [start, end) of documents [first, last) in `tokens`."""
+        itemsize = np.dtype(self.dtype).itemsize
+        seq_first, seq_last = int(self.document_indices[first]), int(self.document_indices[last])
+        if seq_first == seq_last:
+            return 0, 0
+        start = int(self.sequence_pointers[seq_first]) // itemsize
+        end = int(self.sequence_pointers[seq_last - 1]) // itemsize + int(self.sequence_lengths[seq_last - 1])
+        return start, end
+
+    def __getitem__(self, sequence: int) -> np.ndarray:
+        start = int(self.sequence_pointers[sequence]) // np.dtype(self.dtype).itemsize
+        return np.asarray(self.tokens[start:start + int(self.sequence_lengths[sequence])])
+
+
+class IndexedDataset(IndexedTokens):
     """Read-only view: `tokens` is the whole `.bin` as a memory-mapped array."""
 
     def __init__(self, prefix: str | Path):
@@ -136,26 +159,8 @@ class IndexedDataset:
                             f"{expected}; the pair is from different runs or truncated — prepare it again")
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if expected else np.zeros(0, self.dtype)
 
-    @property
-    def num_documents(self) -> int:
-        return len(self.document_indices) - 1
-
     def describe(self) -> dict:
         """What the sample-index cache is keyed by: a re-prepared dataset gets new indices."""
         idx_stat = self.idx_path.stat()
         return {"bin": str(self.bin_path.resolve()), "idx_bytes": idx_stat.st_size,
                 "idx_mtime_ns": idx_stat.st_mtime_ns}
-
-    def document_token_range(self, first: int, last: int) -> tuple[int, int]:
-        """Token offsets [start, end) of documents [first, last) in `tokens`."""
-        itemsize = np.dtype(self.dtype).itemsize
-        seq_first, seq_last = int(self.document_indices[first]), int(self.document_indices[last])
-        if seq_first == seq_last:
-            return 0, 0
-        start = int(self.sequence_pointers[seq_first]) // itemsize
-        end = int(self.sequence_pointers[seq_last - 1]) // itemsize + int(self.sequence_lengths[seq_last - 1])
-        return start, end
-
-    def __getitem__(self, sequence: int) -> np.ndarray:
-        start = int(self.sequence_pointers[sequence]) // np.dtype(self.dtype).itemsize
-        return np.asarray(self.tokens[start:start + int(self.sequence_lengths[sequence])])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, IndexedTokens
 from .readers import DataError
 
 SCAN_TOKENS = 1 << 24  # tokens read at a time when a pass over a file is needed (flat memory)
@@ -45,7 +45,7 @@ def _files(path: Path, suffix: str) -> list[Path]:
     return sorted(path.glob(f"*{suffix}")) if path.is_dir() else []
 
 
-class TokenFiles:
+class TokenFiles(IndexedTokens):
     """Token files of one dtype read as one corpus: the IndexedDataset interface over several memory maps."""
 
     def __init__(self, files: list[Path], arrays: list[np.ndarray], lengths: list[np.ndarray], fmt: str):
@@ -64,25 +64,10 @@ class TokenFiles:
         self.document_indices = np.arange(len(self.sequence_lengths) + 1, dtype=np.int64)
         self.bin_path = files[0]
 
-    @property
-    def num_documents(self) -> int:
-        return len(self.sequence_lengths)
-
     def describe(self) -> dict:
         """What the sample-index cache is keyed by: every file, its size and its modification time."""
         return {"files": [str(f.resolve()) for f in self.files], "bytes": [f.stat().st_size for f in self.files],
                 "mtime_ns": [f.stat().st_mtime_ns for f in self.files]}
-
-    def document_token_range(self, first: int, last: int) -> tuple[int, int]:
-        if first == last:
-            return 0, 0
-        itemsize = np.dtype(self.dtype).itemsize
-        return int(self.sequence_pointers[first]) // itemsize, int(self.sequence_pointers[last - 1]) // itemsize + \
-            int(self.sequence_lengths[last - 1])
-
-    def __getitem__(self, sequence: int) -> np.ndarray:
-        start = int(self.sequence_pointers[sequence]) // np.dtype(self.dtype).itemsize
-        return np.asarray(self.tokens[start:start + int(self.sequence_lengths[sequence])])
 
 
 class _Concatenated:
