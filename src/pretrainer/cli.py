@@ -202,6 +202,10 @@ def add_prepare_command(commands) -> None:
     prep.add_argument("--txt-mode", choices=["line", "file"], default="line", help=".txt: a document per line/file")
     prep.add_argument("--shard", metavar="K/N", help="prepare only the K-th of N parts of the input files (K from 1; "
                       "files dealt round-robin), so N machines each write a part; train on the parts as a blend")
+    prep.add_argument("--sharded", action="store_true", help="one shard per input file in PREFIX_{key}_document/ "
+                      "with a manifest; a rerun redoes only the files without a complete shard")
+    prep.add_argument("--ray", metavar="ADDRESS", help="run the files as tasks on a Ray cluster (host:port of "
+                      "`ray start --head`, or auto); implies --sharded")
     prep.add_argument("--on-error", choices=ON_ERROR, default="fail",
                       help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
     # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
@@ -260,8 +264,14 @@ def prepare_command(ns) -> int:
     if ns.split_sentences:
         raise DataError("--split-sentences is not supported: documents are written whole (one sequence each)")
 
-    summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
-                      ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error, shard=ns.shard)
+    if ns.sharded or ns.ray:
+        from .data.shards import prepare_sharded
+
+        summary = prepare_sharded(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
+                                  ns.txt_mode, sys.stderr.isatty(), ns.on_error, ns.shard, ns.ray)
+    else:
+        summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
+                          ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error, shard=ns.shard)
     for line in summary.lines():
         print(line)
     print(f"summary: {write_summary(summary, ns.output_prefix)}")

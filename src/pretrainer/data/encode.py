@@ -71,6 +71,17 @@ def _batches(iterator, size: int):
         yield batch
 
 
+def encode_in_process(writer, texts: Iterable[str], settings: EncodeSettings) -> tuple[int, int]:
+    """As encode_into, in this process: for a process that may not start children (a pool's or a cluster's
+    worker)."""
+    _init_worker(settings)
+    documents = tokens = 0
+    for data, lengths in map(_encode, _batches(iter(texts), BATCH)):
+        writer.add_documents(data, lengths)
+        documents, tokens = documents + len(lengths), tokens + int(lengths.sum())
+    return documents, tokens
+
+
 def encode_into(writer, texts: Iterable[str], settings: EncodeSettings, workers: int = 1,
                 progress: bool = False, description: str = "tokenizing", meter=None) -> tuple[int, int]:
     """Encode `texts` in order into `writer`; returns (documents, tokens). A progress bar on a terminal shows

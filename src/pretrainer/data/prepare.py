@@ -33,6 +33,10 @@ class PrepareSummary:
     skipped: dict = field(default_factory=dict)  # reason -> count
     skipped_examples: list = field(default_factory=list)  # the first bad records' messages
     seconds: float = 0.0
+    files_tokenized: int = 0  # sharded: files tokenized by this run
+    files_reused: int = 0     # sharded: files whose shard an earlier run completed
+    manifests: list[str] = field(default_factory=list)  # sharded: the corpora complete after this run
+    waiting: list[str] = field(default_factory=list)    # sharded: the corpora other parts (--shard) still owe
 
     def skip(self, exc: DataError) -> None:
         self.skipped[exc.reason] = self.skipped.get(exc.reason, 0) + 1
@@ -46,7 +50,10 @@ class PrepareSummary:
         lines = [f"documents: {self.documents:,}", f"tokens: {self.tokens:,} ({rate:,.0f} tokens/s)",
                  f"skipped: {skipped:,} bad record(s)" + (f" ({reasons})" if reasons else "")]
         lines += [f"  e.g. {example}" for example in self.skipped_examples]
-        return lines + [f"wrote {o}.bin/.idx" for o in self.outputs]
+        if self.files_tokenized or self.files_reused:
+            lines.append(f"files: {self.files_tokenized:,} tokenized, {self.files_reused:,} already complete")
+        return lines + [f"wrote {o}.bin/.idx" for o in self.outputs] + [f"wrote {m}" for m in self.manifests] + \
+            [f"not complete yet: {w}" for w in self.waiting]
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -72,9 +79,18 @@ def special_token_strings(tokenizer_json: Path) -> dict:
     return found
 
 
-def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: list[str], append_eod: bool = False,
-            workers: int = 1, txt_mode: str = "line", progress: bool = True, on_error: str = "fail",
-            shard: str | None = None) -> PrepareSummary:
+@dataclass(frozen=True)
+class PrepareJob:
+    """What every part of one `prepare` shares: how records are read and how texts are encoded."""
+    settings: EncodeSettings
+    special: SpecialTokens
+    txt_mode: str = "line"
+    on_error: str = "fail"
+
+
+def prepare_job(inputs: list[str], tokenizer: str, output_prefix: str, append_eod: bool, txt_mode: str,
+                on_error: str, shard: str | None) -> tuple[list, PrepareJob]:
+    """The input files (part `shard` of them) and the job, every argument checked before any work."""
     if on_error not in ON_ERROR:
         raise DataError(f"--on-error {on_error!r}: choose one of {', '.join(ON_ERROR)}")
     files = expand_paths(inputs, "--input")
@@ -95,21 +111,32 @@ def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: li
     if append_eod and eod is None:
         raise DataError(f"--tokenizer {tokenizer_json.parent}: no eos_token in tokenizer_config.json or "
                         "special_tokens_map.json, so --append-eod has nothing to append")
+    settings = EncodeSettings(tokenizer_json.read_text(encoding="utf-8"), bos, eod if append_eod else None, dtype,
+                              policy="prepare")
     special = SpecialTokens(strings.get("bos_token", ""), strings.get("eos_token", ""))
+    return files, PrepareJob(settings, special, txt_mode, on_error)
+
+
+def texts_of(files: list, key: str, job: PrepareJob, on_bad, meter=None):
+    """The texts of `key` in the files' records, in order; bad records (empty texts too) raise or go to `on_bad`."""
+    documents = (non_empty(doc, on_bad) for doc in read_documents(files, key, job.txt_mode, on_bad, job.special, meter))
+    return (doc.text for doc in documents if doc is not None)
+
+
+def prepare(inputs: list[str], tokenizer: str, output_prefix: str, json_keys: list[str], append_eod: bool = False,
+            workers: int = 1, txt_mode: str = "line", progress: bool = True, on_error: str = "fail",
+            shard: str | None = None) -> PrepareSummary:
+    files, job = prepare_job(inputs, tokenizer, output_prefix, append_eod, txt_mode, on_error, shard)
     summary = PrepareSummary()
     on_bad = summary.skip if on_error == "skip" else None
     start = time.perf_counter()
-    settings = EncodeSettings(tokenizer_json.read_text(encoding="utf-8"), bos, eod if append_eod else None, dtype,
-                              policy="prepare")
     for key in json_keys:
         prefix = f"{output_prefix}_{key}_document"
-        writer = IndexedDatasetWriter(prefix, dtype)
+        writer = IndexedDatasetWriter(prefix, job.settings.dtype)
         try:
             meter = BytesRead(files)
-            documents = (_non_empty(doc, on_bad)
-                         for doc in read_documents(files, key, txt_mode, on_bad, special, meter))
-            texts = (doc.text for doc in documents if doc is not None)
-            written, tokens = encode_into(writer, texts, settings, workers, progress, description=key, meter=meter)
+            written, tokens = encode_into(writer, texts_of(files, key, job, on_bad, meter), job.settings, workers,
+                                          progress, description=key, meter=meter)
             summary.documents += written
             summary.tokens += tokens
             if written == 0:
@@ -143,7 +170,7 @@ def shard_files(files: list, shard: str) -> list:
     return part
 
 
-def _non_empty(doc: Document, on_bad) -> Document | None:
+def non_empty(doc: Document, on_bad) -> Document | None:
     """An empty or whitespace-only text is a bad record (it would be a document of special tokens only)."""
     if doc.text.strip():
         return doc

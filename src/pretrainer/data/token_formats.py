@@ -14,14 +14,18 @@ import numpy as np
 
 from .indexed import IndexedDataset, IndexedTokens
 from .readers import DataError
+from .shards import MANIFEST, read_manifest
 
 SCAN_TOKENS = 1 << 24  # tokens read at a time when a pass over a file is needed (flat memory)
 
 
 def open_prepared(path: str | Path, tokenizer=None):
-    """The corpus at `path`: a Megatron prefix, a datatrove `.ds` file or folder of them, a dolma `.npy` file or folder
-    of them. `tokenizer` (the run's) checks the ids against its vocabulary and gives dolma's EOS."""
+    """The corpus at `path`: a Megatron prefix, the folder `prepare --sharded` wrote, a datatrove `.ds` file or
+    folder of them, a dolma `.npy` file or folder of them. `tokenizer` (the run's) checks the ids against its
+    vocabulary and gives dolma's EOS."""
     path = Path(path)
+    if (path / MANIFEST).is_file():
+        return _checked(sharded_corpus(path), tokenizer)
     datatrove, dolma = _files(path, ".ds"), _files(path, ".npy")
     if datatrove and dolma:
         raise DataError(f"data_path {path}: holds both datatrove .ds and dolma .npy files; give each corpus its own "
@@ -84,6 +88,20 @@ class _Concatenated:
         file = int(np.searchsorted(self.starts, window.start, side="right")) - 1
         offset = int(self.starts[file])
         return self.arrays[file][window.start - offset:window.stop - offset]
+
+
+def sharded_corpus(folder: Path) -> TokenFiles:
+    """The shards `prepare --sharded` (or `--ray`) wrote, in the manifest's order: one corpus."""
+    manifest = read_manifest(folder)
+    shards = [IndexedDataset(folder / entry["shard"]) for entry in manifest.get("shards", [])]
+    if not shards:
+        raise DataError(f"data_path {folder}: {MANIFEST} lists no shards; prepare the corpus again")
+    counts = [(s.num_documents, entry["documents"]) for s, entry in zip(shards, manifest["shards"])]
+    if any(held != listed for held, listed in counts):
+        raise DataError(f"data_path {folder}: its shards hold other documents than {MANIFEST} lists; a shard was "
+                        "replaced after the manifest was written: run the same `prepare --sharded` again")
+    return TokenFiles([s.bin_path for s in shards], [s.tokens for s in shards], [s.sequence_lengths for s in shards],
+                      "pretrainer-shards")
 
 
 def datatrove_corpus(files: list[Path], tokenizer=None) -> TokenFiles:
