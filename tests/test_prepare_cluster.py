@@ -146,3 +146,59 @@ def test_a_two_node_ray_cluster_writes_the_one_machine_stream_through_a_killed_w
     before = int(re.search(r"records before the rerun: (\d+)", done.stdout).group(1))
     assert 3 <= before < FILES
     assert counts(subprocess.CompletedProcess([], 0, (tmp_path / "again.out").read_text())) == (FILES - before, before)
+
+
+def test_training_from_the_shards_gives_the_losses_of_the_one_machine_pair(corpus, base_config, tmp_path):
+    from pretrainer import PreTrainer, PreTrainingArguments
+
+    prepare(corpus, tmp_path / "one" / "c")
+    prepare(corpus, tmp_path / "sharded" / "c", "--sharded", "--workers", "2")
+
+    def losses(data_path: Path, name: str) -> list:
+        args = PreTrainingArguments(**{**base_config, "train_data": None, "megatron_dataset_flag": True,
+                                       "data_path": str(data_path), "dataloader_config": {"split": "90,10,0"},
+                                       "num_training_steps": 3, "eval_interval": 0, "save_interval": 0,
+                                       "save_dir": str(tmp_path / name)})
+        PreTrainer(args).train()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    expected = losses(tmp_path / "one" / "c_text_document", "run-one")
+    assert len(expected) == 3
+    assert losses(tmp_path / "sharded" / "c_text_document", "run-sharded") == expected
+
+
+def test_a_bad_record_stops_its_file_or_is_counted_and_no_documents_at_all_is_refused(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "in" / "b.jsonl").write_text('{"text": "three"}\n{"txt": "four"}\n')
+    failed = run(pretrainer("prepare", "--input", tmp_path / "in", "--tokenizer", QUICKSTART_MODEL, "--sharded",
+                            "--append-eod", "--output-prefix", tmp_path / "out" / "c"))
+    assert failed.returncode == 2 and "b.jsonl:2" in failed.stderr, failed.stderr
+    assert (tmp_path / "out" / "c_text_document" / "shard-00000.done.json").is_file()  # a.jsonl's shard stays
+    skipped = prepare(tmp_path / "in", tmp_path / "out" / "c", "--sharded", "--on-error", "skip")
+    assert counts(skipped) == (1, 1) and "skipped: 1 bad record(s)" in skipped.stdout
+    assert len(documents(tmp_path / "out" / "c_text_document")) == 3
+    refail = run(pretrainer("prepare", "--input", tmp_path / "in", "--tokenizer", QUICKSTART_MODEL, "--sharded",
+                            "--append-eod", "--output-prefix", tmp_path / "out" / "c"))  # b's shard lacks a record
+    assert refail.returncode == 2 and "b.jsonl:2" in refail.stderr, refail.stderr
+    (tmp_path / "in" / "b.jsonl").write_text('{"text": "three"}\n{"text": "four"}\n')
+    other = run_ok(pretrainer("prepare", "--input", tmp_path / "in", "--tokenizer", QUICKSTART_MODEL, "--sharded",
+                              "--output-prefix", tmp_path / "out" / "c"))  # without --append-eod: all redone
+    assert counts(other) == (2, 0) and len(documents(tmp_path / "out" / "c_text_document")) == 4
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_text('{"txt": "x"}\n')
+    refused = run(pretrainer("prepare", "--input", tmp_path / "empty", "--tokenizer", QUICKSTART_MODEL, "--sharded",
+                             "--on-error", "skip", "--output-prefix", tmp_path / "none" / "c"))
+    assert refused.returncode == 2 and "no documents to write for key 'text' (every record was skipped)" in \
+        refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "--ray 127.0.0.1:1: no Ray cluster answers there (Connection refused); start one with `ray start"),
+    ("head-node", "--ray head-node: give the head's HOST:PORT"),
+])
+def test_a_ray_address_where_no_cluster_answers_is_one_line_at_once(corpus, tmp_path, address, message):
+    done = run(pretrainer("prepare", "--input", corpus, "--tokenizer", QUICKSTART_MODEL, "--ray", address,
+                          "--output-prefix", tmp_path / "c"), timeout=120)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

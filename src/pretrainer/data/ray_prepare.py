@@ -7,32 +7,36 @@ whole cluster's progress: files and bytes done, tokens/s and the time left.
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from .readers import DataError
-from .shards import tokenize_file
 
 RETRIES = 4  # a task whose worker or node dies is run again this many times
 
 
-def run_on_ray(tasks: list, job, address: str, progress: bool):
-    """(task, record) as each shard completes on the cluster at `address` (`auto`: the one this machine joined)."""
+def run_on_ray(work, tasks: list, job, address: str, progress: bool):
+    """(task, record) as each `work(task, job)` (one shard) completes on the cluster at `address` (`auto`: the one
+    this machine joined)."""
     try:
         import ray
     except ImportError:
         raise DataError("--ray needs Ray on this machine and the cluster's: pip install -e '.[ray]'") from None
     if not tasks:
         return
+    _check_reachable(address)
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        # a task holds one CPU of Ray's count: the tokenizer's own thread pool would take every core of the node
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise DataError(f"--ray {address}: no Ray cluster answers there ({str(exc).splitlines()[0]}); start one "
                         "with `ray start --head` and give its address (or auto on a machine that joined it)") from None
     try:
-        remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(tokenize_file)
+        remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(work)
         shared = ray.put(job)  # the tokenizer once to the object store, not once per task
         pending = {remote.remote(task, shared): task for task in tasks}
         total = sum(Path(t.source).stat().st_size for t in tasks)
@@ -51,6 +55,20 @@ def run_on_ray(tasks: list, job, address: str, progress: bool):
         bar.close()
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT with nothing listening is one line at once (Ray itself retries it for minutes)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise DataError(f"--ray {address}: give the head's HOST:PORT (`ray start --head` prints it), or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise DataError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
+                        "`ray start --head` and give its address (or auto on a machine that joined it)") from None
 
 
 def _result(ray, ref, task) -> dict:

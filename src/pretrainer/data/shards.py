@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config import write_text_whole
 from .encode import encode_in_process
 from .indexed import IndexedDatasetWriter, remove_stale_partial_files
-from .prepare import PrepareJob, PrepareSummary, prepare_job, shard_files, texts_of
+from .prepare import MAX_EXAMPLES, PrepareJob, PrepareSummary, prepare_job, shard_files, texts_of
 from .readers import DataError
 
 MANIFEST = "manifest.json"
@@ -50,12 +50,14 @@ def prepare_sharded(inputs: list[str], tokenizer: str, output_prefix: str, json_
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale_partial_files(folder)  # of tasks killed on this machine before they finished
         tasks = [ShardTask(i, str(f), key, str(folder)) for i, f in enumerate(all_files)]
-        records = {t.index: r for t in tasks if (r := finished(t)) is not None}
+        records = {t.index: r for t in tasks if (r := finished(t, job)) is not None}
         todo = [t for t in tasks if t.source in chosen and t.index not in records]
         summary.files_reused += sum(t.source in chosen for t in tasks) - len(todo)
+        if todo:  # shards are about to change: no manifest may describe the folder meanwhile
+            (folder / MANIFEST).unlink(missing_ok=True)
         if ray_address is not None:
             from .ray_prepare import run_on_ray
-            done = run_on_ray(todo, job, ray_address, progress)
+            done = run_on_ray(tokenize_file, todo, job, ray_address, progress)
         else:
             done = run_locally(todo, job, workers)
         for task, record in done:
@@ -66,6 +68,10 @@ def prepare_sharded(inputs: list[str], tokenizer: str, output_prefix: str, json_
             summary.tokens += record["tokens"]
             for reason, count in record["skipped"].items():
                 summary.skipped[reason] = summary.skipped.get(reason, 0) + count
+            summary.skipped_examples += record["skipped_examples"][:MAX_EXAMPLES - len(summary.skipped_examples)]
+        if len(records) == len(tasks) and not any(r["documents"] for r in records.values()):
+            raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
+                            + (" (every record was skipped)" if summary.skipped else ""))
         if len(records) == len(tasks):
             write_manifest(folder, [records[t.index] for t in tasks], job)
             summary.manifests.append(str(folder / MANIFEST))
@@ -99,20 +105,24 @@ def tokenize_file(task: ShardTask, job: PrepareJob) -> dict:
     except BaseException:
         writer.abort()
         raise
-    record = {"shard": task.path("").name, "source": task.source, **_identity(task.source), "documents": documents,
-              "tokens": tokens, "skipped": summary.skipped, "skipped_examples": summary.skipped_examples,
+    record = {"shard": task.path("").name, "source": task.source, **_identity(task.source),
+              "job": fingerprint(job, task.key), "documents": documents, "tokens": tokens,
+              "skipped": summary.skipped, "skipped_examples": summary.skipped_examples,
               "bin_sha256": sha256(task.path(".bin")), "idx_sha256": sha256(task.path(".idx"))}
     write_text_whole(task.path(RECORD), json.dumps(record, indent=1))
     return record
 
 
-def finished(task: ShardTask) -> dict | None:
-    """The task's record when its shard is complete and current: same input file, unchanged, checksums holding."""
+def finished(task: ShardTask, job: PrepareJob) -> dict | None:
+    """The task's record when its shard is complete and current: the same input file, unchanged, tokenized the same
+    way (a record that skipped bad records does not count under --on-error fail), its checksums holding."""
     try:
         record = json.loads(task.path(RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if record.get("source") != task.source or any(record.get(k) != v for k, v in _identity(task.source).items()):
+        return None
+    if record.get("job") != fingerprint(job, task.key) or (record.get("skipped") and job.on_error == "fail"):
         return None
     files = {suffix: task.path(f".{suffix}") for suffix in ("bin", "idx")}
     holds = all(path.is_file() and sha256(path) == record.get(f"{suffix}_sha256") for suffix, path in files.items())
@@ -134,6 +144,15 @@ def read_manifest(folder: Path) -> dict:
         return manifest if manifest.get("format") == "pretrainer-shards" else {}
     except (OSError, ValueError) as exc:
         raise DataError(f"data_path {folder}: {MANIFEST} cannot be read ({exc}); prepare the corpus again") from None
+
+
+def fingerprint(job: PrepareJob, key: str) -> str:
+    """What decides a shard's tokens besides its input: the tokenizer, the special tokens added, the token type, how
+    records are read and the field."""
+    settings = job.settings
+    parts = [hashlib.sha256(settings.tokenizer_json.encode()).hexdigest(), settings.bos, settings.eos,
+             settings.dtype.__name__, settings.policy, job.txt_mode, job.special.bos, job.special.eos, key]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def _identity(source: str) -> dict:
