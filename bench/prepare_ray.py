@@ -6,7 +6,8 @@ Runs itself inside a network namespace of its own (`unshare --net`, loopback onl
 where it starts a head (`ray start --head`, 1 CPU), prepares the corpus, adds a second node (another raylet, 1 CPU)
 and prepares it again. Both nodes share this machine's cores, so compare tokens per CPU-second (the CPU time of the
 Ray workers), not wall time. Then the corpus `--scale` times larger (more files of the same size) on both nodes: the
-driver's and a worker's peak RSS stay flat, since a task holds one file and the driver only the records.
+driver's and a worker's peak RSS stay flat, since a task holds one file and the driver only the records; and
+`--merge` of each result into one pair, in a process of its own, whose peak RSS stays flat too.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def measure(name: str, inputs: Path, out: Path) -> None:
           f"{max(workers.peak_mib.values(), default=0):.0f} MiB", flush=True)
 
 
+def merge(name: str, folder: Path) -> None:
+    """The shards merged into one pair by a process of its own; its peak RSS and the pair's size."""
+    code = ("import resource, sys; from pathlib import Path; from pretrainer.data.merge import merge_shards; "
+            "merge_shards(Path(sys.argv[1])); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], check=True, capture_output=True, text=True)
+    size = Path(f"{folder}.bin").stat().st_size / 2**20
+    print(f"{name}: --merge of {len(list(folder.glob('*.bin')))} shards into a {size:.0f} MiB pair in "
+          f"{time.perf_counter() - start:.1f} s, peak RSS {float(done.stdout.split()[-1]):.0f} MiB", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=40)
@@ -119,6 +131,8 @@ def main() -> None:
         measure("2 nodes", small, work / "two" / "c")
         measure(f"2 nodes, {ns.scale}x files", corpus(work / "large", ns.files * ns.scale, ns.repeat),
                 work / "large-out" / "c")
+        merge("2 nodes", work / "two" / "c_text_document")
+        merge(f"2 nodes, {ns.scale}x files", work / "large-out" / "c_text_document")
     finally:
         subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -54,10 +54,15 @@ def prepare(corpus: Path, out: Path, *flags: str) -> subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def one_machine(corpus, tmp_path_factory) -> list:
+def one_machine_pair(corpus, tmp_path_factory) -> str:
     prefix = tmp_path_factory.mktemp("one") / "c"
     prepare(corpus, prefix)
-    return documents(f"{prefix}_text_document")
+    return f"{prefix}_text_document"
+
+
+@pytest.fixture(scope="module")
+def one_machine(one_machine_pair) -> list:
+    return documents(one_machine_pair)
 
 
 def documents(path) -> list:
@@ -92,10 +97,58 @@ def test_shards_are_the_one_machine_stream_by_any_route_and_a_rerun_redoes_only_
     assert documents(f"{parts}_text_document") == one_machine
 
 
+def test_merge_streams_the_shards_into_the_one_machine_pair_byte_for_byte(corpus, one_machine_pair, tmp_path):
+    out = tmp_path / "c"
+    merged = prepare(corpus, out, "--sharded", "--merge", "--workers", "2")
+    assert counts(merged) == (FILES, 0) and f"wrote {out}_text_document.bin/.idx" in merged.stdout
+    for suffix in (".bin", ".idx"):
+        assert Path(f"{out}_text_document{suffix}").read_bytes() == Path(one_machine_pair + suffix).read_bytes()
+    (tmp_path / "c_text_document" / "shard-00005.bin").write_bytes(b"\0\1")  # damaged after the manifest
+    (tmp_path / "c_text_document" / "shard-00005.done.json").touch()
+    from pretrainer.data.merge import merge_shards
+    from pretrainer.data.readers import DataError
+    with pytest.raises(DataError, match="shard-00005.bin changed since its manifest was written"):
+        merge_shards(tmp_path / "c_text_document")
+    refused = run(pretrainer("prepare", "--input", corpus, "--tokenizer", QUICKSTART_MODEL, "--output-prefix", out,
+                             "--merge"))
+    assert refused.returncode != 0 and "add --sharded" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_shards_in_object_storage_resume_and_train_from_their_manifest(corpus, one_machine, s3_server, tmp_path):
+    """Input files and shards in a bucket (moto's S3 server through s3fs): no shared file system needed."""
+    for path in sorted(corpus.iterdir()):
+        s3_server.fs.put_file(str(path), f"bucket/corpus/{path.name}")
+    out = "s3://bucket/shards/c"
+    assert counts(prepare("s3://bucket/corpus/", out, "--sharded", "--workers", "2")) == (FILES, 0)
+    folder = "bucket/shards/c_text_document"
+    assert s3_server.fs.isfile(f"{folder}/manifest.json") and s3_server.fs.isfile("bucket/shards/c_summary.json")
+    s3_server.fs.rm_file(f"{folder}/shard-00004.done.json")          # a task that died before its record
+    s3_server.fs.pipe_file(f"{folder}/shard-00009.bin", b"\0\0")     # a shard replaced since
+    s3_server.fs.pipe_file("bucket/corpus/f12.txt", b"changed since\n")  # an input replaced since
+    rerun = prepare("s3://bucket/corpus/", out, "--sharded")
+    assert counts(rerun) == (3, FILES - 3)
+    s3_server.fs.put_file(str(corpus / "f12.txt"), "bucket/corpus/f12.txt")
+    assert counts(prepare("s3://bucket/corpus/", out, "--sharded")) == (1, FILES - 1)
+    from pretrainer.data.remote import local_prefix
+    assert documents(local_prefix(f"{out}_text_document")) == one_machine  # each shard checked against its checksum
+    s3_server.fs.pipe_file(f"{folder}/shard-00002.idx", b"\0" * 50)        # replaced after the manifest
+    from pretrainer.data.readers import DataError
+    with pytest.raises(DataError, match="shard-00002.idx: its checksum is not the one its manifest lists"):
+        local_prefix(f"{out}_text_document")
+    for flags, message in ((["--merge"], "leave --merge out"), ([], "add --sharded")):
+        refused = run(pretrainer("prepare", "--input", corpus, "--tokenizer", QUICKSTART_MODEL, "--output-prefix",
+                                 out, *(["--sharded"] if flags else []), *flags))
+        assert refused.returncode != 0 and message in refused.stderr.strip().splitlines()[-1]
+
+
 RAY_SCRIPT = r"""
 set -euo pipefail
 ip link set lo up
 export RAY_USAGE_STATS_ENABLED=0
+# an S3 server in the namespace for the last job; the nodes' workers find it through the environment they start in
+"$BIN/moto_server" -H 127.0.0.1 -p 5000 > "$WORK/moto.log" 2>&1 &
+export AWS_ENDPOINT_URL=http://127.0.0.1:5000 AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing-secret \
+    AWS_DEFAULT_REGION=us-east-1
 RAYTMP=$(mktemp -d /tmp/ray-XXXXXX)  # short: Ray's socket paths must stay under 108 bytes
 start_cluster() {
     "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port=$PORT --num-cpus=1 --include-dashboard=false \
@@ -103,11 +156,12 @@ start_cluster() {
     "$BIN/ray" start --address=127.0.0.1:$PORT --node-ip-address=127.0.0.1 --num-cpus=1 --disable-usage-stats \
         > "$WORK/node.log" 2>&1
 }
-prepare() {
-    "$BIN/pretrainer" prepare --input "$CORPUS" --tokenizer "$TOKENIZER" --append-eod --ray 127.0.0.1:$PORT "$@"
+prepare_from() {
+    "$BIN/pretrainer" prepare --input "$1" --tokenizer "$TOKENIZER" --append-eod --ray 127.0.0.1:$PORT "${@:2}"
 }
+prepare() { prepare_from "$CORPUS" "$@"; }
 records() { ls "$1"_text_document/*.done.json 2>/dev/null | wc -l; }
-trap '"$BIN/ray" stop --force > /dev/null 2>&1 || true; rm -rf "$RAYTMP"' EXIT
+trap '"$BIN/ray" stop --force > /dev/null 2>&1 || true; rm -rf "$RAYTMP"; kill %1 2> /dev/null || true' EXIT
 start_cluster
 "$BIN/python" -c "import ray; ray.init(address='127.0.0.1:$PORT', logging_level='ERROR'); \
 print('nodes', sum(n['Alive'] for n in ray.nodes()))"
@@ -127,6 +181,12 @@ kill -TERM $job; wait $job || echo "driver interrupted"
 start_cluster
 echo "records before the rerun: $(records "$WORK/again/c")"
 prepare --output-prefix "$WORK/again/c" > "$WORK/again.out"
+# input and output in a bucket: the nodes share no folder
+"$BIN/python" -c "import s3fs, pathlib, sys; fs = s3fs.S3FileSystem(); fs.mkdir('bucket'); \
+[fs.put_file(str(p), 'bucket/corpus/' + p.name) for p in pathlib.Path(sys.argv[1]).iterdir()]" "$CORPUS"
+prepare_from s3://bucket/corpus/ --output-prefix s3://bucket/out/c > "$WORK/s3.out"
+"$BIN/python" -c "import s3fs, sys; s3fs.S3FileSystem().get('bucket/out/c_text_document/', sys.argv[1], \
+recursive=True)" "$WORK/s3/c_text_document/"
 """
 
 
@@ -141,7 +201,7 @@ def test_a_two_node_ray_cluster_writes_the_one_machine_stream_through_a_killed_w
     logs = "".join(path.read_text()[-2000:] for path in sorted(tmp_path.glob("*.log")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
     assert "nodes 2" in done.stdout and "killed a worker" in done.stdout and "driver interrupted" in done.stdout
-    for name in ("plain", "killed", "again"):
+    for name in ("plain", "killed", "again", "s3"):
         assert documents(tmp_path / name / "c_text_document") == one_machine, name
     before = int(re.search(r"records before the rerun: (\d+)", done.stdout).group(1))
     assert 3 <= before < FILES

@@ -15,6 +15,7 @@ from helpers import CORPUS, QUICKSTART_MODEL
 from pretrainer import DataError, PreTrainer, PreTrainingArguments
 from pretrainer.data.builders import build_indexed_datasets
 from pretrainer.data.prepare import prepare
+from pretrainer.data.remote import local_prefix
 from pretrainer.data.token_formats import open_prepared
 
 BOS, EOS = 0, 1  # the quickstart tokenizer's <s> and </s>
@@ -116,6 +117,25 @@ def test_training_on_a_dolma_folder_gives_the_losses_of_the_prepared_text(corpus
 
     dolma = dolma_files(corpus, tmp_path / "dolma", header=False)
     assert losses(str(dolma), "dolma") == losses(prepared_here, "here")
+
+
+def test_datatrove_and_dolma_corpora_in_object_storage_sample_as_the_local_ones(corpus, prepared_here, base_config,
+                                                                                s3_server, tmp_path, monkeypatch):
+    """A folder of token files, or one file, at an s3:// URL (moto's S3 server): copied into the local cache on first
+    use, datatrove's index and metadata with it."""
+    monkeypatch.setenv("PRETRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    shards = datatrove_tokenize(corpus, tmp_path / "datatrove")
+    dolma = dolma_files(corpus, tmp_path / "dolma", header=True)
+    for folder in (shards, dolma):
+        for path in folder.iterdir():
+            s3_server.fs.put_file(str(path), f"bucket/{folder.name}/{path.name}")
+    expected = samples({}, base_config, prepared_here)
+    assert samples({}, base_config, "s3://bucket/datatrove") == expected
+    assert samples({}, base_config, "s3://bucket/dolma/") == expected
+    first = sorted(dolma.glob("*.npy"))[0].name
+    assert open_prepared(local_prefix(f"s3://bucket/dolma/{first}"), tokenizer()).num_documents == 40
+    with pytest.raises(DataError, match="no Megatron prefix .* datatrove .ds or dolma .npy token files there"):
+        local_prefix("s3://bucket/nothing-here")
 
 
 def test_bad_token_files_are_named(corpus, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
 from .config.loading import int_at_least
 from .data.readers import DataError
-from .storage import StorageError
+from .storage import StorageError, is_url
 from .train.errors import CheckpointError, CollectiveFailure, OutputError, TrainingDiverged
 from .train.launcher import LaunchPlan, add_launcher_flags, launch_plan, record_worker_status
 from .vocab.commands import add_tokenizer_commands, tokenizer_command
@@ -195,7 +195,8 @@ def add_prepare_command(commands) -> None:
                       help="files, globs or folders (json, jsonl, csv, txt, parquet; .gz/.zst too)")
     prep.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
                       help="HF tokenizer folder (with tokenizer.json) or the file")
-    prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    prep.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx (with --sharded: "
+                      "the folder PREFIX_{key}_document/, which may be in object storage: s3://...)")
     prep.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output each")
     prep.add_argument("--append-eod", action="store_true", help="append the EOS token to every document")
     prep.add_argument("--workers", type=int_at_least(1), default=1, help="tokenizer worker processes")
@@ -206,6 +207,8 @@ def add_prepare_command(commands) -> None:
                       "with a manifest; a rerun redoes only the files without a complete shard")
     prep.add_argument("--ray", metavar="ADDRESS", help="run the files as tasks on a Ray cluster (host:port of "
                       "`ray start --head`, or auto); implies --sharded")
+    prep.add_argument("--merge", action="store_true", help="with --sharded: once every shard is there, stream them "
+                      "into one PREFIX_{key}_document.bin/.idx pair (flat memory)")
     prep.add_argument("--on-error", choices=ON_ERROR, default="fail",
                       help="a bad record: stop with its file:line (fail), or leave it out and count it (skip)")
     # Megatron-LM preprocess_data.py flags, so its command lines run unchanged.
@@ -264,11 +267,19 @@ def prepare_command(ns) -> int:
     if ns.split_sentences:
         raise DataError("--split-sentences is not supported: documents are written whole (one sequence each)")
 
-    if ns.sharded or ns.ray:
+    sharded = ns.sharded or ns.ray is not None
+    if is_url(ns.output_prefix) and not sharded:
+        raise DataError(f"--output-prefix {ns.output_prefix}: only --sharded (or --ray) writes to object storage, a "
+                        "shard at a time; add --sharded")
+    if ns.merge and (not sharded or is_url(ns.output_prefix)):
+        raise DataError("--merge streams the shards of --sharded (or --ray) into one local .bin/.idx pair: "
+                        + ("add --sharded" if not sharded else f"{ns.output_prefix} is in object storage, where "
+                           "training reads the shards through their manifest; leave --merge out"))
+    if sharded:
         from .data.shards import prepare_sharded
 
         summary = prepare_sharded(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
-                                  ns.txt_mode, sys.stderr.isatty(), ns.on_error, ns.shard, ns.ray)
+                                  ns.txt_mode, sys.stderr.isatty(), ns.on_error, ns.shard, ns.ray, ns.merge)
     else:
         summary = prepare(ns.input, ns.tokenizer, ns.output_prefix, ns.json_keys, ns.append_eod, ns.workers,
                           ns.txt_mode, progress=sys.stderr.isatty(), on_error=ns.on_error, shard=ns.shard)
@@ -291,7 +302,6 @@ def plan_command(ns) -> int:
 
 
 def report_command(ns) -> int:
-    from .storage import is_url
     from .train.report import ReportError, write_report
     from .train.run_files import write_remote_report
 

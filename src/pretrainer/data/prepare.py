@@ -19,6 +19,7 @@ from ..config import ON_ERROR, ConfigError, check_writable_folder
 from .encode import EncodeSettings, encode_into
 from .indexed import NO_ROOM, IndexedDatasetWriter, optimal_dtype
 from .readers import BytesRead, DataError, Document, SpecialTokens, expand_paths, read_documents
+from .remote import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def prepare_job(inputs: list[str], tokenizer: str, output_prefix: str, append_eo
     if shard is not None:
         files = shard_files(files, shard)
     try:
-        check_writable_folder(Path(output_prefix).parent, "--output-prefix")
+        if not is_url(output_prefix):  # a folder in object storage is checked by its shard store
+            check_writable_folder(Path(output_prefix).parent, "--output-prefix")
     except ConfigError as exc:
         raise DataError(str(exc)) from None
     tokenizer_json = tokenizer_file(tokenizer)
@@ -181,7 +183,17 @@ def non_empty(doc: Document, on_bad) -> Document | None:
     return None
 
 
-def write_summary(summary: PrepareSummary, output_prefix: str) -> Path:
-    path = Path(f"{output_prefix}_summary.json")
-    path.write_text(json.dumps(summary.__dict__, indent=2))
-    return path
+def write_summary(summary: PrepareSummary, output_prefix: str) -> str:
+    """`PREFIX_summary.json` beside the output (in object storage too); returns where."""
+    text, name = json.dumps(summary.__dict__, indent=2), f"{output_prefix}_summary.json"
+    if is_url(output_prefix):
+        from ..storage import RemoteFolder, StorageError
+
+        parent, _, base = name.rpartition("/")
+        try:
+            RemoteFolder(parent).put_text(base, text)
+        except StorageError as exc:
+            raise DataError(f"--output-prefix {output_prefix}: {exc}") from None
+    else:
+        Path(name).write_text(text)
+    return name

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -39,7 +38,7 @@ def run_on_ray(work, tasks: list, job, address: str, progress: bool):
         remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(work)
         shared = ray.put(job)  # the tokenizer once to the object store, not once per task
         pending = {remote.remote(task, shared): task for task in tasks}
-        total = sum(Path(t.source).stat().st_size for t in tasks)
+        total = sum(t.file.stat().st_size for t in tasks)
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"{len(tasks)} files on Ray")
         tokens, start = 0, time.perf_counter()

@@ -9,13 +9,25 @@ from the filesystem's own configuration; nothing here logs or stores them.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 
-from ..storage import URL, StorageError, download_once, identity_key, is_url, object_identity, object_version
+from ..storage import (
+    URL,
+    RemoteFolder,
+    StorageError,
+    download_once,
+    identity_key,
+    is_url,
+    object_identity,
+    object_version,
+)
 from ..storage import filesystem as storage_filesystem
+from ..storage.retry import retried
 from .cache_roots import remote_cache_root
 from .errors import DataError
+from .shard_store import MANIFEST
 
 __all__ = ["URL", "RemoteFile", "expand_remote", "filesystem", "is_url", "local_file", "local_prefix",
            "with_local_prefixes"]
@@ -99,17 +111,61 @@ def expand_remote(pattern: str, what: str, supported) -> list[RemoteFile]:
 
 # ---------------------------------------------------------------- objects copied locally on first use
 def local_prefix(prefix: str, attempts: int = 4) -> str:
-    """A prepared prefix in object storage as a local prefix: its `.bin` and `.idx` copied into the local cache on
-    first use (storage/cache.py says why not range reads), into a folder named by both objects' identities."""
+    """A prepared corpus in object storage as a local path, copied into the local cache on first use (storage/cache.py
+    says why not range reads) into a folder named by its objects' identities: a Megatron prefix (its `.bin` and
+    `.idx`), the folder `prepare --sharded` wrote (its manifest's shards, each checked against its checksum), or
+    datatrove `.ds` / dolma `.npy` token files (one, or a folder of them)."""
     try:
-        identities = [object_identity(prefix + suffix, attempts) for suffix in (".bin", ".idx")]
-        folder = remote_cache_root() / "prefixes" / identity_key(identities)
-        name = prefix.rstrip("/").rsplit("/", 1)[-1]
-        for suffix, (url, size, _) in zip((".bin", ".idx"), identities):
-            download_once(url, folder / f"{name}{suffix}", size, attempts)
+        fs, path = filesystem(prefix)
+        if _is_object(fs, f"{path}.bin", prefix, attempts):
+            return _local_objects([f"{prefix}{suffix}" for suffix in (".bin", ".idx")], "prefixes", attempts)[:-4]
+        if _is_object(fs, f"{path.rstrip('/')}/{MANIFEST}", prefix, attempts):
+            return _local_shards(prefix.rstrip("/"), attempts)
+        return _local_token_files(prefix, attempts)
     except StorageError as exc:
         raise DataError(f"data_path {prefix}: {exc}") from None
-    return str(folder / name)
+
+
+def _is_object(fs, path: str, url: str, attempts: int) -> bool:
+    return retried(lambda: fs.isfile(path), f"reading {url}", attempts)
+
+
+def _local_objects(urls: list[str], kind: str, attempts: int, checksums: list | None = None) -> str:
+    """The objects copied into one cache folder named by their identities; returns the first one's local path."""
+    identities = [object_identity(url, attempts) for url in urls]
+    folder = remote_cache_root() / kind / identity_key(identities)
+    for (url, size, _), checksum in zip(identities, checksums or [None] * len(urls)):
+        download_once(url, folder / url.rsplit("/", 1)[-1], size, attempts, checksum)
+    return str(folder / urls[0].rsplit("/", 1)[-1])
+
+
+def _local_shards(url: str, attempts: int) -> str:
+    manifest = json.loads(RemoteFolder(url, attempts).read_text(MANIFEST) or "{}")
+    shards = manifest.get("shards") or []
+    if not shards:
+        raise DataError(f"data_path {url}: {MANIFEST} lists no shards; prepare the corpus again")
+    urls = [f"{url}/{MANIFEST}"] + [f"{url}/{s['shard']}{suffix}" for s in shards for suffix in (".bin", ".idx")]
+    checksums = [None] + [s[f"{suffix}_sha256"] for s in shards for suffix in ("bin", "idx")]
+    return str(Path(_local_objects(urls, "shards", attempts, checksums)).parent)
+
+
+def _local_token_files(url: str, attempts: int) -> str:
+    """datatrove's `.ds` (with `.ds.index` and `.ds.metadata` beside it) or dolma's `.npy`: one object, or a folder."""
+    fs, path = filesystem(url)
+    nothing = DataError(f"data_path {url}: no Megatron prefix (PREFIX.bin, PREFIX.idx), {MANIFEST} of `prepare "
+                        "--sharded`, datatrove .ds or dolma .npy token files there")
+    if not retried(lambda: fs.exists(path), f"reading {url}", attempts):
+        raise nothing
+    token_files = [f for f in expand_remote(url, f"data_path {url}", lambda p: p.suffix in (".ds", ".npy"))
+                   if f.suffix in (".ds", ".npy")]
+    if not token_files:
+        raise nothing
+    urls = [f.url for f in token_files]
+    urls += [f"{u}{extra}" for u in urls if u.endswith(".ds") for extra in (".index", ".metadata")
+             if _is_object(fs, URL.sub("", f"{u}{extra}"), url, attempts)]
+    first = _local_objects(urls, "token-files", attempts)
+    return first if len(token_files) == 1 and URL.sub("", url).endswith(token_files[0].suffix) else \
+        str(Path(first).parent)
 
 
 def local_file(url: str, what: str, attempts: int = 4) -> Path:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .indexed import IndexedDataset, IndexedTokens
 from .readers import DataError
-from .shards import MANIFEST, read_manifest
+from .shard_store import MANIFEST, read_manifest
 
 SCAN_TOKENS = 1 << 24  # tokens read at a time when a pass over a file is needed (flat memory)
 

@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from .retry import retried
+from .retry import StorageError, retried
 from .urls import filesystem
 
 logger = logging.getLogger("pretrainer")
@@ -37,9 +37,10 @@ def identity_key(identities: list[list]) -> str:
     return hashlib.sha256(json.dumps(identities, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def download_once(url: str, target: Path, size: int, attempts: int = 4) -> Path:
+def download_once(url: str, target: Path, size: int, attempts: int = 4, sha256: str | None = None) -> Path:
     """`url` at `target`, unless a copy of `size` bytes is there. Processes of one machine asking at once take turns on
-    a lock beside it: the first downloads (into a temporary name, renamed when whole), the others find it."""
+    a lock beside it: the first downloads (into a temporary name, renamed when whole and, given `sha256`, checked),
+    the others find it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if _whole(target, size):
         return target
@@ -50,8 +51,20 @@ def download_once(url: str, target: Path, size: int, attempts: int = 4) -> Path:
             partial = target.with_name(f"{target.name}.part-{os.getpid()}")
             logger.info("copying %s (%.1f MB) into the local cache %s", url, size / 2**20, target.parent)
             retried(lambda: fs.get_file(path, str(partial)), f"downloading {url}", attempts)
+            if sha256 is not None and file_sha256(partial) != sha256:
+                partial.unlink()
+                raise StorageError(f"{url}: its checksum is not the one its manifest lists (the object was replaced "
+                                   "or damaged after it was written); write it again")
             os.replace(partial, target)
     return target
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _whole(path: Path, size: int) -> bool:
