@@ -35,6 +35,7 @@ from pretrainer import ConfigError, PreTrainer, PreTrainingArguments
 
 # name -> (config overrides, world size, reference). Reference "one" is a single process with the same
 # micro-batch; "one-mbs4" has the two data-parallel replicas' batches in one micro-batch.
+MUP = {"parametrization": "mup", "mup_base_hidden_size": 32}  # twice the base width
 TWO_RANK = {
     "tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, "one"),
     # 31 positions do not split over 2 ranks: batches are right-padded to 32 and the padding ignored
@@ -73,6 +74,9 @@ TWO_RANK = {
     "fsdp-tp2-sequence-parallel": ({"engine": "fsdp", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
                                    "one"),
     "ddp-pp2": ({"engine": "ddp", "plugin_args": {"pp_degree": 2}}, "one"),
+    # muP: per-role init and per-group lrs on sharded (FSDP2) and tensor-parallel parameters
+    "mup-fsdp-dp2": ({"engine": "fsdp", "dp": 2, **MUP}, "one-mup-mbs4"),
+    "mup-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}, **MUP}, "one-mup"),
 }
 FOUR_RANK = {
     "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
@@ -170,7 +174,8 @@ def references(base, tmp_path_factory) -> dict:
     for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-mbs8": {"micro_batch_size": 8},
                         "one-seq31": {"seq_length": 31},
                         "one-muon": {"optimizer": "muon"},
-                        "one-muon-mbs4": {"optimizer": "muon", "micro_batch_size": 4}, **models}.items():
+                        "one-muon-mbs4": {"optimizer": "muon", "micro_batch_size": 4},
+                        "one-mup": MUP, "one-mup-mbs4": {**MUP, "micro_batch_size": 4}, **models}.items():
         PreTrainer(PreTrainingArguments(**{**base, **extra, "engine": "single", "save_dir": str(root / name)})).train()
         out[name] = root / name
     hooks = root / "hooks"

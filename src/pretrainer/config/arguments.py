@@ -44,6 +44,7 @@ from .moe import AUX_LOSS_TYPES, DROP_POLICIES, EXPERTS_IMPLEMENTATIONS
 from .mtp import DEFAULT_LOSS_COEFF, check_mtp_keys
 from .openmind import apply_openmind_rules, check_given_against_megatron, megatron_args, merge_megatron_values
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
+from .parametrization import PARAMETRIZATIONS, check_parametrization
 from .paths import staging_folder
 from .sizes import MAX_RUN_TOKENS, global_batch_size
 from .urls import is_url, parse_url
@@ -61,7 +62,8 @@ CHECKPOINT_FAILURES = ("fatal", "warn")  # see train/remote_checkpoints.py
 NEW_TOKEN_INITS = ("subtoken_mean", "mean", "normal")
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 DEFAULT_DATA_SPLIT = "969,30,1"  # Megatron's train,valid,test document shares
-_COUNTS = ("num_training_steps", "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval", "eval_iters",
+_COUNTS = ("mup_base_hidden_size", "mup_base_head_dim", "mup_base_num_layers", "num_training_steps",
+           "micro_batch_size", "dp", "gradient_accumulation_steps", "log_interval", "eval_iters",
            "storage_retries", "fsdp_shard_size", "tokenize_workers", "pad_vocab_to_multiple_of",
            "context_parallel_degree", "expert_parallel_degree")
 _INTERVALS = ("save_interval", "eval_interval", "exit_interval", "keep_last_checkpoints", "keep_checkpoints_every",
@@ -137,7 +139,7 @@ CHOICES = {"lr_decay_style": DECAY_STYLES, "wsd_decay_shape": WSD_DECAY_SHAPES, 
            "muon_adjust_lr": MUON_ADJUST_LR, "muon_ns_dtype": MUON_NS_DTYPES, "accumulate_gradients":
            ACCUMULATE_GRADIENTS, "checkpoint_failure": CHECKPOINT_FAILURES, "host_malloc_reuse": HOST_MALLOC_REUSE,
            "moe_aux_loss_type": AUX_LOSS_TYPES, "moe_token_drop_policy": DROP_POLICIES,
-           "moe_experts_implementation": EXPERTS_IMPLEMENTATIONS}
+           "moe_experts_implementation": EXPERTS_IMPLEMENTATIONS, "parametrization": PARAMETRIZATIONS}
 
 
 @dataclass
@@ -233,6 +235,10 @@ class PreTrainingArguments:
     adamw_params: list | None = None     # name globs kept on AdamW
     clip_grad: float | None = 1.0
     init_method_std: float | None = None
+    parametrization: str = "sp"                # sp | mup | completep (config/parametrization.py)
+    mup_base_hidden_size: int | None = None    # the width the hyperparameters were tuned at
+    mup_base_head_dim: int | None = None       # the base's head_dim; null: the model's (widened by adding heads)
+    mup_base_num_layers: int | None = None     # completep: the depth they were tuned at
     seed: int = 42
 
     # --- loop, evaluation, checkpoints ---
@@ -493,6 +499,7 @@ class PreTrainingArguments:
         self._check_path_lists()
         self._read_paths()
         check_features(self)
+        check_parametrization(self)
         mixture = self.mixture  # read once here, so a mistake fails at load
         own_eval = [source.name for source in (mixture.sources if mixture else ()) if source.eval_paths]
         if own_eval and (self.eval_data is not None or self.megatron_dataset_flag):

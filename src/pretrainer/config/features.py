@@ -38,6 +38,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature(("moe_token_drop_policy",), "moe_capacity_factor", lambda a, key: a.moe_capacity_factor is not None,
             "which tokens an expert past its capacity drops (without a capacity none is dropped)",
             "set moe_capacity_factor (e.g. 1.25)"),
+    Feature(("mup_base_hidden_size", "mup_base_head_dim", "mup_base_num_layers"), "parametrization",
+            lambda a, key: a.parametrization == "completep" or (a.parametrization == "mup" and
+                                                                key != "mup_base_num_layers"),
+            "a base size the parametrization scales from",
+            "set parametrization: mup (completep for mup_base_num_layers)"),
 )
 
 

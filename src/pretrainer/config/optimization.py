@@ -25,8 +25,10 @@ class MuonSettings:
     @staticmethod
     def of(args, dtype: str) -> "MuonSettings":
         ns_dtype = args.muon_ns_dtype if args.muon_ns_dtype != "auto" else ("bf16" if dtype == "bf16" else "fp32")
+        # under muP the update's scale is the matrix's shape alone (sqrt(fan_out/fan_in)): it transfers across width
+        adjust_lr = args.muon_adjust_lr if args.parametrization == "sp" else "spectral"
         return MuonSettings(args.muon_lr if args.muon_lr is not None else args.lr, args.muon_momentum,
-                            args.muon_nesterov, args.muon_ns_steps, args.muon_adjust_lr, ns_dtype,
+                            args.muon_nesterov, args.muon_ns_steps, adjust_lr, ns_dtype,
                             tuple(args.muon_params or ()), tuple(args.adamw_params or ()))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .readers import DataError
+from .errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -18,8 +18,10 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..config import Parametrization
 from ..config.names import parameter_name
 from .hf_weights import take_checkpoint
+from .parametrization import init_scales
 
 
 def has_meta_tensors(model: torch.nn.Module) -> bool:
@@ -28,10 +30,12 @@ def has_meta_tensors(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, device: torch.device, seed: int,
-                partition: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+                partition: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                parametrization: Parametrization | None = None) -> None:
     """Allocate storage for every meta tensor on `device`, then fill (from files) or initialise module by module.
     `partition` (DeepSpeed ZeRO-3) shards each module's parameters once filled, so only one module is ever whole
-    and storage is allocated module by module."""
+    and storage is allocated module by module. `parametrization` scales the init rule's std per parameter role."""
+    scales = init_scales(model, parametrization) if parametrization is not None else {}
     checkpoint = take_checkpoint(model)
     if checkpoint is not None:
         checkpoint.check(model)
@@ -47,7 +51,7 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int,
             tensors = _allocate_module(module, device, allocated)
             if not tensors:
                 continue
-        _fill_or_init(model, module, name, tensors, checkpoint, seed, filled)
+        _fill_or_init(model, module, name, tensors, checkpoint, seed, filled, scales)
         if partition is not None:
             partition([t for key, t in tensors.items() if key in module._parameters])
     if hasattr(model, "tie_weights"):
@@ -73,7 +77,7 @@ def materialize_modules(model: torch.nn.Module, modules: list[torch.nn.Module], 
 
 
 def _fill_or_init(model, module: torch.nn.Module, name: str, tensors: dict, checkpoint, seed: int,
-                  filled: set[int]) -> None:
+                  filled: set[int], scales: dict[str, float] | None = None) -> None:
     """One module's tensors: read from the checkpoint where it holds them, the rest by the init rule."""
     prefix = f"{name}." if name else ""
     # parameters, and buffers a checkpoint keeps (DeepSeek-V3's e_score_correction_bias)
@@ -81,7 +85,7 @@ def _fill_or_init(model, module: torch.nn.Module, name: str, tensors: dict, chec
     stored = {key: checkpoint.locate(prefix + key) for key in kept if key in tensors} if checkpoint else {}
     stored = {key: found for key, found in stored.items() if found is not None}
     if len(stored) < len(tensors):
-        _init_module(model, module, name, tensors, seed)
+        _init_module(model, module, name, tensors, seed, scales or {})
     for key, found in stored.items():
         if id(_get(module, key)) not in filled:
             checkpoint.fill(_get(module, key), found)
@@ -106,7 +110,8 @@ def _allocate_module(module: torch.nn.Module, device: torch.device, allocated: d
     return tensors
 
 
-def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed: int) -> None:
+def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed: int, scales: dict[str, float]
+                 ) -> None:
     originals = {}
     for key, tensor in tensors.items():
         if isinstance(tensor, DTensor):  # swap in a full-size stand-in for the init rule to fill
@@ -120,6 +125,10 @@ def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed:
         # Wrapper modules (activation checkpointing) do not change which seed a layer gets.
         torch.manual_seed((seed * 1_000_003 + zlib.crc32(parameter_name(name).encode())) % 2**63)
         model._init_weights(module)
+    prefix = f"{name}." if name else ""
+    for key in module._parameters:  # the parametrization's factor on the init rule's std (a zero-mean rule)
+        if key in tensors and scales.get(parameter_name(prefix + key), 1.0) != 1.0:
+            _get(module, key).mul_(scales[parameter_name(prefix + key)])
     for key, sharded in originals.items():
         full = _get(module, key)
         local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None).to_local()

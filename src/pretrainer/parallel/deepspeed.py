@@ -114,7 +114,8 @@ class DeepSpeedEngine(DeepSpeedTraits, Engine):
 
         if self.settings.zero_stage == 3 and has_meta_tensors(model):
             deepspeed.init_distributed()  # joins the existing process group (as deepspeed.initialize would)
-            materialize(model, self.device, self.options.seed, partition=self._partition)
+            materialize(model, self.device, self.options.seed, partition=self._partition,
+                        parametrization=self.options.parametrization)
         else:
             self.materialize_if_meta(model)
         return model

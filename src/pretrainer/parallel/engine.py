@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..batch import HeadOutput, batch_targets, forward_head
-from ..config import ParallelDims
+from ..config import ParallelDims, Parametrization
 from ..config.names import parameter_name
 from ..models import has_meta_tensors, materialize, takes_head_call
 from . import context_parallel
@@ -57,6 +57,7 @@ class EngineOptions:
     micro_batch_size: int = 1
     accumulate: str = "unsharded"       # sharded | unsharded (auto: decided by the memory plan) | auto
     accumulate_reason: str = ""         # why, when auto chose it
+    parametrization: Parametrization = Parametrization()  # how init (and the optimizer's lrs) scale with size
 
 
 class Engine(EngineTraits, ABC):
@@ -322,7 +323,7 @@ class Engine(EngineTraits, ABC):
 
     def materialize_if_meta(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         if has_meta_tensors(model):
-            materialize(model, device or self.device, self.options.seed)
+            materialize(model, device or self.device, self.options.seed, parametrization=self.options.parametrization)
 
     def parallelism(self, data_parallel=None, tensor_parallel=None) -> Parallelism:
         """The run's per-layer steps (recompute, compile) around an engine's own parallelism."""

@@ -207,7 +207,7 @@ class TorchEngine(TorchTraits, Engine):
         _run_depths_as_laid_out(model, self.stages)
         view = StagedModel(model, self.stages)
         if is_meta:
-            materialize(view, self.device, self.options.seed)
+            materialize(view, self.device, self.options.seed, parametrization=self.options.parametrization)
             for stage in self.stages:  # to_empty gives tied parameters separate storage: tie them again
                 if stage.tied and stage.embed_tokens is not None and stage.lm_head is not None:
                     stage.lm_head.weight = stage.embed_tokens.weight

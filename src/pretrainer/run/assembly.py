@@ -22,6 +22,7 @@ from ..models import (
     pending_checkpoint,
     select_trainable,
 )
+from ..models.parametrization import trained_roles
 from ..optim import build_optimizer, build_scheduler
 from ..parallel import Engine, World, create_engine
 from ..perf import flops_per_token
@@ -130,7 +131,7 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         return AssembledRun(resolved, engine, engine.place(model), facts, predicted_memory=predicted)
     model, optimizer, lr_scheduler = engine.setup(
         model, optimizer, lr_scheduler,
-        build_optimizer=lambda m: build_optimizer(engine.trained_module(m), resolved.optimizer, engine.device),
+        build_optimizer=lambda m: _build_optimizer(engine.trained_module(m), resolved, engine.device),
         build_scheduler=lambda o: build_scheduler(o, resolved.schedule))
     if run_data.mixture is not None:
         made.append(SourceAccounting(run_data.mixture, run_data.train))
@@ -138,6 +139,11 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         callback.attach(engine, model)
     return AssembledRun(resolved, engine, model, facts, optimizer, lr_scheduler, run_data, [*made, *callbacks],
                        predicted)
+
+
+def _build_optimizer(model: torch.nn.Module, resolved: ResolvedRun, device: torch.device) -> torch.optim.Optimizer:
+    parametrization = resolved.options.parametrization
+    return build_optimizer(model, resolved.optimizer, device, parametrization, trained_roles(model, parametrization))
 
 
 def _prepare_model(args, resolved: ResolvedRun, model: torch.nn.Module, engine: Engine, training: bool

@@ -20,12 +20,14 @@ from ..config import (
     MtpSettings,
     OptimizerSettings,
     ParallelDims,
+    Parametrization,
     ScheduleSettings,
     expert_shape,
     key_error,
     mtp_settings,
     resolve_seq_length,
 )
+from ..config.architecture import Architecture
 from ..models import (
     LossChunk,
     ModelSpec,
@@ -190,7 +192,8 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     sequence_parallel, schedule = cls.parallel_style(settings)
     accumulate, why = accumulation_mode(args, entry, settings, sizes)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
-                            sizes.seq_length, sizes.micro_batch_size, accumulate, why)
+                            sizes.seq_length, sizes.micro_batch_size, accumulate, why,
+                            Parametrization.of(args, Architecture.of(config) if config is not None else None))
     weights = "none" if spec is None or not spec.has_weights else (
         "slices" if reads_checkpoint_in_slices(args, spec) else "whole")
     return ResolvedRun(entry, options, sizes, config, spec, tokenizer, chunk,

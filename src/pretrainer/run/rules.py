@@ -137,6 +137,11 @@ RULES: tuple[Rule, ...] = (
     *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
     *(_sharding_rule(key) for key in SHARDING_KEYS),
     *(_plugin_rule(key, NO_EFFECT, lambda value: value is not None) for key in SETTING_KEYS),
+    Rule("parametrization", CANNOT, lambda c: "optimizer" not in (getattr(c.settings, "config", None) or {}),
+         lambda c: f"parametrization: {c.args.parametrization} sets each parameter group's lr, but the DeepSpeed "
+                   f"config's own optimizer block ({c.settings.source}) builds one group of every parameter; remove "
+                   "its \"optimizer\" block (the run's AdamW takes lr, betas, eps and weight_decay from the config) "
+                   "or use parametrization: sp", lambda value: value != "sp"),
     Rule("accumulate_gradients", NO_EFFECT, lambda c: c.cls.shards_gradients(c.settings),
          lambda c: f"accumulate_gradients: {c.args.accumulate_gradients} is set but engine {c.engine.name} keeps "
                    f"whole gradients on every rank (nothing to shard); remove it, or use engine "

@@ -76,6 +76,8 @@ def print_banner(trainer, meter) -> None:
                  f"  {engine.describe()}",
                  f"  Model parameters = {facts.parameters:,} (trainable {facts.trainable:,}){features}",
                  f"  Optimizer = {optimizer}",
+                 *([f"  Parametrization = {run.options.parametrization.describe()}"]
+                   if run.options.parametrization.kind != "sp" else []),
                  f"  LR = {run.schedule.describe()}, weight decay {run.optimizer.weight_decay:g}, clip "
                  f"{run.optimizer.clip_grad}",
                  f"  MFU = useful tokens/s per device x model FLOPs/token / peak; {meter.flops.describe()}; "

@@ -41,7 +41,8 @@ class TrainModule:
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
         guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
         rule = guard.rule(engine.reduce_sum(local_loss), counts[0]) if guard is not None else None
-        lr = self.optimizer.param_groups[0]["lr"]
+        first = self.optimizer.param_groups[0]
+        lr = first["lr"] / first.get("lr_factor", 1.0)  # the schedule's lr, whatever a parametrization scales it by
         with phases.device("optimizer"):
             grad_norm, applied = engine.step(self.model, self.optimizer, self.clip_grad,
                                              skip_nonfinite=bool(self.skips.limit), skip_rule=rule)

@@ -1,0 +1,62 @@
+"""Each trained parameter's role for `parametrization` (config/parametrization.py): the input embedding, the output
+head, the query projection, a residual branch's last projection, another hidden matrix, or a vector (norms, biases).
+
+Roles are read off the model as built: its embedding modules and its output embeddings, and the projection names the
+decoder families share (`q_proj`; `o_proj` / `out_proj` / `dense` after attention, `down_proj` / `fc2` / `w2` in the
+MLP and in experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ConfigError, Parametrization
+from ..config.names import parameter_name
+
+QUERY = ("q_proj",)
+BRANCH_OUT = ("o_proj", "out_proj", "down_proj", "fc2", "w2", "c_proj")
+
+
+def parameter_roles(model: torch.nn.Module) -> dict[str, str]:
+    """Every trained parameter's name (as `parameter_name` writes it) and role."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = id(head.weight) if head is not None else None
+    roles = {}
+    for name, param in model.named_parameters():
+        shape = getattr(param, "ds_shape", param.shape)  # a ZeRO-3 parameter's own shape, not its empty stub
+        parts = name.split(".")  # the module's name, or a fused expert tensor's own (experts.down_proj)
+        owner = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+        if id(param) == output:
+            role = "output"
+        elif id(param) in tables:
+            role = "embedding"
+        elif len(shape) < 2:
+            role = "vector"
+        elif owner in QUERY:
+            role = "query"
+        elif owner in BRANCH_OUT:
+            role = "branch_out"
+        else:
+            role = "hidden"
+        roles[parameter_name(name)] = role
+    return roles
+
+
+def init_scales(model: torch.nn.Module, parametrization: Parametrization) -> dict[str, float]:
+    """The init std factor of every parameter whose init the parametrization changes, by name."""
+    if parametrization.kind == "sp":
+        return {}
+    scales = {name: parametrization.scale(role).init for name, role in parameter_roles(model).items()}
+    return {name: factor for name, factor in scales.items() if factor != 1.0}
+
+
+def trained_roles(model: torch.nn.Module, parametrization: Parametrization) -> dict[int, str]:
+    """The role of every trained parameter, by id, for the optimizer's groups (none under `sp`)."""
+    if parametrization.kind == "sp":
+        return {}
+    roles = parameter_roles(model)
+    if "query" not in roles.values() and parametrization.head_dim_ratio != 1.0:
+        raise ConfigError("key 'mup_base_head_dim': the attention scale folds into a separate query projection "
+                          "(q_proj), which this model does not have; leave mup_base_head_dim out")
+    return {id(param): roles[parameter_name(name)] for name, param in model.named_parameters() if param.requires_grad}

@@ -1,0 +1,119 @@
+"""`parametrization: mup | completep`: per-role init and per-group lr, eps and weight decay (config/parametrization.py,
+models/parametrization.py); at the base size it is the standard parametrization, step for step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import write_tiny_model
+from pretrainer import PreTrainer, PreTrainingArguments
+from pretrainer.config import ConfigError
+
+MUP = {"parametrization": "mup", "mup_base_hidden_size": 32}  # the tiny model (hidden 64) at twice the base width
+
+
+def losses(save_dir) -> list:
+    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_at_the_base_width_mup_and_completep_are_the_standard_parametrization(base_config, tmp_path):
+    runs = {"sp": {}, "mup": {**MUP, "mup_base_hidden_size": 64},
+            "completep": {"parametrization": "completep", "mup_base_hidden_size": 64, "mup_base_num_layers": 2}}
+    got = {}
+    for name, keys in runs.items():
+        PreTrainer(PreTrainingArguments(**{**base_config, **keys, "save_dir": str(tmp_path / name)})).train()
+        got[name] = losses(tmp_path / name)
+    assert len(got["sp"]) == 6 and got["mup"] == got["sp"] and got["completep"] == got["sp"]
+
+
+def groups_by_parameter(trainer) -> dict:
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return {names[id(p)]: group for group in trainer.optimizer.param_groups for p in group["params"]}
+
+
+def test_twice_the_base_width_scales_each_role_as_mup_prescribes(base_config, tmp_path):
+    sp = PreTrainer(PreTrainingArguments(**{**base_config, "save_dir": str(tmp_path / "sp")}))
+    mup = PreTrainer(PreTrainingArguments(**{**base_config, **MUP, "adam_eps": 1e-6, "weight_decay": 0.1,
+                                             "save_dir": str(tmp_path / "mup")}))
+    std = {name: {n: float(p.detach().std()) for n, p in t.model.named_parameters()} for name, t in
+           (("sp", sp), ("mup", mup))}
+    m = 2.0
+    for name, expected in (("model.embed_tokens.weight", 1.0), ("model.layers.0.mlp.up_proj.weight", 1 / math.sqrt(m)),
+                           ("model.layers.1.self_attn.q_proj.weight", 1 / math.sqrt(m)),
+                           ("model.layers.0.self_attn.o_proj.weight", 1 / math.sqrt(m)), ("lm_head.weight", 1 / m)):
+        assert std["mup"][name] / std["sp"][name] == pytest.approx(expected, rel=1e-6), name
+    groups = groups_by_parameter(mup)
+    lr = base_config["lr"]
+    for name, factor, decay in (("model.layers.0.mlp.down_proj.weight", 1 / m, 0.1 * m), ("lm_head.weight", 1 / m,
+                                                                                         0.1 * m),
+                                ("model.embed_tokens.weight", 1.0, 0.0), ("model.norm.weight", 1.0, 0.0)):
+        group = groups[name]
+        assert group["initial_lr"] == pytest.approx(lr * factor) and group["weight_decay"] == pytest.approx(decay)
+        assert group.get("eps", 1e-6) == pytest.approx(1e-6 * factor), name
+    mup.train()  # the logged lr is the schedule's, not a scaled group's
+    sp.train()
+    rows = [json.loads(line) for line in (tmp_path / "mup" / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (tmp_path / "sp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if "lr" in r] == [r["lr"] for r in expected if "lr" in r]
+    assert losses(tmp_path / "mup") != losses(tmp_path / "sp")
+
+
+def test_muon_matrices_keep_their_lr_and_take_the_spectral_shape_scale(base_config, tmp_path):
+    args = PreTrainingArguments(**{**base_config, **MUP, "optimizer": "muon", "save_dir": str(tmp_path / "m")})
+    trainer = PreTrainer(args)
+    groups = groups_by_parameter(trainer)
+    hidden, head = groups["model.layers.0.mlp.up_proj.weight"], groups["lm_head.weight"]
+    assert hidden["muon"] and hidden["adjust_lr"] == "spectral" and hidden["initial_lr"] == pytest.approx(1e-3)
+    assert not head["muon"] and head["initial_lr"] == pytest.approx(0.5e-3)
+
+
+def test_completep_scales_the_residual_branches_by_depth(base_config, tmp_path):
+    args = PreTrainingArguments(**{**base_config, "parametrization": "completep", "mup_base_hidden_size": 64,
+                                   "mup_base_num_layers": 1, "save_dir": str(tmp_path / "c")})
+    groups = groups_by_parameter(PreTrainer(args))  # 2 layers against a 1-layer base: branches x 1/2
+    assert groups["model.layers.0.mlp.down_proj.weight"]["initial_lr"] == pytest.approx(0.5e-3)
+    assert groups["model.layers.0.self_attn.o_proj.weight"]["initial_lr"] == pytest.approx(0.5e-3)
+    assert groups["model.layers.0.mlp.up_proj.weight"]["initial_lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"parametrization": "mup"}, "key 'mup_base_hidden_size': parametrization: mup scales from the width"),
+    ({"mup_base_hidden_size": 32}, "mup_base_hidden_size is set but parametrization is 'sp'"),
+    ({**MUP, "mup_base_num_layers": 2}, "mup_base_num_layers is set but parametrization is 'mup'"),
+    ({"parametrization": "completep", "mup_base_hidden_size": 32}, "key 'mup_base_num_layers'"),
+    ({**MUP, "optimizer": "muon", "muon_adjust_lr": "original"}, "breaks mup's width transfer"),
+    ({"parametrization": "mu-p"}, "key 'parametrization'"),
+])
+def test_bad_parametrization_keys_are_one_line(base_config, keys, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(**{**base_config, **keys})
+
+
+def test_tied_embeddings_and_a_deepspeed_optimizer_block_are_refused(base_config, tmp_path):
+    tied = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="ties them .*untie them"):
+        PreTrainer(PreTrainingArguments(**{**base_config, **MUP, "model_path": str(tied)}))
+    pytest.importorskip("deepspeed")
+    deepspeed = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    with pytest.raises(ConfigError, match="optimizer block .* builds one group"):
+        PreTrainer(PreTrainingArguments(**{**base_config, **MUP, "engine": "deepspeed", "deepspeed": deepspeed}))
+
+
+def test_an_export_is_the_trained_model(base_config, tmp_path):
+    """No forward multipliers: the HF export of a muP run loads as the same class with the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    args = PreTrainingArguments(**{**base_config, **MUP, "num_training_steps": 2, "save_dir": str(tmp_path / "r"),
+                                   "export_hf": True})
+    trainer = PreTrainer(args)
+    trainer.train()
+    exported = AutoModelForCausalLM.from_pretrained(next((tmp_path / "r").glob("**/config.json")).parent)
+    tokens = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        expected = trainer.model(input_ids=tokens).logits
+        assert torch.allclose(exported(input_ids=tokens).logits, expected, atol=1e-5)
