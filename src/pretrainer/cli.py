@@ -1,4 +1,5 @@
-"""`pretrainer` command line: `train`, `plan`, `prepare`, `export`, `evaluate`, `report` and `tokenizer`."""
+"""`pretrainer` command line: `train`, `plan`, `prepare`, `export`, `evaluate`, `report`, `mup-check` and
+`tokenizer`."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.overrides = [*ns.overrides, *extra]
     commands = {"prepare": prepare_command, "tokenizer": tokenizer_command, "report": report_command,
                 "plan": plan_command, "train": train_command, "export": export_command,
-                "evaluate": evaluate_command}
+                "evaluate": evaluate_command, "mup-check": mup_check_command}
     try:
         plan = launch_plan(ns)
         if plan is not None:
@@ -186,7 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     add_prepare_command(commands)
     add_tokenizer_commands(commands)
+    add_mup_check_command(commands)
     return parser
+
+
+def add_mup_check_command(commands) -> None:
+    check = commands.add_parser("mup-check", help="coordinate check: train the config's model a few steps at several "
+                                "widths and compare the mean |activation| of its embedding, attention, MLP and logits")
+    check.add_argument("config", help="YAML config file")
+    check.add_argument("overrides", nargs="*", help="key=value overrides")
+    check.add_argument("--widths", required=True, help="hidden sizes, comma-separated multiples of head_dim, e.g. "
+                       "64,128,256,512")
+    check.add_argument("--steps", type=int_at_least(1), default=10, help="training steps at each width (default 10)")
+    check.add_argument("--json", action="store_true", help="print the whole record (per width, step and module) as "
+                       "JSON")
+    check.add_argument("--output", metavar="PAGE.html", help="the HTML page with the table and charts (default: "
+                       "SAVE_DIR/mup-check.html, or a temporary folder's without a local save_dir)")
 
 
 def add_prepare_command(commands) -> None:
@@ -298,6 +314,34 @@ def plan_command(ns) -> int:
         plan = plan_for_command(args, ns.world_size, ns.devices_per_node, ns.device, ns.device_memory,
                                 ns.host_memory, (ns.intra_node_bandwidth, ns.inter_node_bandwidth))
     print(json.dumps(as_json(plan), indent=1) if ns.json else text(plan))
+    return 0
+
+
+def mup_check_command(ns) -> int:
+    import tempfile
+
+    from .train.metrics import setup_logging
+    from .train.mup_check import coordinate_check, parse_widths
+    from .train.mup_page import text, write_page
+
+    widths = parse_widths(ns.widths)
+    args = PreTrainingArguments.from_yaml(ns.config, ns.overrides)
+    local_save_dir = args.save_dir and not is_url(args.save_dir)
+    page = Path(ns.output) if ns.output else Path(args.save_dir) / "mup-check.html" if local_save_dir else None
+    if page is not None:  # before any training: a bad path is one line at once
+        check_writable_folder(page.absolute().parent, "--output" if ns.output else "key 'save_dir'")
+    setup_logging()
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # each width's run is told in one line; the output is the table
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            record = coordinate_check(args, ns.config, ns.overrides, widths, ns.steps,
+                                      say=lambda line: print(line, file=sys.stderr))
+    finally:
+        logger.setLevel(level)
+    page = page or Path(tempfile.mkdtemp(prefix="pretrainer-mup-check-")) / "mup-check.html"
+    record["page"] = str(write_page(record, page))
+    print(json.dumps(record, indent=1) if ns.json else f"{text(record)}\npage: {record['page']}")
     return 0
 
 

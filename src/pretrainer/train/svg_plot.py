@@ -49,15 +49,31 @@ def _frame(xlabel: str, ylabel: str) -> str:
             f'{escape(ylabel)}</text>')
 
 
+def log_ticks(low: float, high: float) -> list[float]:
+    """The log10 of round values (1, 2 and 5 times a power of ten; powers of ten alone over more than three
+    decades) from the last at or below 10**low to the first at or above 10**high."""
+    multiples = (1,) if high - low > 3 else (1, 2, 5)
+    values = [m * 10.0 ** power for power in range(math.floor(low) - 1, math.ceil(high) + 2) for m in multiples]
+    logs = [math.log10(value) for value in values]
+    first = max((v for v in logs if v <= low + 1e-9), default=logs[0])
+    last = min((v for v in logs if v >= high - 1e-9), default=logs[-1])
+    return [v for v in logs if first <= v <= last] if last > first else [first - 0.5, first, first + 0.5]
+
+
 def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float, float]]]],
-               xlabel: str = "step") -> str:
-    """An SVG document: each series is (legend, points); a legend is drawn when there are several."""
+               xlabel: str = "step", log: bool = False) -> str:
+    """An SVG document: each series is (legend, points); a legend is drawn when there are several. With `log`, both
+    axes are logarithmic (points with a value <= 0 are left out)."""
+    if log:
+        series = [(name, [(math.log10(x), math.log10(y)) for x, y in points if x > 0 and y > 0])
+                  for name, points in series]
     series = [(name, [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)])
               for name, points in series]
     series = [(name, points) for name, points in series if points]
     xs = [x for _, points in series for x, _ in points] or [0.0, 1.0]
     ys = [y for _, points in series for _, y in points] or [0.0, 1.0]
-    xticks, yticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+    ticks = log_ticks if log else nice_ticks
+    xticks, yticks = ticks(min(xs), max(xs)), ticks(min(ys), max(ys))
     x0, x1, y0, y1 = xticks[0], xticks[-1], yticks[0], yticks[-1]
 
     def px(x: float) -> float:
@@ -66,13 +82,16 @@ def line_chart(title: str, ylabel: str, series: list[tuple[str, list[tuple[float
     def py(y: float) -> float:
         return TOP + PLOT_H - (y - y0) / (y1 - y0) * PLOT_H
 
+    def label(value: float) -> str:
+        return tick_label(float(f"{10 ** value:.3g}") if log else value)
+
     parts = _svg_start(escape(title))
     for x in xticks:
         parts.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + PLOT_H}" stroke="#e4e4e4"/>'
-                     f'<text x="{px(x):.1f}" y="{TOP + PLOT_H + 15}" text-anchor="middle">{tick_label(x)}</text>')
+                     f'<text x="{px(x):.1f}" y="{TOP + PLOT_H + 15}" text-anchor="middle">{label(x)}</text>')
     for y in yticks:
         parts.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + PLOT_W}" y2="{py(y):.1f}" stroke="#e4e4e4"/>'
-                     f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{tick_label(y)}</text>')
+                     f'<text x="{LEFT - 5}" y="{py(y) + 4:.1f}" text-anchor="end">{label(y)}</text>')
     parts.append(_frame(xlabel, ylabel))
     for index, (name, points) in enumerate(series):
         colour = COLOURS[index % len(COLOURS)]
