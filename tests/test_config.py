@@ -309,6 +309,9 @@ FEATURE_KEYS = [
     ("checkpoint_failure", "warn", {"save_dir": "s3://bucket/run"}),
     ("mtp_loss_coeff", 0.3, {"mtp_num_layers": 1}),
     ("moe_token_drop_policy", "position", {"moe_capacity_factor": 1.25}),
+    ("mup_base_hidden_size", 128, {"parametrization": "mup"}),
+    ("mup_base_head_dim", 32, {"parametrization": "mup", "mup_base_hidden_size": 128}),
+    ("mup_base_num_layers", 2, {"parametrization": "completep", "mup_base_hidden_size": 128}),
 ]
 
 

@@ -141,11 +141,9 @@ def model_variants(args: PreTrainingArguments, widths: list[int], folder: Path) 
 
 
 def run_overrides(args: PreTrainingArguments, overrides: list[str], steps: int, variants: Variants) -> list[str]:
-    """The user's overrides with RUN_SETTINGS and `steps` in place of theirs. Under a width-relative parametrization
-    with no base width given, the base is the config's own width (not each variant's)."""
+    """The user's overrides with RUN_SETTINGS and `steps` in place of theirs (a parametrization's base width is the
+    config's, the same for every width)."""
     settings = {**RUN_SETTINGS, "num_training_steps": str(steps)}
-    if (getattr(args, "parametrization", None) or "sp") != "sp" and getattr(args, "mup_base_hidden_size", 0) is None:
-        settings["mup_base_hidden_size"] = str(variants.hidden_size)
     if variants.tokenizer_path and not args.tokenizer_path:
         settings["tokenizer_path"] = variants.tokenizer_path
     kept = [item for item in overrides if item.split("=", 1)[0].strip() not in {*settings, "model_path"}]
@@ -167,7 +165,7 @@ def coordinate_check(args: PreTrainingArguments, config: str, overrides: list[st
                      say=print) -> dict:
     """Train each width `steps` steps (`args`: the config with `overrides`); the record: per width, its model's shape
     and each step's means by kind."""
-    record = {"config": config, "parametrization": getattr(args, "parametrization", None) or "sp", "steps": steps,
+    record = {"config": config, "parametrization": args.parametrization, "steps": steps,
               "widths": widths, "modules": list(MODULE_KINDS), "runs": []}
     with tempfile.TemporaryDirectory(prefix="pretrainer-mup-check-") as folder:
         variants = model_variants(args, widths, Path(folder))
