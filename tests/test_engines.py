@@ -92,6 +92,8 @@ def setup(tmp_path_factory, request):
                                               "save_dir": str(root / "single-muon")}))
     muon.train()
     write_layout_check(muon)
+    PreTrainer(PreTrainingArguments(**{**config, "dp": 1, "micro_batch_size": 4, **MUP,
+                                       "save_dir": str(root / "single-mup")})).train()
     return root, path, single_dir
 
 
@@ -125,6 +127,9 @@ BF16_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"], "deepspeed-zero2
 BF16_SHORT_RUN = ["dtype=bf16", "num_training_steps=2", "warmup_steps=1", "eval_interval=0", "export_hf=false"]
 # Muon (hidden matrices) with AdamW (the rest): each engine that trains it, straight and stopped-then-resumed
 MUON_ENGINES = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"]}
+# muP's per-group lrs under ZeRO's flat partitions (the tiny model at twice the base width)
+MUP = {"parametrization": "mup", "mup_base_hidden_size": 32}
+MUP_ENGINES = {"deepspeed-zero2": ["deepspeed={root}/zero2.json"], "deepspeed-zero3": ["deepspeed={root}/zero3.json"]}
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +159,9 @@ def engine_runs(setup) -> None:
                           "config": {"save_dir": str(root / f"muon-{engine}-{folder}")}})
     cases.append({"name": "muon-fsdp-to-single", "overrides": ["engine=fsdp", "optimizer=muon", "exit_interval=3"],
                   "config": {"save_dir": str(root / "muon-fsdp-to-single")}})
+    for engine, options in MUP_ENGINES.items():
+        cases.append({"name": f"mup-{engine}", "overrides": [o.format(root=root) for o in options],
+                      "config": {**MUP, "save_dir": str(root / f"mup-{engine}")}})
     for engine, options in BF16_ENGINES.items():
         cases.append({"name": f"bf16-{engine}", "overrides": [*(o.format(root=root) for o in options), *BF16_SHORT_RUN],
                       "config": {"save_dir": str(root / f"bf16-{engine}")}})
@@ -212,6 +220,13 @@ def test_muon_on_two_ranks_matches_one_process_and_resumes_exactly(setup, engine
     assert train_losses(interrupted) == train_losses(straight)
     assert eval_losses(interrupted) == eval_losses(straight)
     assert_layout_answers(straight, 2)  # one momentum buffer per Muon matrix, as the planner counts
+
+
+@pytest.mark.parametrize("engine", list(MUP_ENGINES))
+def test_mup_groups_under_zero_match_one_process(setup, engine_runs, engine):
+    root, _, single_dir = setup
+    assert_same_run(root / f"mup-{engine}", root / "single-mup", rel=1e-5)
+    assert train_losses(root / "single-mup") != train_losses(single_dir)  # the groups really took other lrs
 
 
 def test_muon_fsdp_checkpoint_resumes_on_one_process(setup, engine_runs):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import write_tiny_model
+from helpers import write_tiny_model, write_tiny_moe
 from pretrainer import PreTrainer, PreTrainingArguments
 from pretrainer.config import ConfigError
 
@@ -117,3 +117,39 @@ def test_an_export_is_the_trained_model(base_config, tmp_path):
     with torch.no_grad():
         expected = trainer.model(input_ids=tokens).logits
         assert torch.allclose(exported(input_ids=tokens).logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_are_hidden_matrices_and_the_router_is_scaled_as_the_head(family, base_config, tmp_path):
+    """Experts are hidden matrices of their own width (the down projection a residual branch's last), the router maps
+    the width to a fixed count as the head does; a muP MoE run trains and its loss falls."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pretrainer.models.parametrization import parameter_roles
+
+    folder = write_tiny_moe(tmp_path / family, family)
+    roles = parameter_roles(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)))
+    experts = {role for name, role in roles.items() if ".experts." in name}
+    routers = {role for name, role in roles.items()
+               if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))}
+    assert experts == {"hidden", "branch_out"} and routers == {"output"}, roles
+    args = PreTrainingArguments(**{**base_config, **MUP, "model_path": str(folder), "num_training_steps": 4,
+                                   "save_interval": 0, "eval_interval": 0, "log_interval": 1,
+                                   "save_dir": str(tmp_path / "run")})
+    PreTrainer(args).train()
+    got = losses(tmp_path / "run")
+    assert len(got) == 4 and all(math.isfinite(x) for x in got)
+
+
+def test_multi_token_prediction_depths_train_under_mup(base_config, tmp_path):
+    args = PreTrainingArguments(**{**base_config, **MUP, "mtp_num_layers": 1, "num_training_steps": 3,
+                                   "save_interval": 0, "eval_interval": 0, "log_interval": 1,
+                                   "save_dir": str(tmp_path / "run")})
+    trainer = PreTrainer(args)
+    groups = groups_by_parameter(trainer)
+    mtp = {name: group for name, group in groups.items()  # the depth is decoder layer 2 of the 2-layer model
+           if name.startswith("model.layers.2.") and name.endswith("proj.weight")}
+    assert "model.layers.2.eh_proj.weight" in mtp, list(groups)
+    assert all(group["initial_lr"] == pytest.approx(0.5e-3) for group in mtp.values()), list(mtp)
+    trainer.train()
+    assert len(losses(tmp_path / "run")) == 3

@@ -2,8 +2,9 @@
 head, the query projection, a residual branch's last projection, another hidden matrix, or a vector (norms, biases).
 
 Roles are read off the model as built: its embedding modules and its output embeddings, and the projection names the
-decoder families share (`q_proj`; `o_proj` / `out_proj` / `dense` after attention, `down_proj` / `fc2` / `w2` in the
-MLP and in experts).
+decoder families share (`q_proj`; `o_proj` / `out_proj` after attention, `down_proj` / `fc2` / `w2` / `c_proj` in the
+MLP and in experts). An MoE router (`gate`, `router`) maps the width to a fixed number of experts, as the head maps it
+to the vocabulary, and is scaled as the head is.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..config import ConfigError, Parametrization
 from ..config.names import parameter_name
 
 QUERY = ("q_proj",)
+ROUTER = ("gate", "router")  # an MoE router: a fixed number of outputs (the experts) from the width, as the head
 BRANCH_OUT = ("o_proj", "out_proj", "down_proj", "fc2", "w2", "c_proj")
 
 
@@ -27,7 +29,7 @@ def parameter_roles(model: torch.nn.Module) -> dict[str, str]:
         shape = getattr(param, "ds_shape", param.shape)  # a ZeRO-3 parameter's own shape, not its empty stub
         parts = name.split(".")  # the module's name, or a fused expert tensor's own (experts.down_proj)
         owner = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-        if id(param) == output:
+        if id(param) == output or (len(shape) == 2 and owner in ROUTER):
             role = "output"
         elif id(param) in tables:
             role = "embedding"
