@@ -77,6 +77,9 @@ TWO_RANK = {
     # muP: per-role init and per-group lrs on sharded (FSDP2) and tensor-parallel parameters
     "mup-fsdp-dp2": ({"engine": "fsdp", "dp": 2, **MUP}, "one-mup-mbs4"),
     "mup-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}, **MUP}, "one-mup"),
+    # a tied vocabulary-parallel head: the final norm (replicated under sequence parallelism) carries the multiplier
+    "mup-tied-embeddings-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
+                                                   "model_path": "{root}/tied", **MUP}, "tied-mup"),
 }
 FOUR_RANK = {
     "dp2-tp2-sequence-parallel": ({"dp": 2, "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}},
@@ -171,6 +174,7 @@ def references(base, tmp_path_factory) -> dict:
     out = {}
     models = {name: {"model_path": f"{model_root(base)}/{name}"} for name in ("qwen2", "tied", "weights")}
     models["weights-mbs4"] = {**models["weights"], "micro_batch_size": 4}
+    models["tied-mup"] = {**models["tied"], **MUP}
     for name, extra in {"one": {}, "one-mbs4": {"micro_batch_size": 4}, "one-mbs8": {"micro_batch_size": 8},
                         "one-seq31": {"seq_length": 31},
                         "one-muon": {"optimizer": "muon"},

@@ -94,10 +94,28 @@ def test_bad_parametrization_keys_are_one_line(base_config, keys, message):
         PreTrainingArguments(**{**base_config, **keys})
 
 
-def test_tied_embeddings_and_a_deepspeed_optimizer_block_are_refused(base_config, tmp_path):
+def test_a_tied_head_takes_the_logits_multiplier_in_the_final_norm_and_exports_as_trained(base_config, tmp_path):
+    """Tied to the input embedding, the head keeps the embedding's init and lr; muP's 1/width logits multiplier is the
+    final norm's weight (init 1/m, lr 1/m): the export is a plain tied model with the trained logits."""
+    from transformers import AutoModelForCausalLM
+
     tied = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
-    with pytest.raises(ConfigError, match="ties them .*untie them"):
-        PreTrainer(PreTrainingArguments(**{**base_config, **MUP, "model_path": str(tied)}))
+    args = PreTrainingArguments(**{**base_config, **MUP, "model_path": str(tied), "num_training_steps": 2,
+                                   "save_dir": str(tmp_path / "r"), "export_hf": True})
+    trainer = PreTrainer(args)
+    groups = groups_by_parameter(trainer)
+    norm = dict(trainer.model.named_parameters())["model.norm.weight"]
+    assert torch.all(norm.detach() == 0.5) and groups["model.norm.weight"]["initial_lr"] == pytest.approx(0.5e-3)
+    assert groups["model.embed_tokens.weight"]["initial_lr"] == pytest.approx(1e-3)
+    trainer.train()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "hf")
+    assert exported.config.tie_word_embeddings
+    tokens = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=tokens).logits, trainer.model(input_ids=tokens).logits, atol=1e-5)
+
+
+def test_a_deepspeed_optimizer_block_is_refused(base_config):
     pytest.importorskip("deepspeed")
     deepspeed = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
     with pytest.raises(ConfigError, match="optimizer block .* builds one group"):

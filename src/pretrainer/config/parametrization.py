@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from .errors import ConfigError, key_error
 
 PARAMETRIZATIONS = ("sp", "mup", "completep")
-# embedding: input tables; output: the head; hidden: other matrices; query: the attention's query projection (where
-# the 1/d_head attention scale folds in); branch_out: a residual branch's last projection (attention out, MLP down:
-# CompleteP's 1/depth multiplier folds in); vector: norms and biases
-ROLES = ("embedding", "output", "hidden", "query", "branch_out", "vector")
+# embedding: input tables (and a head tied to them); output: an untied head; hidden: other matrices; query: the
+# attention's query projection (where the 1/d_head attention scale folds in); branch_out: a residual branch's last
+# projection (attention out, MLP down: CompleteP's 1/depth multiplier folds in); output_gain: with a tied head, the
+# final norm's weight (muP's 1/width logits multiplier folds in); vector: other norms and biases
+ROLES = ("embedding", "output", "hidden", "query", "branch_out", "output_gain", "vector")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Parametrization:
     width_ratio: float = 1.0       # hidden_size / mup_base_hidden_size
     head_dim_ratio: float = 1.0    # head_dim / mup_base_head_dim
     depth_ratio: float = 1.0       # num_layers / mup_base_num_layers (completep)
+    tied: bool = False             # the head shares the input embedding's table
 
     @staticmethod
     def of(args, architecture) -> "Parametrization":
@@ -49,14 +51,10 @@ class Parametrization:
         if architecture is None:
             raise key_error("parametrization", f"{args.parametrization} scales from the model's config (its width), "
                             "which a model handed to PreTrainer does not give; use parametrization: sp")
-        if architecture.tied:
-            raise key_error("parametrization", f"{args.parametrization} scales the output head apart from the input "
-                            "embedding, but this model ties them (tie_word_embeddings: true); untie them in the "
-                            "model's config.json, or use parametrization: sp")
         base_head_dim = args.mup_base_head_dim or architecture.head_dim
         depth = architecture.layers / args.mup_base_num_layers if args.parametrization == "completep" else 1.0
         return Parametrization(args.parametrization, architecture.hidden / args.mup_base_hidden_size,
-                               architecture.head_dim / base_head_dim, depth)
+                               architecture.head_dim / base_head_dim, depth, architecture.tied)
 
     def scale(self, role: str, muon: bool = False) -> Scale:
         """The factors of a parameter of `role`; `muon`: a matrix Muon updates, whose update is scaled by its shape
@@ -64,7 +62,7 @@ class Parametrization:
         if self.kind == "sp" or role in ("embedding", "vector"):
             return Scale()
         m = self.width_ratio
-        if role == "output":
+        if role in ("output", "output_gain"):  # a gain on the logits: the same 1/m as the head's
             return Scale(1.0 / m, 1.0 / m, 1.0 / m)
         width = Scale(1.0 / math.sqrt(m), 1.0 if muon else 1.0 / m, 1.0 if muon else 1.0 / m)
         multiplier = 1.0

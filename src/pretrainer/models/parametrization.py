@@ -15,12 +15,14 @@ from ..config import ConfigError, Parametrization
 from ..config.names import parameter_name
 
 QUERY = ("q_proj",)
+HEAD_NORMS = ("model.norm.weight",)  # the final norm before the head (and each MTP depth's, matched below)
 ROUTER = ("gate", "router")  # an MoE router: a fixed number of outputs (the experts) from the width, as the head
 BRANCH_OUT = ("o_proj", "out_proj", "down_proj", "fc2", "w2", "c_proj")
 
 
-def parameter_roles(model: torch.nn.Module) -> dict[str, str]:
-    """Every trained parameter's name (as `parameter_name` writes it) and role."""
+def parameter_roles(model: torch.nn.Module, tied: bool = False) -> dict[str, str]:
+    """Every trained parameter's name (as `parameter_name` writes it) and role. `tied`: the head is the input
+    embedding's table (on every pipeline stage that holds a copy), and the norm before it is the output's gain."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     output = id(head.weight) if head is not None else None
@@ -29,10 +31,14 @@ def parameter_roles(model: torch.nn.Module) -> dict[str, str]:
         shape = getattr(param, "ds_shape", param.shape)  # a ZeRO-3 parameter's own shape, not its empty stub
         parts = name.split(".")  # the module's name, or a fused expert tensor's own (experts.down_proj)
         owner = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-        if id(param) == output or (len(shape) == 2 and owner in ROUTER):
+        if id(param) == output and tied:
+            role = "embedding"
+        elif id(param) == output or (len(shape) == 2 and owner in ROUTER):
             role = "output"
         elif id(param) in tables:
             role = "embedding"
+        elif tied and (parameter_name(name) in HEAD_NORMS or name.endswith("shared_head.norm.weight")):
+            role = "output_gain"
         elif len(shape) < 2:
             role = "vector"
         elif owner in QUERY:
@@ -49,7 +55,8 @@ def init_scales(model: torch.nn.Module, parametrization: Parametrization) -> dic
     """The init std factor of every parameter whose init the parametrization changes, by name."""
     if parametrization.kind == "sp":
         return {}
-    scales = {name: parametrization.scale(role).init for name, role in parameter_roles(model).items()}
+    roles = parameter_roles(model, parametrization.tied)
+    scales = {name: parametrization.scale(role).init for name, role in roles.items()}
     return {name: factor for name, factor in scales.items() if factor != 1.0}
 
 
@@ -57,7 +64,10 @@ def trained_roles(model: torch.nn.Module, parametrization: Parametrization) -> d
     """The role of every trained parameter, by id, for the optimizer's groups (none under `sp`)."""
     if parametrization.kind == "sp":
         return {}
-    roles = parameter_roles(model)
+    roles = parameter_roles(model, parametrization.tied)
+    if parametrization.tied and "output_gain" not in roles.values():
+        raise ConfigError("key 'parametrization': this model ties its head to the input embedding and has no final "
+                          "norm weight (model.norm) to carry muP's output multiplier; untie them in its config.json")
     if "query" not in roles.values() and parametrization.head_dim_ratio != 1.0:
         raise ConfigError("key 'mup_base_head_dim': the attention scale folds into a separate query projection "
                           "(q_proj), which this model does not have; leave mup_base_head_dim out")
