@@ -77,6 +77,7 @@ TWO_RANK = {
     # muP: per-role init and per-group lrs on sharded (FSDP2) and tensor-parallel parameters
     "mup-fsdp-dp2": ({"engine": "fsdp", "dp": 2, **MUP}, "one-mup-mbs4"),
     "mup-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}, **MUP}, "one-mup"),
+    "mup-pp2": ({"plugin_args": {"pp_degree": 2}, **MUP}, "one-mup"),  # roles read off the stages' view
     # a tied vocabulary-parallel head: the final norm (replicated under sequence parallelism) carries the multiplier
     "mup-tied-embeddings-tp2-sequence-parallel": ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True},
                                                    "model_path": "{root}/tied", **MUP}, "tied-mup"),

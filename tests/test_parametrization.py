@@ -72,6 +72,21 @@ def test_muon_matrices_keep_their_lr_and_take_the_spectral_shape_scale(base_conf
     assert not head["muon"] and head["initial_lr"] == pytest.approx(0.5e-3)
 
 
+def test_a_wider_head_dim_folds_the_attention_scale_into_the_query_projection(base_config, tmp_path):
+    """muP's 1/d_head attention (against the base's 1/sqrt(d_head)): head_dim 16 against a base of 4 is a factor
+    sqrt(4/16) = 1/2 on the query's init and lr, on top of the width's."""
+    keys = {**base_config, **MUP, "mup_base_head_dim": 4}
+    sp = PreTrainer(PreTrainingArguments(**{**base_config, "save_dir": str(tmp_path / "sp")}))
+    mup = PreTrainer(PreTrainingArguments(**{**keys, "save_dir": str(tmp_path / "mup")}))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    ratio = float(dict(mup.model.named_parameters())[name].detach().std()) / \
+        float(dict(sp.model.named_parameters())[name].detach().std())
+    assert ratio == pytest.approx(0.5 / math.sqrt(2), rel=1e-6)
+    groups = groups_by_parameter(mup)
+    assert groups[name]["initial_lr"] == pytest.approx(1e-3 * 0.5 / 2)
+    assert groups["model.layers.0.self_attn.k_proj.weight"]["initial_lr"] == pytest.approx(1e-3 / 2)
+
+
 def test_completep_scales_the_residual_branches_by_depth(base_config, tmp_path):
     args = PreTrainingArguments(**{**base_config, "parametrization": "completep", "mup_base_hidden_size": 64,
                                    "mup_base_num_layers": 1, "save_dir": str(tmp_path / "c")})
