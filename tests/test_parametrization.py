@@ -130,6 +130,23 @@ def test_a_tied_head_takes_the_logits_multiplier_in_the_final_norm_and_exports_a
         assert torch.allclose(exported(input_ids=tokens).logits, trainer.model(input_ids=tokens).logits, atol=1e-5)
 
 
+def test_continued_pretraining_under_mup_starts_from_the_checkpoint_s_function(base_config, tiny_model, tmp_path):
+    """Weights read from an HF checkpoint are used as they are (nothing was folded into them to undo): the first
+    step's loss is the checkpoint's under sp and under mup; only the updates differ."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(3)
+    weights = tmp_path / "weights"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).save_pretrained(weights)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(weights)
+    got = {}
+    for name, keys in (("sp", {}), ("mup", MUP)):
+        PreTrainer(PreTrainingArguments(**{**base_config, **keys, "model_path": str(weights), "log_interval": 1,
+                                           "num_training_steps": 3, "save_dir": str(tmp_path / name)})).train()
+        got[name] = losses(tmp_path / name)
+    assert got["mup"][0] == got["sp"][0] and got["mup"][1:] != got["sp"][1:]
+
+
 def test_a_deepspeed_optimizer_block_is_refused(base_config):
     pytest.importorskip("deepspeed")
     deepspeed = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
