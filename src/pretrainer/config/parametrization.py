@@ -75,8 +75,9 @@ class Parametrization:
     def describe(self) -> str:
         if self.kind == "sp":
             return "sp"
+        head = "final norm (tied head)" if self.tied else "output"
         parts = [f"width x{self.width_ratio:g} of the base: hidden init x{1 / math.sqrt(self.width_ratio):.3g}, "
-                 f"hidden and output lr x{1 / self.width_ratio:.3g}, output init x{1 / self.width_ratio:.3g}"]
+                 f"hidden and {head} lr x{1 / self.width_ratio:.3g}, {head} init x{1 / self.width_ratio:.3g}"]
         if self.head_dim_ratio != 1.0:
             parts.append(f"attention 1/d_head (head_dim x{self.head_dim_ratio:g})")
         if self.kind == "completep":
