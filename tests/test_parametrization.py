@@ -49,12 +49,13 @@ def test_twice_the_base_width_scales_each_role_as_mup_prescribes(base_config, tm
         assert std["mup"][name] / std["sp"][name] == pytest.approx(expected, rel=1e-6), name
     groups = groups_by_parameter(mup)
     lr = base_config["lr"]
-    for name, factor, decay in (("model.layers.0.mlp.down_proj.weight", 1 / m, 0.1 * m), ("lm_head.weight", 1 / m,
-                                                                                         0.1 * m),
-                                ("model.embed_tokens.weight", 1.0, 0.0), ("model.norm.weight", 1.0, 0.0)):
+    for name, factor, decay, eps in (("model.layers.0.mlp.down_proj.weight", 1 / m, 0.1 * m, 1 / m),
+                                     ("lm_head.weight", 1 / m, 0.1 * m, m),  # a folded multiplier 1/m: eps x m
+                                     ("model.embed_tokens.weight", 1.0, 0.0, 1.0),
+                                     ("model.norm.weight", 1.0, 0.0, 1.0)):
         group = groups[name]
         assert group["initial_lr"] == pytest.approx(lr * factor) and group["weight_decay"] == pytest.approx(decay)
-        assert group.get("eps", 1e-6) == pytest.approx(1e-6 * factor), name
+        assert group.get("eps", 1e-6) == pytest.approx(1e-6 * eps), name
     mup.train()  # the logged lr is the schedule's, not a scaled group's
     sp.train()
     rows = [json.loads(line) for line in (tmp_path / "mup" / "metrics.jsonl").read_text().splitlines()]
@@ -203,3 +204,43 @@ def test_multi_token_prediction_depths_train_under_mup(base_config, tmp_path):
     assert all(group["initial_lr"] == pytest.approx(0.5e-3) for group in mtp.values()), list(mtp)
     trainer.train()
     assert len(losses(tmp_path / "run")) == 3
+
+
+def meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_roles_of_other_families_and_the_folds_they_refuse():
+    """Qwen2's query bias takes the query's lr multiplier; Phi's attention `dense` is a branch's last projection; a
+    router on Muon keeps its lr (Muon's shape scale shrinks with the width already); Gemma's (1 + w) final norm and
+    Qwen3's q_norm cannot carry a folded multiplier and are refused in one line."""
+    from transformers import GemmaConfig, PhiConfig, Qwen2Config, Qwen3Config
+
+    from pretrainer.config import Parametrization
+    from pretrainer.models.parametrization import check_folds, parameter_roles
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    qwen2 = parameter_roles(meta_model(Qwen2Config(**small)))
+    assert qwen2["model.layers.0.self_attn.q_proj.bias"] == "query_bias"
+    assert qwen2["model.layers.0.self_attn.k_proj.bias"] == "vector"
+    phi = parameter_roles(meta_model(PhiConfig(**small)))
+    assert phi["model.layers.0.self_attn.dense.weight"] == "branch_out"
+    wide = Parametrization("mup", 4.0, head_dim_ratio=4.0, tied=True)
+    assert wide.scale("query_bias").lr == pytest.approx(0.5) and wide.scale("output", muon=True).lr == 1.0
+    gemma = meta_model(GemmaConfig(**small, head_dim=16, tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match=r"scales by \(1 \+ weight\)"):
+        check_folds(gemma, parameter_roles(gemma, tied=True), wide)
+    qwen3 = meta_model(Qwen3Config(**small, head_dim=16))
+    with pytest.raises(ConfigError, match="normalises its queries"):
+        check_folds(qwen3, parameter_roles(qwen3), Parametrization("mup", 2.0, head_dim_ratio=2.0))
+
+
+def test_a_deepspeed_scheduler_block_is_refused(base_config):
+    pytest.importorskip("deepspeed")
+    deepspeed = {"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {}}}
+    with pytest.raises(ConfigError, match="scheduler block .* sets one lr for every group"):
+        PreTrainer(PreTrainingArguments(**{**base_config, **MUP, "engine": "deepspeed", "deepspeed": deepspeed}))

@@ -95,6 +95,16 @@ def test_shards_are_the_one_machine_stream_by_any_route_and_a_rerun_redoes_only_
     assert counts(first) == (FILES // 2, 0) and "not complete yet" in first.stdout
     assert counts(prepare(corpus, parts, "--sharded", "--shard", "2/2")) == (FILES // 2, 0)
     assert documents(f"{parts}_text_document") == one_machine
+    # the two parts at the same time: whichever finishes last sees the other's records and writes the manifest
+    together = tmp_path / "together" / "c"
+    command = pretrainer("prepare", "--input", corpus, "--tokenizer", QUICKSTART_MODEL, "--append-eod",
+                         "--output-prefix", together, "--sharded", "--shard")
+    running = [subprocess.Popen([*map(str, command), part], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=environment(1)) for part in ("1/2", "2/2")]
+    outputs = [process.communicate(timeout=300) for process in running]
+    assert all(process.returncode == 0 for process in running), outputs
+    assert sum("wrote " in out and "manifest.json" in out for out, _ in outputs) == 1, outputs
+    assert documents(f"{together}_text_document") == one_machine
 
 
 def test_merge_streams_the_shards_into_the_one_machine_pair_byte_for_byte(corpus, one_machine_pair, tmp_path):

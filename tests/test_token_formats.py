@@ -126,9 +126,13 @@ def test_datatrove_and_dolma_corpora_in_object_storage_sample_as_the_local_ones(
     monkeypatch.setenv("PRETRAINER_CACHE_DIR", str(tmp_path / "cache"))
     shards = datatrove_tokenize(corpus, tmp_path / "datatrove")
     dolma = dolma_files(corpus, tmp_path / "dolma", header=True)
+    (dolma / "manifest.json").write_text('{"tool": "another one"}')  # not a manifest of prepare --sharded
     for folder in (shards, dolma):
         for path in folder.iterdir():
             s3_server.fs.put_file(str(path), f"bucket/{folder.name}/{path.name}")
+    # a subfolder's files are not the folder's (as on local disk)
+    s3_server.fs.put_file(str(next(dolma.glob("*.npy"))), "bucket/dolma/older/part-0-00000.npy")
+    assert samples({}, base_config, str(dolma)) == samples({}, base_config, prepared_here)
     expected = samples({}, base_config, prepared_here)
     assert samples({}, base_config, "s3://bucket/datatrove") == expected
     assert samples({}, base_config, "s3://bucket/dolma/") == expected

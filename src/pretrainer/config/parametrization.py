@@ -19,7 +19,7 @@ PARAMETRIZATIONS = ("sp", "mup", "completep")
 # attention's query projection (where the 1/d_head attention scale folds in); branch_out: a residual branch's last
 # projection (attention out, MLP down: CompleteP's 1/depth multiplier folds in); output_gain: with a tied head, the
 # final norm's weight (muP's 1/width logits multiplier folds in); vector: other norms and biases
-ROLES = ("embedding", "output", "hidden", "query", "branch_out", "output_gain", "vector")
+ROLES = ("embedding", "output", "hidden", "query", "query_bias", "branch_out", "output_gain", "vector")
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,11 @@ class Parametrization:
         if self.kind == "sp" or role in ("embedding", "vector"):
             return Scale()
         m = self.width_ratio
-        if role in ("output", "output_gain"):  # a gain on the logits: the same 1/m as the head's
-            return Scale(1.0 / m, 1.0 / m, 1.0 / m)
+        if role in ("output", "output_gain"):  # muP's 1/m logits multiplier, folded (a gain on the logits too)
+            return Scale(1.0 / m, 1.0 if muon else 1.0 / m, m)  # Muon's shape scale already shrinks with the width
+        if role == "query_bias":  # the query's folded attention multiplier; a bias starts at zero
+            multiplier = 1.0 / math.sqrt(self.head_dim_ratio)
+            return Scale(1.0, multiplier, 1.0 / multiplier)
         width = Scale(1.0 / math.sqrt(m), 1.0 if muon else 1.0 / m, 1.0 if muon else 1.0 / m)
         multiplier = 1.0
         if role == "query":   # muP's attention scale 1/d_head (against the base's 1/sqrt(d_head))

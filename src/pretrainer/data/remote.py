@@ -119,9 +119,8 @@ def local_prefix(prefix: str, attempts: int = 4) -> str:
         fs, path = filesystem(prefix)
         if _is_object(fs, f"{path}.bin", prefix, attempts):
             return _local_objects([f"{prefix}{suffix}" for suffix in (".bin", ".idx")], "prefixes", attempts)[:-4]
-        if _is_object(fs, f"{path.rstrip('/')}/{MANIFEST}", prefix, attempts):
-            return _local_shards(prefix.rstrip("/"), attempts)
-        return _local_token_files(prefix, attempts)
+        sharded = _is_object(fs, f"{path.rstrip('/')}/{MANIFEST}", prefix, attempts)
+        return (sharded and _local_shards(prefix.rstrip("/"), attempts)) or _local_token_files(prefix, attempts)
     except StorageError as exc:
         raise DataError(f"data_path {prefix}: {exc}") from None
 
@@ -139,11 +138,19 @@ def _local_objects(urls: list[str], kind: str, attempts: int, checksums: list | 
     return str(folder / urls[0].rsplit("/", 1)[-1])
 
 
-def _local_shards(url: str, attempts: int) -> str:
-    manifest = json.loads(RemoteFolder(url, attempts).read_text(MANIFEST) or "{}")
+def _local_shards(url: str, attempts: int) -> str | None:
+    """The shards a manifest of `prepare --sharded` lists, checked as they are copied; None for another tool's
+    manifest.json (the folder may hold token files)."""
+    try:
+        manifest = json.loads(RemoteFolder(url, attempts).read_text(MANIFEST) or "{}")
+    except ValueError as exc:
+        raise DataError(f"data_path {url}: {MANIFEST} cannot be read ({exc}); prepare the corpus again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "pretrainer-shards":
+        return None
     shards = manifest.get("shards") or []
-    if not shards:
-        raise DataError(f"data_path {url}: {MANIFEST} lists no shards; prepare the corpus again")
+    if not shards or not all(isinstance(s, dict) and {"shard", "bin_sha256", "idx_sha256"} <= set(s) for s in shards):
+        raise DataError(f"data_path {url}: {MANIFEST} lists no shards, or shards without their checksums; prepare "
+                        "the corpus again")
     urls = [f"{url}/{MANIFEST}"] + [f"{url}/{s['shard']}{suffix}" for s in shards for suffix in (".bin", ".idx")]
     checksums = [None] + [s[f"{suffix}_sha256"] for s in shards for suffix in ("bin", "idx")]
     return str(Path(_local_objects(urls, "shards", attempts, checksums)).parent)
@@ -156,8 +163,10 @@ def _local_token_files(url: str, attempts: int) -> str:
                         "--sharded`, datatrove .ds or dolma .npy token files there")
     if not retried(lambda: fs.exists(path), f"reading {url}", attempts):
         raise nothing
-    token_files = [f for f in expand_remote(url, f"data_path {url}", lambda p: p.suffix in (".ds", ".npy"))
-                   if f.suffix in (".ds", ".npy")]
+    folder = URL.sub("", url).rstrip("/")  # a folder's own files, as on local disk (not those of its subfolders)
+    listed = expand_remote(url, f"data_path {url}", lambda p: p.suffix in (".ds", ".npy"))
+    token_files = [f for f in listed if f.suffix in (".ds", ".npy")
+                   and folder in (URL.sub("", f.url), URL.sub("", f.url).rsplit("/", 1)[0])]
     if not token_files:
         raise nothing
     urls = [f.url for f in token_files]

@@ -9,6 +9,8 @@ record) and checked by its objects' sizes, so no node needs a shared file system
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
 import tempfile
@@ -45,6 +47,15 @@ class LocalShards:
     def publish(self, name: str, record: dict, written: Path | None = None) -> None:
         write_text_whole(self.folder / f"{name}{RECORD}", json.dumps(record, indent=1))
 
+    def discard(self, written: Path) -> None:
+        """Nothing: a failed writer removed its own temporary files."""
+
+    def present(self, name: str, record: dict) -> bool:
+        """The shard's files are here with the sizes its record holds (the driver sees what the tasks wrote)."""
+        return all((self.folder / f"{name}.{suffix}").is_file()
+                   and (self.folder / f"{name}.{suffix}").stat().st_size == record.get(f"{suffix}_bytes")
+                   for suffix in ("bin", "idx"))
+
     def records(self, names: list[str]) -> dict[str, dict]:
         found = {}
         for name in names:
@@ -61,6 +72,13 @@ class LocalShards:
 
     def remove_manifest(self) -> None:
         (self.folder / MANIFEST).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """The last check of the records and the manifest, one run at a time (a lock file in the folder)."""
+        with open(self.folder / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def write_manifest(self, text: str) -> None:
         write_text_whole(self.folder / MANIFEST, text)
@@ -91,6 +109,13 @@ class RemoteShards:
         finally:
             shutil.rmtree(written.parent, ignore_errors=True)
 
+    def discard(self, written: Path) -> None:
+        """The local folder of a shard that failed before its upload."""
+        shutil.rmtree(written.parent, ignore_errors=True)
+
+    def present(self, name: str, record: dict) -> bool:
+        return True  # uploaded by the task itself before it returned its record
+
     def records(self, names: list[str]) -> dict[str, dict]:
         self._sizes = self._storage(self.remote.sizes)  # one listing serves every `holds`
         present = [name for name in names if f"{name}{RECORD}" in self._sizes]
@@ -113,6 +138,12 @@ class RemoteShards:
     def remove_manifest(self) -> None:
         self._storage(lambda: self.remote.remove(MANIFEST))
 
+    @contextlib.contextmanager
+    def finishing(self):
+        """Object storage has no lock: parts finishing in the same moment may each miss the other's last record,
+        and then a rerun of either writes the manifest (it tokenizes nothing)."""
+        yield
+
     def write_manifest(self, text: str) -> None:
         self._storage(lambda: self.remote.put_text(MANIFEST, text))
 
@@ -123,10 +154,18 @@ class RemoteShards:
             raise DataError(f"--output-prefix {self.location}: {exc}") from None
 
 
+def is_sharded(folder: Path) -> bool:
+    """Whether `folder` holds the manifest of `prepare --sharded` (another tool's manifest.json is not one)."""
+    try:
+        return bool(read_manifest(folder))
+    except DataError:
+        return (folder / MANIFEST).is_file()  # ours, damaged: read_manifest says so where it is read
+
+
 def read_manifest(folder: Path) -> dict:
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        return manifest if manifest.get("format") == "pretrainer-shards" else {}
+        return manifest if isinstance(manifest, dict) and manifest.get("format") == "pretrainer-shards" else {}
     except (OSError, ValueError) as exc:
         raise DataError(f"data_path {folder}: {MANIFEST} cannot be read ({exc}); prepare the corpus again") from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from .encode import encode_in_process
 from .indexed import IndexedDatasetWriter
 from .prepare import MAX_EXAMPLES, PrepareJob, PrepareSummary, prepare_job, shard_files, texts_of
 from .readers import DataError
-from .remote import RemoteFile
+from .remote import RemoteFile, is_url
 from .shard_store import MANIFEST, RECORD, read_manifest, sha256, shard_store
 
 __all__ = ["MANIFEST", "RECORD", "ShardTask", "prepare_sharded", "read_manifest", "tokenize_file"]
@@ -49,7 +50,10 @@ def prepare_sharded(inputs: list[str], tokenizer: str, output_prefix: str, json_
     """Every input file (or part `shard` of them) into its shard, locally with `workers` processes or as tasks on the
     Ray cluster at `ray_address`; the manifest is written by the run that completes the last shard, and with `merge`
     the shards are then streamed into one `PREFIX_{key}_document.bin/.idx` pair."""
+    if not is_url(output_prefix):  # Ray workers start in other folders: every path the same from anywhere
+        output_prefix = os.path.abspath(output_prefix)
     all_files, job = prepare_job(inputs, tokenizer, output_prefix, append_eod, txt_mode, on_error, None)
+    all_files = [f if isinstance(f, RemoteFile) else f.absolute() for f in all_files]
     chosen = set(map(str, shard_files(all_files, shard) if shard is not None else all_files))
     summary, start = PrepareSummary(), time.perf_counter()
     for key in json_keys:
@@ -68,17 +72,26 @@ def prepare_sharded(inputs: list[str], tokenizer: str, output_prefix: str, json_
         else:
             done = run_locally(todo, job, workers)
         for task, record in done:
+            if ray_address is not None and not store.present(task.name, record):
+                raise DataError(f"--ray: the shard of {task.source} was written where this machine does not see it "
+                                f"({store.location}); give an --output-prefix on a file system every node shares, "
+                                "or an s3:// URL")
             records[task.index] = record
             summary.files_tokenized += 1
         _count(summary, [records[t.index] for t in tasks if t.source in chosen])
-        if len(records) == len(tasks) and not any(r["documents"] for r in records.values()):
-            raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
-                            + (" (every record was skipped)" if summary.skipped else ""))
-        if len(records) < len(tasks):
-            summary.waiting.append(f"{store.location}: {len(tasks) - len(records)} of {len(tasks)} files have no "
-                                   "shard yet")
-            continue
-        store.write_manifest(manifest_text([records[t.index] for t in tasks], job))
+        with store.finishing():  # parts (--shard) finishing at once take turns: the last sees every record
+            if len(records) < len(tasks):  # other parts may have finished theirs meanwhile
+                found = store.records([t.name for t in tasks if t.index not in records])
+                records.update({t.index: r for t in tasks if t.index not in records
+                                and (r := current(t, found.get(t.name), job, store)) is not None})
+            if len(records) == len(tasks) and not any(r["documents"] for r in records.values()):
+                raise DataError(f"--input {' '.join(inputs)}: no documents to write for key {key!r}"
+                                + (" (every record was skipped)" if summary.skipped else ""))
+            if len(records) < len(tasks):
+                summary.waiting.append(f"{store.location}: {len(tasks) - len(records)} of {len(tasks)} files have "
+                                       "no shard yet")
+                continue
+            store.write_manifest(manifest_text([records[t.index] for t in tasks], job))
         summary.manifests.append(f"{store.location}/{MANIFEST}")
         if merge:
             from .merge import merge_shards
@@ -121,6 +134,7 @@ def tokenize_file(task: ShardTask, job: PrepareJob) -> dict:
         writer.finalize()
     except BaseException:
         writer.abort()
+        store.discard(prefix)
         raise
     files = {suffix: Path(f"{prefix}.{suffix}") for suffix in ("bin", "idx")}
     record = {"shard": task.name, "source": task.source, **_identity(task.file), "job": fingerprint(job, task.key),

@@ -14,7 +14,7 @@ import numpy as np
 
 from .indexed import IndexedDataset, IndexedTokens
 from .readers import DataError
-from .shard_store import MANIFEST, read_manifest
+from .shard_store import MANIFEST, is_sharded, read_manifest
 
 SCAN_TOKENS = 1 << 24  # tokens read at a time when a pass over a file is needed (flat memory)
 
@@ -24,7 +24,7 @@ def open_prepared(path: str | Path, tokenizer=None):
     folder of them, a dolma `.npy` file or folder of them. `tokenizer` (the run's) checks the ids against its
     vocabulary and gives dolma's EOS."""
     path = Path(path)
-    if (path / MANIFEST).is_file():
+    if is_sharded(path):
         return _checked(sharded_corpus(path), tokenizer)
     datatrove, dolma = _files(path, ".ds"), _files(path, ".npy")
     if datatrove and dolma:

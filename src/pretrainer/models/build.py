@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, Parametrization
 from . import mpt_attention
 from .hf_conversions import conversions_of
 from .hf_weights import CheckpointTensors, attach_checkpoint, pending_checkpoint
@@ -144,7 +144,8 @@ def build_model(args, spec: ModelSpec, read_slices: bool = False) -> torch.nn.Mo
     return model
 
 
-def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelSpec | None, seed: int) -> None:
+def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelSpec | None, seed: int,
+                               parametrization: Parametrization | None = None) -> None:
     """`mtp_num_layers` depths appended before an engine lays the model out: read from the model folder's files
     where they hold them (docs/multi-token-prediction.md, 'HF folders in and out'), the rest initialised."""
     config = model.config
@@ -174,7 +175,7 @@ def add_multi_token_prediction(model: torch.nn.Module, depths: int, spec: ModelS
     if main_is_real:
         if reader is not None:
             reader.check(model, within=tuple(prefixes))
-        materialize_modules(model, layers, torch.device("cpu"), seed, reader)
+        materialize_modules(model, layers, torch.device("cpu"), seed, reader, parametrization)
 
 
 def _model_reading_slices(args, spec: ModelSpec) -> torch.nn.Module:

@@ -62,18 +62,19 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int,
 
 @torch.no_grad()
 def materialize_modules(model: torch.nn.Module, modules: list[torch.nn.Module], device: torch.device, seed: int,
-                        checkpoint=None) -> None:
+                        checkpoint=None, parametrization: Parametrization | None = None) -> None:
     """Allocate and fill (from `checkpoint`, a CheckpointTensors, where it holds them) or initialise the meta
     tensors of `modules` only, in a model whose other tensors are real (layers added to a loaded model): the same
     values as `materialize` gives them in a model built on the meta device."""
     wanted = {id(m) for top in modules for m in top.modules()}
+    scales = init_scales(model, parametrization) if parametrization is not None else {}
     filled: set[int] = set()
     for name, module in model.named_modules():
         if id(module) not in wanted:
             continue
         tensors = _allocate_module(module, device, {})
         if tensors:
-            _fill_or_init(model, module, name, tensors, checkpoint, seed, filled)
+            _fill_or_init(model, module, name, tensors, checkpoint, seed, filled, scales)
 
 
 def _fill_or_init(model, module: torch.nn.Module, name: str, tensors: dict, checkpoint, seed: int,
@@ -126,7 +127,7 @@ def _init_module(model, module: torch.nn.Module, name: str, tensors: dict, seed:
         torch.manual_seed((seed * 1_000_003 + zlib.crc32(parameter_name(name).encode())) % 2**63)
         model._init_weights(module)
     prefix = f"{name}." if name else ""
-    for key in module._parameters:  # the parametrization's factor on the init rule's std (a zero-mean rule)
+    for key in module._parameters:  # the parametrization's factor on the init rule's values (std, or a norm's 1)
         if key in tensors and scales.get(parameter_name(prefix + key), 1.0) != 1.0:
             _get(module, key).mul_(scales[parameter_name(prefix + key)])
     for key, sharded in originals.items():

@@ -125,7 +125,7 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
         model = build_model(args, resolved.model, read_slices=engine.reads_slices)
     else:
         model.config.use_cache = False
-    add_multi_token_prediction(model, resolved.mtp_depths, resolved.model, args.seed)
+    add_multi_token_prediction(model, resolved.mtp_depths, resolved.model, args.seed, resolved.options.parametrization)
     facts, made = _prepare_model(args, resolved, model, engine, training)
     if not training:
         return AssembledRun(resolved, engine, engine.place(model), facts, predicted_memory=predicted)

@@ -111,6 +111,12 @@ def _sharding_rule(name: str) -> Rule:
     return Rule(name, NO_EFFECT, holds, why, lambda value: value is not None)
 
 
+def _deepspeed_blocks(choice: Choice) -> list[str]:
+    """The blocks of a DeepSpeed JSON that replace the run's optimizer groups or their lrs."""
+    config = getattr(choice.settings, "config", None) or {}
+    return [block for block in ("optimizer", "scheduler") if block in config]
+
+
 RULES: tuple[Rule, ...] = (
     Rule("context_parallel_degree", CANNOT, lambda c: c.cls.supports_context_parallel and c.world_size > 1,
          lambda c: f"{c.args.context_parallel_degree} splits each sequence over ranks, which needs several processes "
@@ -137,11 +143,13 @@ RULES: tuple[Rule, ...] = (
     *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
     *(_sharding_rule(key) for key in SHARDING_KEYS),
     *(_plugin_rule(key, NO_EFFECT, lambda value: value is not None) for key in SETTING_KEYS),
-    Rule("parametrization", CANNOT, lambda c: "optimizer" not in (getattr(c.settings, "config", None) or {}),
+    Rule("parametrization", CANNOT, lambda c: not _deepspeed_blocks(c),
          lambda c: f"parametrization: {c.args.parametrization} sets each parameter group's lr, but the DeepSpeed "
-                   f"config's own optimizer block ({c.settings.source}) builds one group of every parameter; remove "
-                   "its \"optimizer\" block (the run's AdamW takes lr, betas, eps and weight_decay from the config) "
-                   "or use parametrization: sp", lambda value: value != "sp"),
+                   f"config's own {' and '.join(_deepspeed_blocks(c))} block ({c.settings.source}) "
+                   + ("builds one group of every parameter" if "optimizer" in _deepspeed_blocks(c) else
+                      "sets one lr for every group") + "; remove it (the run's AdamW and schedule take lr, betas, "
+                   "eps, weight_decay and lr_decay_style from the config) or use parametrization: sp",
+         lambda value: value != "sp"),
     Rule("accumulate_gradients", NO_EFFECT, lambda c: c.cls.shards_gradients(c.settings),
          lambda c: f"accumulate_gradients: {c.args.accumulate_gradients} is set but engine {c.engine.name} keeps "
                    f"whole gradients on every rank (nothing to shard); remove it, or use engine "
