@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pretrainer.parallel.expert_exchange import ExpertExchange
+from pretrainer.parallel.world import destroy_process_group
 
 dist.init_process_group("gloo")
 rank, ranks = dist.get_rank(), dist.get_world_size()
@@ -63,5 +64,4 @@ for tokens in (5, 12):
 
 Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
 (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(worst))
-dist.barrier()
-dist.destroy_process_group()
+destroy_process_group(barrier=True)  # gloo's workers idle and joined first: a bare destroy may abort at exit

@@ -171,3 +171,47 @@ def depth_inputs(input_ids: torch.Tensor, depth: int) -> torch.Tensor:
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def cut_windows(batch: dict, length: int) -> dict:
+    """A packed batch of `[rows, L]` windows as `[rows x L/length, length]` ones: each window cut into consecutive
+    shorter ones over the same tokens and targets (a sequence-length stage, config/seq_stages.py). Positions that
+    restart at every document (reset_position_ids) restart at each short window's start too, as a run at `length`
+    would have them; a mixture's row sources follow their rows. A batch of shorter windows (a corpus's last one) is
+    padded on the right to whole windows first (causal attention keeps padding out of the tokens before it; its
+    targets are ignored), and windows holding nothing but a row's padding are left out."""
+    rows, total = batch["input_ids"].shape
+    if total <= length:
+        return batch
+    if "shift_labels" not in batch:
+        raise ValueError("seq_length_schedule cuts the run's packed windows (batches with shift_labels); this batch "
+                         "has none, so it cannot be cut into a stage's windows")
+    pieces = -(-total // length)
+    padded = {key: _pad_right(key, value, pieces * length - total) if _is_row_tensor(value, rows, total) else value
+              for key, value in batch.items()}
+    cut = {key: value.reshape(rows * pieces, length) if _is_row_tensor(value, rows, pieces * length) else value
+           for key, value in padded.items()}
+    positions = cut.get("position_ids")
+    if positions is not None:
+        # the first document of a window continues one begun before it: its positions restart at the window start
+        before_first_start = (positions[:, 1:] == 0).cumsum(dim=1) == 0
+        first = F.pad(before_first_start, (1, 0), value=True)
+        cut["position_ids"] = torch.where(first, positions - positions[:, :1], positions)
+    if SOURCE in batch:
+        cut[SOURCE] = batch[SOURCE].repeat_interleave(pieces)
+    keep = cut["attention_mask"].any(dim=1) if "attention_mask" in cut else None  # not only a row's padding
+    if keep is not None and not bool(keep.all()):
+        cut = {key: value[keep] if isinstance(value, torch.Tensor) and value.shape[:1] == keep.shape else value
+               for key, value in cut.items()}
+    return cut
+
+
+def _is_row_tensor(value, rows: int, length: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and tuple(value.shape) == (rows, length)
+
+
+def _pad_right(key: str, value: torch.Tensor, extra: int) -> torch.Tensor:
+    """`extra` positions of padding after a row tensor: ignored targets, masked-out inputs."""
+    if not extra:
+        return value
+    return F.pad(value, (0, extra), value=IGNORE if key in ("shift_labels", "labels") else 0)

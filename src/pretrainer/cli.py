@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from .config import ON_ERROR, ConfigError, PreTrainingArguments, check_writable_folder
+from .config.fault_tolerance import GROUP_ENV
 from .config.loading import int_at_least
 from .data.readers import DataError
 from .storage import StorageError, is_url
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         ns.overrides = [*ns.overrides, *extra]
     commands = {"prepare": prepare_command, "tokenizer": tokenizer_command, "report": report_command,
                 "plan": plan_command, "train": train_command, "export": export_command,
-                "evaluate": evaluate_command, "mup-check": mup_check_command}
+                "evaluate": evaluate_command, "mup-check": mup_check_command, "lighthouse": lighthouse_command}
+    if getattr(ns, "replica_group", None) is not None:  # a launcher's workers inherit it with the environment
+        os.environ[GROUP_ENV] = str(ns.replica_group)
     try:
         plan = launch_plan(ns)
         if plan is not None:
@@ -136,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys for nested ones)")
+    train.add_argument("--replica-group", type=int_at_least(0), metavar="I",
+                       help="with fault_tolerance: this command's processes are replica group I (0..R-1)")
     add_launcher_flags(train)
+    add_lighthouse_command(commands)
 
     plan = commands.add_parser("plan", help="predict per-rank memory and step time of a config's layout, and list "
                                "the layouts that fit")
@@ -177,11 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--output", help="also write the scores to this JSON file")
     add_launcher_flags(evaluate)
 
-    report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
-    report.add_argument("save_dir", help="the run's save_dir with metrics.jsonl: a folder, or a URL (then uploaded)")
-    report.add_argument("--branch", action="append", metavar="DIR",
-                        help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
-                             "under SAVE_DIR/branches)")
+    add_report_command(commands)
 
     # The deepspeed launcher passes --local_rank=N right after the program (the environment's LOCAL_RANK says the same).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -189,6 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_commands(commands)
     add_mup_check_command(commands)
     return parser
+
+
+def add_report_command(commands) -> None:
+    report = commands.add_parser("report", help="write SAVE_DIR/report/report.html and SVG charts from a run")
+    report.add_argument("save_dir", help="the run's save_dir with metrics.jsonl: a folder, or a URL (then uploaded)")
+    report.add_argument("--branch", action="append", metavar="DIR",
+                        help="a cooldown branch's save_dir to draw over the run (repeatable; default: the folders "
+                             "under SAVE_DIR/branches)")
+
+
+def add_lighthouse_command(commands) -> None:
+    lighthouse = commands.add_parser("lighthouse", help="torchft's lighthouse for a fault-tolerant run's replica "
+                                                        "groups (fault_tolerance)")
+    lighthouse.add_argument("--bind", required=True, metavar="HOST:PORT", help="where to listen, e.g. 0.0.0.0:29510")
+    lighthouse.add_argument("--min-replicas", type=int_at_least(1), required=True, metavar="M",
+                            help="the fewest replica groups a step may go on with")
+    lighthouse.add_argument("--join-timeout-ms", type=int_at_least(0), default=60000, metavar="MS",
+                            help="how long a quorum waits for a live group to join (default 60000)")
+    lighthouse.add_argument("--heartbeat-timeout-ms", type=int_at_least(1), default=5000, metavar="MS",
+                            help="a group without a heartbeat this long is gone from the quorum (default 5000)")
 
 
 def add_mup_check_command(commands) -> None:
@@ -243,6 +265,12 @@ def train_command(ns) -> int:
     with PreTrainer(PreTrainingArguments.from_yaml(ns.config, ns.overrides)) as trainer:
         trainer.train()
     return 0
+
+
+def lighthouse_command(ns) -> int:
+    from .train.lighthouse import serve
+
+    return serve(ns.bind, ns.min_replicas, ns.join_timeout_ms, ns.heartbeat_timeout_ms)
 
 
 def export_command(ns) -> int:

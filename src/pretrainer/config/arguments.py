@@ -22,6 +22,7 @@ import yaml
 from .downstream import DownstreamTask, read_downstream_tasks
 from .dtypes import DTYPES, torch_dtype
 from .errors import ConfigError, key_error
+from .fault_tolerance import read_fault_tolerance
 from .features import check_features
 from .loading import (
     UniqueKeyLoader,
@@ -46,6 +47,7 @@ from .openmind import apply_openmind_rules, check_given_against_megatron, megatr
 from .optimization import MUON_ADJUST_LR, MUON_NS_DTYPES, OPTIMIZERS, WSD_DECAY_SHAPES
 from .parametrization import PARAMETRIZATIONS, check_parametrization
 from .paths import staging_folder
+from .seq_stages import read_seq_length_schedule
 from .sizes import MAX_RUN_TOKENS, global_batch_size
 from .urls import is_url, parse_url
 
@@ -188,11 +190,13 @@ class PreTrainingArguments:
     # --- longer contexts ---
     rope_scaling: dict | None = None
     rope_theta: float | None = None
+    seq_length_schedule: list | None = None  # [{until_tokens, seq_length[, rope_theta, rope_scaling]}, ...]
     loss_chunk_size: int | str = "auto"
     z_loss_coeff: float = 0.0            # output z-loss: coeff x mean(logsumexp(logits)^2) over trained tokens
     mtp_num_layers: int = 0              # multi-token prediction depths (DeepSeek-V3's MTP; config/mtp.py)
     mtp_loss_coeff: float = DEFAULT_LOSS_COEFF  # the MTP loss's weight: coeff / depths x the sum of the depths' losses
     context_parallel_degree: int = 1
+    fault_tolerance: dict | None = None  # replica groups kept in step by torchft (config/fault_tolerance.py)
 
     # --- Mixture-of-Experts (config/moe.py; only for a model with experts) ---
     moe_aux_loss_coeff: float | None = None          # load-balancing loss weight; null: router_aux_loss_coef
@@ -634,7 +638,43 @@ class PreTrainingArguments:
             raise key_error("distributed_timeout_minutes", f"distributed_timeout_minutes must be > 0 and at most "
                             f"{longest:.3g} (a timedelta's limit), got {self.distributed_timeout_minutes:g}")
 
+    @property
+    def replica_settings(self):
+        """`fault_tolerance` read (config/fault_tolerance.py); None without one."""
+        return read_fault_tolerance(self.fault_tolerance)
+
+    @property
+    def seq_stages(self):
+        """`seq_length_schedule` read (config/seq_stages.py); None without one."""
+        return read_seq_length_schedule(self.seq_length_schedule, ROPE_TYPES)
+
+    def _check_seq_stages(self) -> None:
+        stages = self.seq_stages
+        if stages is None:
+            return
+        top = [key for key in ("rope_scaling", "rope_theta") if getattr(self, key) is not None]
+        if top and stages.sets_rope:
+            raise key_error(top[0], f"{top[0]} is set for the whole run and seq_length_schedule's stages set RoPE "
+                            "too; set it in the stages only (a stage without RoPE keys trains with the model's own)")
+        if self.batch_size_schedule is not None and any(stage.sequences is not None for stage in stages.stages):
+            raise key_error("seq_length_schedule", "a stage names sequences and batch_size_schedule is set: both "
+                            "set the global batch; use one of them")
+
     def _check_long_context(self) -> None:
+        self._check_seq_stages()
+        settings = self.replica_settings
+        if settings is not None and (self.batch_size_schedule is not None or any(
+                stage.sequences is not None for stage in (self.seq_stages.stages if self.seq_stages else ()))):
+            raise key_error("fault_tolerance", "fault_tolerance with a batch ramp (batch_size_schedule, or stages "
+                            "naming sequences) is not available; remove one of them")
+        spike = [key for key in ("loss_spike_factor", "spike_zscore") if getattr(self, key)]
+        if settings is not None and spike:
+            raise key_error(spike[0], f"{spike[0]} with fault_tolerance is not available: each replica group would "
+                            "judge its own loss and skip updates the others apply; remove one of them")
+        if settings is not None and settings.mode == "diloco" and self.num_training_steps % settings.sync_every:
+            raise key_error("fault_tolerance", f"fault_tolerance.mode diloco: num_training_steps "
+                            f"({self.num_training_steps}) is not a multiple of sync_every ({settings.sync_every}), so "
+                            "the groups would end apart, after steps no sync averages; make it one")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:

@@ -9,8 +9,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, key_error
+
+if TYPE_CHECKING:
+    from .seq_stages import SeqLengthSchedule
 
 
 def resolve_seq_length(seq_length: int | None, model_config, where: str) -> int:
@@ -116,14 +120,47 @@ class BatchSizes:
     num_training_steps: int
     eval_iters: int                  # micro-batches one evaluation reads on each replica
     ramp: BatchRamp | None = None    # batch_size_schedule: a smaller global batch in the first stages
+    stages: "SeqLengthSchedule | None" = None  # seq_length_schedule: shorter windows in the first stages
 
     @staticmethod
     def of(args, seq_length: int, data_parallel_size: int) -> "BatchSizes":
+        stages = args.seq_stages
         sizes = BatchSizes(seq_length, args.micro_batch_size, args.gradient_accumulation_steps, data_parallel_size,
-                           args.num_training_steps, args.eval_iters)
-        sizes = sizes.with_steps(args.num_training_steps, args.batch_size_schedule)
+                           args.num_training_steps, args.eval_iters,
+                           stages=stages.resolved(seq_length) if stages is not None else None)
+        sizes = sizes.with_steps(args.num_training_steps, sizes.ramp_schedule(args.batch_size_schedule))
         check_run_tokens(sizes.train_samples * seq_length, "num_training_steps")
         return sizes
+
+    def ramp_schedule(self, batch_size_schedule: list | None) -> list | None:
+        """The batch ramp: `batch_size_schedule`, or the one the sequence-length stages that name `sequences` make
+        (a stage's windows counted in the run's sequences, from the stage's first token)."""
+        stages = self.stages
+        if stages is None or all(stage.sequences is None for stage in stages.stages):
+            return batch_size_schedule
+        per_round, ramp = self.micro_batch_size * self.data_parallel_size, []
+        for index, stage in enumerate(stages.stages):
+            where = f"seq_length_schedule[{index}]"
+            windows = stages.windows_per_sequence(index)
+            sequences = self.global_batch_size if stage.sequences is None else stage.sequences / windows
+            if sequences != int(sequences) or sequences % per_round or sequences > self.global_batch_size:
+                raise key_error("seq_length_schedule", f"{where}: {stage.sequences} windows of {stage.seq_length} "
+                                f"are {sequences:g} of the run's {self.seq_length}-token sequences; give a multiple "
+                                f"of {windows * per_round} windows (micro_batch_size x dp = {per_round} sequences), "
+                                f"at most the global batch ({self.global_batch_size * windows} windows)")
+            if index == len(stages.stages) - 1 and sequences != self.global_batch_size:
+                raise key_error("seq_length_schedule", f"{where}: the last stage trains the config's global batch "
+                                f"({self.global_batch_size} sequences), not {stage.sequences}; remove its sequences")
+            ramp.append([stages.start_tokens(index), int(sequences)])
+        return ramp
+
+    def stage_at(self, step: int) -> int:
+        """The sequence-length stage of the update numbered `step` (0 without stages)."""
+        return self.stages.index_at(self.tokens_before(step)) if self.stages is not None else 0
+
+    def seq_length_at(self, step: int) -> int:
+        """The window length the update numbered `step` trains at."""
+        return self.stages.stages[self.stage_at(step)].seq_length if self.stages is not None else self.seq_length
 
     def with_steps(self, num_training_steps: int, schedule: list | None) -> "BatchSizes":
         """These sizes over `num_training_steps`, the ramp `schedule` ([[tokens, sequences], ...]) checked: each stage a
@@ -192,6 +229,7 @@ class BatchSizes:
 
     def describe(self) -> str:
         ramp = f" ramp=({self.ramp.describe()})" if self.ramp is not None else ""
+        ramp += f" seq_length_stages=({self.stages.describe()})" if self.stages is not None else ""
         return (f"seq_length={self.seq_length} global_batch={self.global_batch_size} "
                 f"({self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation x "
                 f"{self.data_parallel_size} replica(s)){ramp}")

@@ -31,6 +31,7 @@ class DataPlacement:
     barrier: Callable[[], None]
     gather: Callable[[object], list] = lambda value: [value]  # every rank's value, on every rank
     local_rank: int = 0        # this process's index on its machine (builds node-local caches)
+    eval_replicas: int = 0     # replicas that share the eval batches, where fewer than `replicas` (replica groups)
 
 
 @dataclass
@@ -57,11 +58,14 @@ def assemble_data(args, sizes, tokenizer, placement: DataPlacement, *, datasets_
         logger.info("document masking: positions restart after each EOS%s", "; attention stays within each "
                     "document" if args.reset_attention_mask else "")
     shard = {"rank": placement.rank, "world_size": placement.replicas, "masking": masking}
+    # every replica group evaluates the same held-out batches (its own data-parallel share of them)
+    eval_shard = {**shard, "rank": placement.rank % placement.eval_replicas, "world_size": placement.eval_replicas} \
+        if placement.eval_replicas else shard
     train = SampleStream(built.train, sizes.micro_batch_size, pad_id, seed=args.seed, num_workers=args.num_workers,
                          shuffle=not built.shuffled, **shard)
     if eval_dataloader is None and built.eval is not None:
-        eval_dataloader = EvalBatches(built.eval, sizes.micro_batch_size, pad_id, **shard)
-    sources = {name: EvalBatches(data, sizes.micro_batch_size, pad_id, **shard)
+        eval_dataloader = EvalBatches(built.eval, sizes.micro_batch_size, pad_id, **eval_shard)
+    sources = {name: EvalBatches(data, sizes.micro_batch_size, pad_id, **eval_shard)
                for name, data in built.eval_sources.items()}
     return RunData(train, eval_dataloader, built.mixture, sources)
 

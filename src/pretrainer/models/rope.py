@@ -10,9 +10,13 @@ so `max_position_embeddings` keeps meaning the original length; `config.sizes.mo
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 
+import torch
+
 from ..config import ConfigError
+from ..config.sizes import model_positions
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,73 @@ def apply_rope_settings(config, rope_scaling: dict | None, rope_theta: float | N
     try:
         validate()
     except (KeyError, ValueError, TypeError) as exc:
-        message = str(exc).strip("'\"")
+        message = str(exc)
+        if len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":  # a KeyError's quotes
+            message = message[1:-1]
         raise ConfigError(f"key 'rope_scaling': {message} (the model config is {where})") from None
     logger.info("RoPE: %s%s; positions %d -> %d", f"{kind} x{scaling['factor']:g}" if kind else "base unchanged",
                 f", theta {rope_theta:g}" if rope_theta is not None else "", original, config.max_position_embeddings)
+
+
+# What `apply_rope_settings` writes on a config: the fields a stage's RoPE replaces on the model's config.
+ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings")
+# Models whose attention reads the RoPE scaling when it is built (DeepSeek's YaRN softmax scale), not only the rotary
+# embedding: a stage cannot change it in place.
+ATTENTION_READS_ROPE = ("deepseek_v2", "deepseek_v3")
+
+
+def stage_rope_config(config, stage, where: str):
+    """A copy of the model's `config` with the RoPE settings of a sequence-length `stage` (config/seq_stages.py);
+    the config itself where the stage sets none."""
+    if not stage.sets_rope:
+        return config
+    if getattr(config, "model_type", None) in ATTENTION_READS_ROPE:
+        raise ConfigError(f"key 'seq_length_schedule': a stage sets RoPE, but {config.model_type}'s attention reads "
+                          f"its RoPE scaling when it is built ({where}); set rope_scaling for the whole run instead")
+    copy = copy_module.deepcopy(config)
+    try:
+        apply_rope_settings(copy, stage.rope_scaling, stage.rope_theta, where)
+    except ConfigError as exc:  # name the stage's key, not the top-level one
+        raise ConfigError(str(exc).replace("key 'rope_scaling'", "key 'seq_length_schedule': a stage's rope_scaling",
+                                           1)) from None
+    return copy
+
+
+def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's rotary embeddings: the modules holding RoPE's inverse frequencies."""
+    return [module for module in model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
+
+
+def use_rope_config(model: torch.nn.Module, config, rope_config) -> None:
+    """Make `model` (whose HF config is `config`) rotate with `rope_config`'s RoPE: its rotary embeddings are rebuilt
+    in place (the same modules and buffers, so the engine's wrappers keep them) and the config's RoPE fields are set,
+    so that a checkpoint or an export of the model carries them."""
+    for field in ROPE_FIELDS:
+        if field in vars(rope_config):
+            setattr(config, field, getattr(rope_config, field))
+    for module in rotary_modules(model):
+        try:
+            fresh = type(module)(config=config)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"key 'seq_length_schedule': a stage's RoPE cannot rebuild the model's "
+                              f"{type(module).__name__} from its config ({exc}); set RoPE for the whole run "
+                              "instead") from None
+        for name, buffer in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buffer)
+        for name, value in vars(fresh).items():
+            if not name.startswith("_") and name != "training":
+                setattr(module, name, value)
+
+
+def check_stage_positions(schedule, config, where: str) -> None:
+    """Each sequence-length stage's windows within the positions its RoPE gives the model (`schedule`: resolved)."""
+    if schedule is None or config is None:
+        return
+    for index, stage in enumerate(schedule.stages):
+        positions = model_positions(stage_rope_config(config, stage, f"{where}; seq_length_schedule[{index}]"))
+        if positions is not None and stage.seq_length > positions:
+            factor = -(-stage.seq_length // positions)
+            raise ConfigError(f"key 'seq_length_schedule': seq_length_schedule[{index}] trains windows of "
+                              f"{stage.seq_length} tokens, more than the {positions} positions the model ({where}) "
+                              f"has with this stage's RoPE; give the stage rope_scaling, e.g. {{rope_type: yarn, "
+                              f"factor: {factor}}}, or a shorter seq_length")

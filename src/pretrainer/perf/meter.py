@@ -4,6 +4,7 @@ device tensors and read once per logged row, so no other step waits for the devi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import resource
 import time
@@ -59,13 +60,18 @@ class StepPhases:
 
 class IntervalMeter:
     def __init__(self, engine, flops: FlopsCount, peak: DevicePeak, recompute: str = "none"):
-        self.engine, self.flops, self.peak = engine, flops, peak
+        self.engine, self.flops, self.peak, self.recompute = engine, flops, peak, recompute
         self.performed_per_token = flops.performed_per_token(recompute)
         self._warned = False
         self.phases = StepPhases(engine.device)
         # not yet in the train state's tokens
         self.pending_targets = torch.zeros((), dtype=torch.int64, device=engine.device)
         self._reset()
+
+    def use_seq_length(self, seq_length: int) -> None:
+        """Count attention's FLOPs at `seq_length` from now on (a sequence-length stage)."""
+        self.flops = dataclasses.replace(self.flops, seq_length=seq_length)
+        self.performed_per_token = self.flops.performed_per_token(self.recompute)
 
     def _reset(self) -> None:
         device = self.engine.device

@@ -49,12 +49,26 @@ def check_memory_before_build(args, run: ResolvedRun, world: World
     own = plan.estimate
     logger.info("memory plan: predicted peak %s per rank of %s (%s)", size(own.peak), size(device.memory_bytes),
                 device.memory_source)
-    if not own.fits:  # only then are the alternatives searched
-        message = _refusal(plan)
+    # the sequence-length stages that do not fit are named: the run's own layout is the last stage's
+    too_large = [stage for stage in plan.length_stages if not stage.estimate.fits]
+    if not own.fits or too_large:  # only then are the alternatives searched
+        message = _refusal(plan) if not own.fits else _stage_refusal(too_large[0])
+        if too_large and not own.fits:
+            others = f" (and stage(s) {', '.join(str(s.number) for s in too_large[1:])})" if too_large[1:] else ""
+            message = f"seq_length_schedule {too_large[0].describe()}{others}: {message}"
         if mode == "error":
             raise MemoryPlanError(message + "; or set preflight_memory_check: warn to try anyway")
         logger.warning("%s", message)
-    return run, PredictedMemory(own.peak, device.memory_bytes)
+    peak = max([plan.estimate.peak, *(stage.estimate.peak for stage in plan.length_stages)])
+    return run, PredictedMemory(peak, device.memory_bytes)
+
+
+def _stage_refusal(stage) -> str:
+    estimate = stage.estimate
+    return (f"seq_length_schedule {stage.describe()}: predicted peak memory {size(estimate.peak)} per rank exceeds "
+            f"the {size(estimate.device.memory_bytes)} available ({estimate.device.memory_source}) with "
+            f"{estimate.layout.micro_batch} windows of {stage.seq_length} tokens a micro-batch; give the stage "
+            "another length or lower micro_batch_size")
 
 
 def _refusal(plan) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from dataclasses import dataclass
 
 from ..run import ResolvedRun
 from .device_spec import DeviceSpec, size
@@ -21,6 +23,7 @@ class Plan:
                  ramp_stages: list[tuple[int, int, Estimate]] = ()):
         self.shape, self.estimate, self._search, self.accumulation = shape, own, search, accumulation
         self.ramp_stages = list(ramp_stages)  # (first token, sequences, estimate) per batch_size_schedule stage
+        self.length_stages: list[LengthStagePlan] = []  # per seq_length_schedule stage
         self.data_plan: str | None = None     # a data mixture's plan of draws (data.mixture_plan)
 
     @functools.cached_property
@@ -44,8 +47,43 @@ def make_plan(run: ResolvedRun, devices_per_node: int, device: DeviceSpec) -> Pl
         own, decided = _decide_accumulation(own, estimate_of)
         layout = own.layout
     stages = _ramp_stages(layout, run, estimate_of)
-    return Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
+    plan = Plan(shape, own, lambda: alternatives(layout, shape, config, device, run.loss_chunk_for, run.trainable,
                                                  run.weights), decided, stages)
+    plan.length_stages = _length_stages(layout, run, estimate_of)
+    return plan
+
+
+@dataclass(frozen=True)
+class LengthStagePlan:
+    """One sequence-length stage's estimate: the run's layout at the stage's window length, with as many more
+    windows per micro-batch as the tokens per micro-batch stay the same."""
+    number: int                # 1-based
+    count: int                 # stages in the schedule
+    seq_length: int
+    from_tokens: int
+    until_tokens: int | None
+    estimate: Estimate
+
+    def describe(self) -> str:
+        span = f"tokens {self.from_tokens:,} to {self.until_tokens:,}" if self.until_tokens is not None else \
+            f"from token {self.from_tokens:,} to the end"
+        return f"stage {self.number} of {self.count} (seq_length {self.seq_length}, {span})"
+
+
+def _length_stages(layout, run: ResolvedRun, estimate_of) -> list[LengthStagePlan]:
+    schedule, sizes = run.sizes.stages, run.sizes
+    if schedule is None:
+        return []
+    plans = []
+    for index, stage in enumerate(schedule.stages):
+        start = schedule.start_tokens(index)
+        accumulation = sizes.accumulation(math.ceil(sizes.steps_for(start) - 1e-9)) if sizes.ramp else \
+            layout.accumulation
+        staged = layout.replace(seq_length=stage.seq_length, accumulation=accumulation,
+                                micro_batch=layout.micro_batch * schedule.windows_per_sequence(index))
+        plans.append(LengthStagePlan(index + 1, len(schedule.stages), stage.seq_length, start, stage.until_tokens,
+                                     estimate_of(staged)))
+    return plans
 
 
 def _ramp_stages(layout, run: ResolvedRun, estimate_of) -> list[tuple[int, int, Estimate]]:

@@ -58,6 +58,12 @@ def text(plan: Plan, count: int = 8) -> str:
                   f"~{e.step_seconds:,.3g} s a step, peak {e.peak / GIB:.2f} GiB"
                   for start, seqs, e in plan.ramp_stages]
         lines.append("")
+    if plan.length_stages:
+        lines.append("sequence-length stages (seq_length_schedule), the same tokens per micro-batch in each:")
+        lines += [f"  {s.describe()}: {s.estimate.layout.micro_batch} windows a micro-batch, "
+                  f"~{s.estimate.step_seconds:,.3g} s a step, peak {s.estimate.peak / GIB:.2f} GiB"
+                  + ("" if s.estimate.fits else " -- does NOT fit") for s in plan.length_stages]
+        lines.append("")
     if plan.data_plan:
         lines += ["data mixture, the plan of draws (train_data):", *plan.data_plan.splitlines(), ""]
     if plan.fitting(1):
@@ -87,6 +93,10 @@ def as_json(plan: Plan, count: int = 50) -> dict:
         "step_seconds": own.step_seconds,
         "ramp_stages": [{"from_tokens": start, "sequences": seqs, "accumulation": e.layout.accumulation,
                          "step_seconds": e.step_seconds, "peak_bytes": e.peak} for start, seqs, e in plan.ramp_stages],
+        "length_stages": [{"stage": s.number, "seq_length": s.seq_length, "from_tokens": s.from_tokens,
+                           "until_tokens": s.until_tokens, "micro_batch": s.estimate.layout.micro_batch,
+                           "step_seconds": s.estimate.step_seconds, "peak_bytes": s.estimate.peak,
+                           "fits": s.estimate.fits} for s in plan.length_stages],
         "assumptions": assumptions(own),
         "data_plan": plan.data_plan,
         "layouts": [{"overrides": e.layout.overrides(), "peak_bytes": e.peak, "fits": e.fits,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..config import ConfigError
+from ..config.fault_tolerance import replica_group
 from ..data import DataPlacement, RunData, assemble_data
 from ..models import (
     LoadStats,
@@ -107,6 +108,12 @@ def _set_host_heap(resolved: ResolvedRun, world: World) -> str | None:
     return policy
 
 
+def replica_placement(args) -> tuple[int, int]:
+    """(this process's replica group, the groups) of a fault-tolerant run; (0, 1) otherwise."""
+    settings = args.replica_settings
+    return (replica_group(settings), settings.replica_groups) if settings is not None else (0, 1)
+
+
 def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, model, optimizer, lr_scheduler,
                  data: DataSources | None, predicted, callbacks) -> AssembledRun:
     training = data is not None
@@ -116,8 +123,10 @@ def _assemble_on(engine: Engine, args, resolved: ResolvedRun, world: World, mode
                           "(configure it with lr, adam_*, weight_decay)")
     run_data = None
     if training:
-        placement = DataPlacement(engine.data_rank, engine.data_world_size, engine.is_main, engine.barrier,
-                                  engine.all_gather_object, world.local_rank)
+        group, groups = replica_placement(args)  # a fault-tolerant run's group reads its own share of each batch
+        placement = DataPlacement(group * engine.data_world_size + engine.data_rank, groups * engine.data_world_size,
+                                  engine.is_main, engine.barrier, engine.all_gather_object, world.local_rank,
+                                  engine.data_world_size if groups > 1 else 0)
         run_data = assemble_data(args, resolved.sizes, resolved.tokenizer, placement,
                                  datasets_provider=data.datasets_provider, train_dataloader=data.train_dataloader,
                                  eval_dataloader=data.eval_dataloader)

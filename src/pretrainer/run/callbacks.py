@@ -36,6 +36,7 @@ class StepResult:
     grad_norm: torch.Tensor    # before clipping
     lr: float                  # the learning rate the update used
     applied: bool              # the update was applied (not skipped: a non-finite norm, a spike rule)
+    committed: bool = True     # every replica group finished the step (False: nobody applied it; see replicas.py)
 
 
 class Callback:

@@ -37,6 +37,7 @@ from ..models import (
     reads_checkpoint_in_slices,
     resolve_loss_chunk,
 )
+from ..models.rope import check_stage_positions, stage_rope_config
 from ..parallel import EngineEntry, EngineOptions, Layout, World, join_world, select_engine
 from ..parallel.activation_checkpoint import RecomputeSettings
 from .branch import read_branch_point
@@ -177,10 +178,18 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
         spec, where = None, "the model's config"
         path = args.resolved_tokenizer_path
         tokenizer = load_tokenizer(path, Path(path)) if path else None
-    sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, config, where), dims.dp)
+    stages = args.seq_stages  # the run's length is the last stage's, within the positions of that stage's RoPE
+    if stages is not None and args.seq_length:
+        check_stage_positions(stages.resolved(args.seq_length), config, where)
+    last = stage_rope_config(config, stages.stages[-1], where) if stages is not None and config is not None \
+        else config
+    replicas = args.replica_settings  # fault tolerance: the data-parallel replicas of every replica group
+    sizes = BatchSizes.of(args, resolve_seq_length(args.seq_length, last, where),
+                          dims.dp * (replicas.replica_groups if replicas is not None else 1))
+    check_stage_positions(sizes.stages, config, where)
     lr_schedule = schedule_settings(args, sizes, read_branch_point(args))
     if lr_schedule.branch is not None:  # a cooldown branch ends with the update that finishes its tokens
-        sizes = sizes.with_steps(lr_schedule.total_steps, args.batch_size_schedule)
+        sizes = sizes.with_steps(lr_schedule.total_steps, sizes.ramp_schedule(args.batch_size_schedule))
     if warn:
         warn_of_unreached_stages(sizes)
     custom_loss = (args.plugin_args or {}).get("custom_loss_function") is not None
@@ -188,7 +197,8 @@ def resolve_run(args, world: World, model_config=None, accelerator_bf16: bool | 
     chunk = resolve_loss_chunk(args.loss_chunk_size, sizes.micro_batch_size, sizes.seq_length, config, custom_loss,
                                vocab)
     moe = moe_settings(args, config, where, dims)
-    mtp = mtp_settings(args, config, sizes.seq_length, dims.cp)
+    shortest = min(stage.seq_length for stage in sizes.stages.stages) if sizes.stages else sizes.seq_length
+    mtp = mtp_settings(args, config, shortest, dims.cp)  # every stage's windows leave each depth its targets
     sequence_parallel, schedule = cls.parallel_style(settings)
     accumulate, why = accumulation_mode(args, entry, settings, sizes)
     options = EngineOptions(dims, dtype, settings, cls.recompute(args, settings), args.compile, args.seed,
@@ -237,13 +247,21 @@ def described_world_size(args) -> int:
 
 
 def warn_of_unreached_stages(sizes) -> None:
-    """A batch_size_schedule stage that starts after the run's last token never trains (a shortened trial of a
-    long run's config, say): said once, since the run then never reaches the config's global batch."""
-    if sizes.ramp is None:
-        return
-    end = sizes.ramp.tokens_before(sizes.num_training_steps)
-    late = [f"{start:,}" for start, _ in sizes.ramp.stages if start >= end]
+    """A batch_size_schedule (or seq_length_schedule) stage that starts after the run's last token never trains (a
+    shortened trial of a long run's config, say, or a parent whose long-context stage a cooldown branch starts):
+    said once, since the run then never reaches the config's global batch (or the stage's length and RoPE)."""
+    end = sizes.tokens_before(sizes.num_training_steps)
+    ramp_key = "batch_size_schedule" if sizes.stages is None or all(
+        stage.sequences is None for stage in sizes.stages.stages) else "seq_length_schedule's sequences"
+    late = [f"{start:,}" for start, _ in sizes.ramp.stages if start >= end] if sizes.ramp is not None else []
     if late:
-        logger.warning("batch_size_schedule: the stage(s) from token %s start after the run's last token (%s in %d "
-                       "steps) and are never reached; the last step trains %d sequences", ", ".join(late), f"{end:,}",
+        logger.warning("%s: the stage(s) from token %s start after the run's last token (%s in %d steps) and are "
+                       "never reached; the last step trains %d sequences", ramp_key, ", ".join(late), f"{end:,}",
                        sizes.num_training_steps, sizes.ramp.sequences(max(sizes.num_training_steps - 1, 0)))
+    schedule = sizes.stages
+    late = [index + 1 for index in range(len(schedule.stages)) if schedule.start_tokens(index) >= end] \
+        if schedule is not None else []
+    if late:
+        logger.warning("seq_length_schedule: stage(s) %s start after the run's last token (%s in %d steps) and are "
+                       "never reached; the run ends at seq_length %d", ", ".join(map(str, late)), f"{end:,}",
+                       sizes.num_training_steps, sizes.seq_length_at(max(sizes.num_training_steps - 1, 0)))

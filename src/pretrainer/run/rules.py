@@ -139,6 +139,19 @@ RULES: tuple[Rule, ...] = (
              f"engine {c.engine.name} fixes" if c.pipeline_stages == 1 else "a pipeline schedule (pp > 1) is built "
              "for") + " the number of micro-batches per step; use engine ddp, fsdp or megatron without pipeline "
              "parallelism, or remove it"),
+    Rule("seq_length_schedule", CANNOT, lambda c: c.pipeline_stages == 1,
+         lambda c: "seq_length_schedule is not available with pipeline parallelism (pp > 1): its schedule is built "
+                   "for one window length; use engine megatron or fsdp without pp, or remove it"),
+    Rule("seq_length_schedule", CANNOT, lambda c: not c.cls.applies_every_update,
+         lambda c: f"seq_length_schedule: a stage names sequences, which changes the micro-batches per step, and "
+                   f"engine {c.engine.name} fixes them; remove the stages' sequences (the tokens per update then stay "
+                   "as configured) or use engine ddp, fsdp or megatron",
+         lambda value: any(isinstance(stage, dict) and "sequences" in stage for stage in value or ())),
+    Rule("fault_tolerance", CANNOT, lambda c: c.cls.checkpoint_format == "dcp" and c.pipeline_stages == 1,
+         lambda c: f"fault_tolerance is not available with engine {c.engine.name}" + (
+             " (a pipeline's stages)" if c.pipeline_stages > 1 else " (its own state format, which a healing replica "
+                                                                     "group cannot receive)")
+         + "; use engine ddp, fsdp or megatron without pipeline parallelism, or remove it"),
     *(_plugin_rule(key, CANNOT) for key in SPLITTING_KEYS),
     *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
     *(_sharding_rule(key) for key in SHARDING_KEYS),

@@ -16,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 DCP = "dcp"  # torch.distributed.checkpoint: what every torch-native engine writes, reshardable onto any layout
 KEYED_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -68,3 +70,26 @@ def _holds_keys(folder, state: dict) -> bool:
     saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     groups = [key for key in state["optimizer"] if key.startswith("param_groups.")]
     return not groups or f"optimizer.{groups[0]}" in saved
+
+
+def live_state(model: torch.nn.Module, optimizer) -> dict:
+    """Model and optimizer state keyed by name, each tensor this rank's own part (a DTensor's local shard): what a
+    replica group sends one that heals, whose ranks hold the same parts (train/replicas.py)."""
+    state = _state(model, optimizer, KEYED_BY_NAME)
+    return tree_map_only(DTensor, lambda tensor: tensor.to_local(), state)
+
+
+def load_live_state(model: torch.nn.Module, optimizer, received: dict) -> None:
+    """Put `live_state`'s parts, from a rank that holds the same parts, into the model and optimizer in place."""
+    ours = _state(model, optimizer, KEYED_BY_NAME)
+
+    def like(mine, theirs):
+        if isinstance(mine, DTensor):
+            return DTensor.from_local(theirs.to(mine.device), mine.device_mesh, mine.placements, shape=mine.shape,
+                                      stride=mine.stride())
+        return theirs.to(mine.device) if isinstance(mine, torch.Tensor) else theirs
+
+    state = {part: {key: like(ours[part][key], value) if key in ours[part] else value
+                    for key, value in received[part].items()} for part in ("model", "optimizer")}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=KEYED_BY_NAME)

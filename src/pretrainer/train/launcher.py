@@ -34,7 +34,8 @@ DEFAULT_RDZV_TIMEOUT_S = 600  # torch's own for a rendezvous (the static one's s
 # The flags that only mean something with --nproc-per-node, with their defaults (the parser's are None, so a
 # flag given without the launcher is told from one left out).
 LAUNCHER_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_id": None,
-                     "rdzv_timeout": DEFAULT_RDZV_TIMEOUT_S, "shutdown_timeout": DEFAULT_SHUTDOWN_TIMEOUT_S}
+                     "rdzv_timeout": DEFAULT_RDZV_TIMEOUT_S, "shutdown_timeout": DEFAULT_SHUTDOWN_TIMEOUT_S,
+                     "max_restarts": 0}
 LAUNCHER_FLAGS = ("--nproc-per-node", *(f"--{name.replace('_', '-')}" for name in LAUNCHER_DEFAULTS))
 
 
@@ -52,6 +53,9 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-timeout", type=int_at_least(1), metavar="S",
                        help="seconds the machines wait for each other at the rendezvous (default "
                             f"{DEFAULT_RDZV_TIMEOUT_S})")
+    group.add_argument("--max-restarts", type=int_at_least(0), metavar="K",
+                       help="start this machine's workers again, up to K times, when one fails (default 0; a "
+                            "fault-tolerant run's replica group rejoins the others)")
     group.add_argument("--shutdown-timeout", type=int_at_least(1), metavar="S",
                        help="on SIGTERM/SIGINT, seconds the workers get to checkpoint before they are killed "
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
@@ -66,6 +70,7 @@ class LaunchPlan:
     run_id: str
     shutdown_timeout: int
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
+    max_restarts: int = 0
 
     @property
     def world_size(self) -> int:
@@ -98,7 +103,7 @@ def launch_plan(ns) -> LaunchPlan | None:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
     run_id = flags["rdzv_id"] or os.environ.get("SLURM_JOB_ID") or "pretrainer"
     return LaunchPlan(ns.nproc_per_node, nnodes, node_rank, endpoint, run_id, flags["shutdown_timeout"],
-                      flags["rdzv_timeout"])
+                      flags["rdzv_timeout"], flags["max_restarts"])
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -148,7 +153,7 @@ def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-
         rdzv_backend="c10d" if single else "static", rdzv_endpoint="localhost:0" if single else plan.endpoint,
         rdzv_configs={"join_timeout": plan.rdzv_timeout} if single else
         {"rank": plan.node_rank, "timeout": max(1, round(deadline - time.monotonic()))},
-        max_restarts=0, shutdown_timeout=plan.shutdown_timeout)
+        max_restarts=plan.max_restarts, shutdown_timeout=plan.shutdown_timeout)
     with tempfile.TemporaryDirectory(prefix="pretrainer-workers-") as status:
         os.environ[WORKER_STATUS_ENV] = status
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
@@ -164,13 +169,20 @@ def launch(plan: LaunchPlan, argv: list[str], python_args: tuple[str, ...] = ("-
             raise rendezvous_timeout(plan, str(exc)) from None
         finally:
             os.environ.pop(WORKER_STATUS_ENV, None)
-        statuses = {int(path.stem[len("rank"):]): json.loads(path.read_text())
-                    for path in Path(status).glob("rank*.json")}
+        statuses = last_attempt(Path(status))
     if signalled is not None and len(statuses) < plan.nproc_per_node:
         print(f"pretrainer: error: stopped by {signalled.name}; {plan.nproc_per_node - len(statuses)} worker(s) "
               f"did not finish within --shutdown-timeout {plan.shutdown_timeout} s", file=sys.stderr)
         return 128 + int(signalled)
     return outcome(statuses, failures, failed_at)
+
+
+def last_attempt(folder: Path) -> dict[int, dict]:
+    """The statuses the workers of the launch's last attempt left, by rank."""
+    found = [(int(attempt), int(rank), path) for path in folder.glob("rank*.attempt*.json")
+             for rank, attempt in [path.name[len("rank"):-len(".json")].split(".attempt")]]
+    last = max((attempt for attempt, _, _ in found), default=0)
+    return {rank: json.loads(path.read_text()) for attempt, rank, path in found if attempt == last}
 
 
 def announce_rendezvous(plan: LaunchPlan) -> None:
@@ -269,7 +281,9 @@ def record_worker_status(code: int, message: str | None = None, consequence: boo
     folder = os.environ.get(WORKER_STATUS_ENV)
     if not folder:
         return False
-    path = Path(folder, f"rank{os.environ.get('RANK', '0')}.json")
+    # each attempt of a launch with --max-restarts its own file: only the last attempt's say how the launch ended
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = Path(folder, f"rank{os.environ.get('RANK', '0')}.attempt{attempt}.json")
     if not path.exists():  # the first word stands: an error's line, then the exit code the process ends with
         path.write_text(json.dumps({"code": code, "message": message, "consequence": consequence}))
     return True

@@ -22,6 +22,7 @@ from ..storage import RemoteFolder, StorageError, is_url, join_url
 from . import checkpoint as ckpt
 from .downstream import ScoredTask, format_scores, score_tasks
 from .export import export_hf
+from .length_stages import LengthStages
 from .remote_checkpoints import fetch_checkpoint, locate_remote, step_folder
 
 logger = logging.getLogger("pretrainer")
@@ -50,6 +51,9 @@ def load_model(args: PreTrainingArguments, checkpoint: Path | str | None) -> Ass
     if checkpoint is not None:
         try:
             ckpt.load_model_weights(checkpoint, loaded.model)
+            # the RoPE of the sequence-length stage its last update trained in
+            LengthStages(loaded.resolved.sizes, loaded.engine.unwrap(loaded.model)).settle(
+                int(ckpt.read_trainer_state(checkpoint)["step"]))
         except BaseException:
             loaded.engine.close()
             raise

@@ -74,6 +74,7 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
     found = [Path(b) for b in branches] if branches is not None else find_branches(save_dir)
     branch_rows = {branch: read_rows(branch) for branch in found}
     charts += downstream_charts(tasks, train) + moe_charts(train) + mixture_charts(train, evals)
+    charts += length_stage_charts(train)
     charts += branch_charts(train, evals, branch_rows)
     page = out / "report.html"
     try:
@@ -84,6 +85,23 @@ def write_report(save_dir: str | Path, branches: list[str | Path] | None = None)
     except OSError as exc:  # a full disk: the previous report's files stay whole
         raise ReportWriteError(f"writing the run report into {out} failed ({exc})") from None
     return page
+
+
+def length_stage_starts(train: list[dict]) -> list[tuple[int, int]]:
+    """(first logged step, seq_length) of each sequence-length stage the rows show."""
+    starts: list[tuple[int, int]] = []
+    for row in train:
+        if "seq_length" in row and (not starts or starts[-1][1] != row["seq_length"]):
+            starts.append((row["step"], row["seq_length"]))
+    return starts
+
+
+def length_stage_charts(train: list[dict]) -> list[tuple[str, str]]:
+    """The window length per step, where it changed during the run (seq_length_schedule)."""
+    if len(length_stage_starts(train)) < 2:
+        return []
+    points = [(row["step"], row["seq_length"]) for row in train if "seq_length" in row]
+    return [("seq_length.svg", line_chart("Sequence-length stages", "seq_length", [("seq_length", points)]))]
 
 
 def mixture_charts(train: list[dict], evals: list[dict]) -> list[tuple[str, str]]:
@@ -193,6 +211,10 @@ def summary(save_dir: Path, rows: list[dict], train: list[dict], evals: list[dic
         ("steps", f"{last['step']:,} ({last.get('tokens', 0):,} tokens trained on)"),
         ("final train loss", f"{last['loss']:.4f}"),
     ]
+    stages = length_stage_starts(train)
+    if len(stages) > 1:
+        items.append(("sequence-length stages", ", then ".join(f"{length} from logged step {step:,}"
+                                                                for step, length in stages)))
     if evals:
         items.append(("final eval loss / ppl / acc", f"{evals[-1]['eval_loss']:.4f} / {evals[-1]['eval_ppl']:.2f} / "
                                                      f"{evals[-1]['eval_acc']:.4f}"))

@@ -40,7 +40,29 @@ class KeyGroup:
 
 
 def schedule_values(args, lineage) -> dict:
-    return {key: getattr(args, key) for key in SCHEDULE_KEYS} | {"cooldown_from": folder_name(args.cooldown_from)}
+    return {key: getattr(args, key) for key in SCHEDULE_KEYS} | {"cooldown_from": folder_name(args.cooldown_from),
+                                                                 "seq_length_schedule sequences": stage_batches(args)}
+
+
+def stage_batches(args) -> list | None:
+    """The batch ramp the sequence-length stages that name `sequences` make: (first token, length, sequences)."""
+    stages = args.seq_stages
+    if stages is None or all(stage.sequences is None for stage in stages.stages):
+        return None
+    return [[stages.start_tokens(index), stage.seq_length, stage.sequences]
+            for index, stage in enumerate(stages.stages)]
+
+
+def length_stage_values(args, lineage) -> dict:
+    """Each sequence-length stage as it trains: its end, its length (the last at the run's) and its RoPE."""
+    stages = args.seq_stages
+    if stages is None:
+        return {"seq_length_schedule": None}
+    last = len(stages.stages) - 1
+    return {"seq_length_schedule": [
+        {"until_tokens": stage.until_tokens, "seq_length": args.seq_length if index == last else stage.seq_length,
+         "rope_theta": stage.rope_theta, "rope_scaling": stage.rope_scaling}
+        for index, stage in enumerate(stages.stages)]}
 
 
 def folder_name(folder: str | None) -> str | None:
@@ -76,6 +98,9 @@ GROUPS = (  # the lineage first: a checkpoint of another run is the one thing to
     KeyGroup("mixture", mixture_values, "override_mixture",
              "the steps already trained would be read from another blend or other files, and each source's token "
              "count recounted"),
+    KeyGroup("length_stages", length_stage_values, "override_schedule",
+             "the steps from here on would train at other window lengths or with another RoPE than the checkpoint's "
+             "run planned", ("seq_length_schedule",)),
     KeyGroup("mtp", lambda args, lineage: {"mtp_num_layers": args.mtp_num_layers}, "override_mtp",
              "a trained prediction depth's weights would be dropped"),
 )

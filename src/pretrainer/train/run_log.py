@@ -26,11 +26,14 @@ class RunLog:
         self.meter = IntervalMeter(engine, flops, device_peak(engine.device, engine.precision.compute_dtype,
                                                               args.peak_tflops), recompute)
         self.history = history
+        self.seq_length: int | None = None  # the window length of the rows' steps (a sequence-length stage's)
         self.callbacks = callbacks  # each hears of every row (run/callbacks.py's on_row)
         self.progress: Progress | None = None
         self._deferred: list[dict] = []
 
     def record(self, row: dict) -> None:
+        if "step" in row and self.seq_length is not None:
+            row.setdefault("seq_length", self.seq_length)
         self.metrics.write(row)
         self.history.append(row)
         for callback in self.callbacks:

@@ -59,6 +59,21 @@ def start_row(trainer, meter, resumed: bool) -> dict:
     return {**row, **trainer.model_memory}
 
 
+def check_stage_inputs(args, train_dataloader, eval_dataloader) -> None:
+    """Sequence-length stages cut the run's own packed windows: batches that keep their own length are refused."""
+    given = [what for what, value in (("a train_dataloader", train_dataloader), ("an eval_dataloader", eval_dataloader),
+                                      ("custom_get_batch_function", (args.plugin_args or {}).get(
+                                          "custom_get_batch_function"))) if value is not None]
+    if given:
+        raise ConfigError(f"key 'seq_length_schedule': {given[0]} was given, whose batches keep their own length; "
+                          "the stages cut the run's own packed windows (train_data or data_path), so remove it or "
+                          "remove seq_length_schedule")
+
+
+def args_sets_sequences(sizes) -> bool:
+    return any(stage.sequences is not None for stage in sizes.stages.stages)
+
+
 def print_banner(trainer, meter) -> None:
     engine, run, facts = trainer.engine, trainer.resolved, trainer.facts
     if not engine.is_main:
@@ -72,6 +87,11 @@ def print_banner(trainer, meter) -> None:
                  f"  Total train batch size (w. parallel, distributed & accumulation) = {sizes.global_batch_size}",
                  f"  Gradient Accumulation steps = {sizes.gradient_accumulation_steps}"
                  + (f" (batch_size_schedule: {sizes.ramp.describe()} sequences)" if sizes.ramp else ""),
+                 *([f"  Sequence-length stages = {sizes.stages.describe()} (seq_length_schedule); each update "
+                    f"trains {sizes.tokens_per_step():,} tokens at every length (windows cut from the "
+                    f"{sizes.seq_length}-token sequences)" + (", a stage's sequences set by its ramp" if sizes.ramp
+                                                                and args_sets_sequences(sizes) else "")]
+                   if sizes.stages is not None else []),
                  f"  Total steps = {sizes.num_training_steps}",
                  f"  {engine.describe()}",
                  f"  Model parameters = {facts.parameters:,} (trainable {facts.trainable:,}){features}",
@@ -95,8 +115,11 @@ def prepare_process(world) -> None:
         logger.setLevel(logging.WARNING)
 
 
-def check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks=()) -> None:
+def check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks=(), train_dataloader=None,
+                 eval_dataloader=None) -> None:
     """What the constructor is given, checked before any heavy work."""
+    if args.seq_length_schedule is not None:
+        check_stage_inputs(args, train_dataloader, eval_dataloader)
     if not isinstance(callbacks, (list, tuple)):
         raise ConfigError(f"callbacks= takes a list of pretrainer.Callback objects, got {type(callbacks).__name__}")
     for index, callback in enumerate(callbacks):

@@ -15,11 +15,12 @@ from .spikes import SpikeGuard
 
 class TrainModule:
     def __init__(self, engine, model: torch.nn.Module, optimizer, scheduler, loss_fn, callbacks, clip_grad: float,
-                 skips: SkippedUpdates, spike_guard: SpikeGuard | None):
+                 skips: SkippedUpdates, spike_guard: SpikeGuard | None, replicas=None):
         self.engine, self.model, self.optimizer, self.scheduler = engine, model, optimizer, scheduler
         self.loss_fn = combined_loss(loss_fn, callbacks)  # a micro-batch's summed loss, with the callbacks' terms
         self.extra_losses = combined_losses(callbacks)  # what the callbacks add to each backward
         self.callbacks, self.clip_grad, self.skips, self.spike_guard = callbacks, clip_grad, skips, spike_guard
+        self.replicas = replicas  # fault tolerance's replica groups (train/replicas.py), or None
 
     def step(self, host_batches: list[dict], state: TrainState, phases: StepPhases, defer) -> StepResult:
         """One update from this rank's micro-batches, averaged over all their tokens on every rank; `defer` takes the
@@ -39,6 +40,12 @@ class TrainModule:
             callback.begin_step(counts, host_batches)
         with phases.device("compute"):
             local_loss = engine.forward_backward(self.model, micro_batches, self.loss_fn, scale, self.extra_losses)
+        if self.replicas is not None:
+            with phases.host("comm"):  # the replica groups' average; the update only where every group finished
+                self.replicas.average_gradients(self.model, counts[0])
+                if not self.replicas.should_commit():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return StepResult(state.step + 1, local_loss, counts[:2], torch.zeros(()), 0.0, False, False)
         guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
         rule = guard.rule(engine.reduce_sum(local_loss), counts[0]) if guard is not None else None
         first = self.optimizer.param_groups[0]

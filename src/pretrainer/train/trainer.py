@@ -24,9 +24,11 @@ from .downstream import DownstreamEvaluator
 from .errors import collective_failure, is_collective_failure
 from .export import export_hf
 from .hooks import Hooks
+from .length_stages import LengthStages
 from .loop_state import elect_start, loop_state, resume_run
 from .metrics import setup_logging
 from .remote_checkpoints import check_save_dir
+from .replicas import ReplicaGroups, replica_args
 from .report import write_report_logged
 from .run_files import RunFiles
 from .run_log import IntervalRows, LoopParts, RunLog
@@ -48,10 +50,12 @@ class PreTrainer:
         setup_logging()
         # a cooldown branch (cooldown_from) starts from its parent's checkpoint, in a folder of its own
         args, self.branch = branch_args(pretrain_args)
+        args, self.replica_group = replica_args(args)  # a fault-tolerant run's group writes in save_dir/replica-<I>
         with no_folder_left_if_refused(args, self.branch):
             self.pretrain_args = args
             self.accelerator = accelerator
-            check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks)
+            check_inputs(args, accelerator, model, optimizer, lr_scheduler, callbacks, train_dataloader,
+                         eval_dataloader)
             self.world = launch_world(args)
             self._closed = False
             self._started = time.perf_counter()
@@ -81,6 +85,9 @@ class PreTrainer:
                            data=DataSources(train_dataloader, eval_dataloader, self.hooks.datasets_provider),
                            before_build=check_memory_before_build, callbacks=callbacks)
         self.resolved, self.engine, self.tokenizer = run.resolved, run.engine, run.resolved.tokenizer
+        # a fault-tolerant run's group joins the lighthouse once the run is checked and built
+        self.replicas = None if self.replica_group is None else ReplicaGroups(args.replica_settings,
+                                                                              self.replica_group, world)
         self.model, self.optimizer, self.lr_scheduler = run.model, run.optimizer, run.scheduler
         self.train_dataloader, self.train_stream, self.eval_dataloader = train_dataloader, run.data.train, run.data.eval
         self.eval_sources = run.data.eval_sources  # a mixture's: evaluated one by one too
@@ -97,8 +104,14 @@ class PreTrainer:
         self.skips = SkippedUpdates(args.max_skipped_updates)
         self.stop_requests = StopRequests()
         self.spike_guard = SpikeGuard.of(args)  # None without a spike rule
+        if self.replicas is not None:
+            self.replicas.bind(self.model, self.optimizer, self.train_state,
+                               self.resolved.sizes.global_batch_size // args.replica_settings.replica_groups,
+                               self.total_steps, self.train_stream)
+            self.callbacks = [*self.callbacks, self.replicas]
         self.module = TrainModule(engine, self.model, self.optimizer, self.lr_scheduler, self.hooks.loss,
-                                  self.callbacks, args.clip_grad, self.skips, self.spike_guard)
+                                  self.callbacks, args.clip_grad, self.skips, self.spike_guard, self.replicas)
+        self.stages = LengthStages(self.resolved.sizes, engine.unwrap(self.model))
         self.log_history: list[dict] = []  # every row written to metrics.jsonl, also kept in memory
         self.state = loop_state(self)
         self.files = RunFiles(args, engine.is_main)  # a save_dir URL's metrics, report and export, uploaded
@@ -109,7 +122,7 @@ class PreTrainer:
         self.loop_callbacks = [IntervalRows(args.log_interval, self.total_steps, self.train_stream, self.callbacks),
                                *self.callbacks, *([self.checkpointer] if self.checkpointer is not None else []),
                                Validator(self.eval_dataloader, engine, args.eval_interval, args.eval_iters,
-                                         self.eval_sources),
+                                         self.eval_sources, self.stages.cut),
                                DownstreamEvaluator(args.downstream_tasks, self.tokenizer, engine,
                                                    self.resolved.sizes, args.eval_interval, self._started)]
 
@@ -139,6 +152,8 @@ class PreTrainer:
         checkpointer, engine = getattr(self, "checkpointer", None), getattr(self, "engine", None)
         if checkpointer is not None:
             checkpointer.abandon()  # a clean end has completed it already
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.close()
         self.model = self.optimizer = self.lr_scheduler = self.module = None
         self.train_stream = self.eval_dataloader = self.loop = None
         self.loop_callbacks = []  # they hold the eval data and the checkpointer
@@ -159,6 +174,9 @@ class PreTrainer:
         self.log = log = RunLog(args, engine, self.facts.flops, self.resolved.recompute.mode, self.log_history,
                                 self.callbacks)
         self.loop = LoopParts(self.model, self.optimizer, log, state)
+        log.seq_length = self.stages.settle(state.step, log.meter)  # a resumed stage's RoPE, before any export
+        if self.replicas is not None:
+            self.replicas.start(self.loop.count_tokens)
         log.record(start_row(self, log.meter, resumed=state.step > 0 and not self.starting_branch))
         if state.step >= self.total_steps:
             logger.info("the run is already complete at step %d (num_training_steps=%d); nothing to train",
@@ -196,10 +214,16 @@ class PreTrainer:
         step_start = time.perf_counter()
         while state.step < self.total_steps:
             with watchdog.watching(state.step + 1):
+                if self.replicas is not None:  # the quorum; a restarted group receives the live groups' state
+                    self.replicas.start_step()
+                log.seq_length = self.stages.enter(state.step, log.meter)
                 with log.meter.phases.host("data"):  # the step's micro-batches (gradient accumulation's, a ramp's)
-                    host_batches = [self.engine.shard_batch(self.hooks.next_batch(self.train_stream))
+                    host_batches = [self.engine.shard_batch(self.stages.cut(self.hooks.next_batch(self.train_stream)))
                                     for _ in range(self.resolved.sizes.accumulation(state.step))]
                 result = self.module.step(host_batches, state, log.meter.phases, log.defer)
+            if not result.committed:  # replica groups: one failed in the step, or they gather at the start
+                step_start = time.perf_counter()
+                continue
             log.meter.add(result.loss_sum, result.counts, time.perf_counter() - step_start)
             log.write_deferred()
             for callback in self.loop_callbacks:  # the row, the user's, the checkpoint, evaluations

@@ -12,12 +12,13 @@ from ..run.callbacks import Callback
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None) -> dict:
+def evaluate(model: torch.nn.Module, loader, engine, max_batches: int | None, prepare=lambda batch: batch) -> dict:
+    """`prepare`: what each batch becomes first (a sequence-length stage's windows)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, correct predictions, tokens
     for batch in islice(loader, max_batches):
-        batch = to_device(engine.shard_batch(batch), engine.device)
+        batch = to_device(engine.shard_batch(prepare(batch)), engine.device)
         targets = batch_targets(batch)
         with engine.autocast():
             output = engine.forward(model, batch)
@@ -38,8 +39,10 @@ class Validator(Callback):
     """Evaluation as the loop's callback: every `interval` steps, and once at the end unless the last step just
     did; each writes an eval row."""
 
-    def __init__(self, batches, engine, interval: int | None, max_batches: int | None, sources: dict | None = None):
+    def __init__(self, batches, engine, interval: int | None, max_batches: int | None, sources: dict | None = None,
+                 prepare=lambda batch: batch):
         self.batches, self.engine, self.interval, self.max_batches = batches, engine, interval, max_batches
+        self.prepare = prepare  # the windows of the current sequence-length stage (evaluated at its length)
         self.sources = sources or {}  # a mixture's sources: each one's eval batches, for eval_loss/<name>
         self.last_step: int | None = None
 
@@ -57,7 +60,8 @@ class Validator(Callback):
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         self.last_step = step
-        row = {"step": step, **evaluate(model, self.batches, self.engine, self.max_batches)}
+        row = {"step": step, **evaluate(model, self.batches, self.engine, self.max_batches, self.prepare)}
         for name, batches in self.sources.items():  # eval_iters batches of each source's held-out windows
-            row[f"eval_loss/{name}"] = evaluate(model, batches, self.engine, self.max_batches)["eval_loss"]
+            row[f"eval_loss/{name}"] = evaluate(model, batches, self.engine, self.max_batches,
+                                                self.prepare)["eval_loss"]
         return row

@@ -1,0 +1,197 @@
+"""Replica fault tolerance (`fault_tolerance`, torchft): replica groups of a run, each its own `pretrainer train
+--replica-group I` launch, kept in step by `pretrainer lighthouse`. One group is SIGKILLed mid-run; the other goes on
+without stopping; the killed one is started again by its launcher, heals from its peer and from then on holds
+bitwise the peer's parameters. Every run is inside a network namespace of its own (every address is 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import CORPUS, QUICKSTART_MODEL
+from pretrainer import ConfigError, PreTrainingArguments
+from pretrainer.config.fault_tolerance import GROUP_ENV
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+GROUP_SAMPLES = 2  # micro-batch 2, no accumulation, one rank per group
+
+pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+
+
+def config(folder: Path, port: int, steps: int, **keys) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ft.yaml"
+    path.write_text(yaml.safe_dump({
+        "num_training_steps": steps, "micro_batch_size": GROUP_SAMPLES, "dp": 1, "gradient_accumulation_steps": 1,
+        "seq_length": 64, "dtype": "fp32", "model_path": str(QUICKSTART_MODEL), "train_data": str(CORPUS),
+        "lr": 1e-3, "warmup_steps": 5, "seed": 7, "save_dir": str(folder / "run"), "save_interval": 25,
+        "eval_interval": 50, "eval_iters": 4, "log_interval": 1, "write_report": False, "export_hf": False,
+        "fault_tolerance": {"replica_groups": 2, "lighthouse": f"127.0.0.1:{port}", "min_replicas": 1,
+                            "timeout_seconds": 20, "params_digest_interval": 1}, **keys}))
+    return path
+
+
+def replica_run(folder: Path, port: int, steps: int, *extra: str, codes=(0, 0), **keys) -> dict:
+    """The lighthouse and two groups in a network namespace of their own; the driver's summary."""
+    path = config(folder, port, steps, **keys)
+    done = subprocess.run(["unshare", "--net", str(BIN / "python"), str(HERE / "replica_run.py"), str(path),
+                           "--groups", str(len(codes)), "--port", str(port), "--out", str(folder / "out"),
+                           "--save-dir", str(folder / "run"), *extra], capture_output=True, text=True, timeout=600)
+    logs = "".join(p.read_text()[-3000:] for p in sorted((folder / "out").glob("*.log")))
+    assert done.returncode == 0, done.stderr[-3000:] + logs
+    summary = json.loads((folder / "out" / "summary.json").read_text())
+    assert summary["returncodes"] == list(codes), logs
+    return summary
+
+
+def rows(folder: Path, group: int) -> list[dict]:
+    return [json.loads(line) for line in (folder / "run" / f"replica-{group}" / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+def by_step(folder: Path, group: int) -> dict[int, dict]:
+    return {row["step"]: row for row in rows(folder, group) if "loss" in row}  # a restart's rows replace the old
+
+
+def logged_at(line: str) -> float:
+    return datetime.strptime(re.search(r"\]\[([\d-]+ [\d:,]+)\]", line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_a_killed_group_leaves_the_quorum_rejoins_heals_and_ends_equal_to_its_peer(tmp_path):
+    """100 steps, group 1 SIGKILLed once its step-30 row is out. Group 0 commits every step to 100, its quorum down
+    to 1 group within seconds of the kill; group 1's launcher starts it again, it resumes its own checkpoint, heals
+    from group 0 and from then on both hold bitwise-equal parameters at every step. Each row says how many groups
+    took part, and the samples trained and dropped add up to what the steps read. The final eval loss is within 2%
+    of an uninterrupted 2-group run's."""
+    killed = replica_run(tmp_path / "killed", 29710, 100, "--kill-group", "1", "--kill-step", "30")
+    assert replica_run(tmp_path / "whole", 29711, 100)["killed_at"] is None
+    survivor, healed = by_step(tmp_path / "killed", 0), by_step(tmp_path / "killed", 1)
+    assert sorted(survivor) == list(range(1, 101))
+    groups = [survivor[step]["replica_groups"] for step in range(1, 101)]
+    left, back = groups.index(1) + 1, len(groups) - groups[::-1].index(1) + 1  # the first alone, the first again
+    assert killed["killed_at"] < left <= killed["killed_at"] + 2 and set(groups[left - 1:back - 1]) == {1}
+    assert set(groups[:left - 1]) == {2} and set(groups[back - 1:]) == {2}
+    log = (tmp_path / "killed" / "out" / "group0.log").read_text()
+    change = next(line for line in log.splitlines() if "1 of 2 take part; group00001 left" in line)
+    assert f"replica groups at step {left}:" in change and logged_at(change) - killed["kill_time"] < 10
+    assert "healed from a live group" in (tmp_path / "killed" / "out" / "group1.log").read_text()
+    assert set(healed) == {*range(1, killed["killed_at"] + 1), *range(back, 101)}  # no row while it was away
+    for step in [*range(1, left), *range(back, 101)]:  # bitwise equal wherever both took part
+        assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
+    retried = log.count("was not committed")
+    last = survivor[100]
+    assert last["samples_trained"] + last["samples_dropped"] == (100 + retried) * 2 * GROUP_SAMPLES
+    assert last["samples_dropped"] == ((back - left) + retried) * GROUP_SAMPLES + retried * GROUP_SAMPLES
+    assert whole_rows_say_two_groups(tmp_path / "whole")
+    final = [row["eval_loss"] for row in rows(tmp_path / "killed", 0) if "eval_loss" in row][-1]
+    reference = [row["eval_loss"] for row in rows(tmp_path / "whole", 0) if "eval_loss" in row][-1]
+    print(f"final eval loss: killed run {final:.4f}, uninterrupted {reference:.4f} "
+          f"({100 * (final / reference - 1):+.2f}%), {back - left} steps with one group")
+    assert abs(final / reference - 1) < 0.02
+
+
+def test_two_groups_of_two_fsdp_ranks_go_on_without_the_killed_one_and_heal_it(tmp_path):
+    """Each group is 2 fsdp ranks (its own layout inside); a worker of group 1 is SIGKILLed at step 20, its launcher
+    starts both its ranks again, each rank heals from its counterpart in group 0 (the same shard), and the whole
+    parameters of both groups are bitwise equal at every step from then on."""
+    killed = replica_run(tmp_path, 29712, 60, "--kill-group", "1", "--kill-step", "20", "--nproc", "2",
+                         engine="fsdp", dp=2)
+    survivor, healed = by_step(tmp_path, 0), by_step(tmp_path, 1)
+    assert sorted(survivor) == list(range(1, 61))
+    back = min(step for step in healed if step > killed["killed_at"])
+    # the survivor trains alone until the restarted group is back (none, where it is back within the heartbeat
+    # timeout: the quorum then waits for it)
+    assert back < 60 and {survivor[step]["replica_groups"] for step in range(killed["killed_at"] + 2, back)} <= {1}
+    for step in [*range(1, killed["killed_at"] + 1), *range(back, 61)]:
+        assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
+    assert survivor[60]["replica_groups"] == 2
+
+
+def test_diloco_survives_the_kill_and_its_groups_agree_at_every_sync(tmp_path):
+    """`mode: diloco`, H = 8 over 96 steps: each group steps on its own gradients, the outer Nesterov step every 8
+    steps averages them. Group 1 is killed at step 30 and heals at a later sync; at every sync step both took part
+    in, the groups' parameters are bitwise equal. The final eval loss is printed beside the synchronous run's (the
+    first test)."""
+    killed = replica_run(tmp_path, 29713, 96, "--kill-group", "1", "--kill-step", "30", fault_tolerance={
+        "replica_groups": 2, "lighthouse": "127.0.0.1:29713", "min_replicas": 1, "timeout_seconds": 20,
+        "params_digest_interval": 1, "mode": "diloco", "sync_every": 8})
+    survivor, healed = by_step(tmp_path, 0), by_step(tmp_path, 1)
+    assert sorted(survivor) == list(range(1, 97))
+    both = [step for step in range(8, 97, 8) if step in healed and survivor[step]["replica_groups"] == 2]
+    assert both[0] == 8 and both[-1] == 96 and any(step > killed["killed_at"] for step in both)
+    for step in both:
+        assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
+    assert any(row["replica_groups"] == 1 for row in survivor.values())
+    final = [row["eval_loss"] for row in rows(tmp_path, 0) if "eval_loss" in row][-1]
+    print(f"diloco (H=8) final eval loss with a kill: {final:.4f}")
+
+
+def whole_rows_say_two_groups(folder: Path) -> bool:
+    steps = by_step(folder, 0)
+    return all(row["replica_groups"] == 2 and row["samples_dropped"] == 0 for row in steps.values()) and \
+        steps[100]["params_sha256"] == by_step(folder, 1)[100]["params_sha256"]
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"replica_groups": 2}, r"fault_tolerance.lighthouse must be HOST:PORT"),
+    ({"replica_groups": 0, "lighthouse": "h:1"}, r"fault_tolerance.replica_groups must be a whole number >= 1"),
+    ({"replica_groups": 2, "lighthouse": "h:1", "min_replicas": 3}, r"min_replicas must be a whole number from 1 "
+                                                                    r"to replica_groups \(2\)"),
+    ({"replica_groups": 2, "lighthouse": "h:1", "mode": "async"}, r"fault_tolerance.mode is one of sync, diloco"),
+    ({"replica_groups": 2, "lighthouse": "h:1", "replicas": 2}, r"unknown key\(s\) replicas in fault_tolerance"),
+    ({"replica_groups": 2, "lighthouse": "h:1", "mode": "diloco", "sync_every": 3},
+     r"num_training_steps \(1\) is not a multiple of sync_every \(3\)"),
+    ("2", r"key .fault_tolerance.: expected a mapping or null"),
+])
+def test_a_bad_fault_tolerance_block_is_refused_naming_the_key(tmp_path, block, message):
+    with pytest.raises(ConfigError, match=message):
+        PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, "fault_tolerance": block})
+
+
+def test_spike_rules_are_refused_with_replica_groups():
+    with pytest.raises(ConfigError, match=r"spike_zscore with fault_tolerance is not available"):
+        PreTrainingArguments(**{"num_training_steps": 1, "micro_batch_size": 1, "dp": 1, "spike_zscore": 6,
+                                "fault_tolerance": {"replica_groups": 2, "lighthouse": "h:1"}})
+
+
+def test_a_missing_lighthouse_and_a_group_started_twice_end_in_one_line(tmp_path):
+    """No lighthouse: each group stops after timeout_seconds naming where it looked (its launcher's restart too).
+    Two launches of --replica-group 0: both are refused at their first quorum."""
+    replica_run(tmp_path / "alone", 29714, 10, "--no-lighthouse", codes=(2,), fault_tolerance={
+        "replica_groups": 2, "lighthouse": "127.0.0.1:29714", "timeout_seconds": 3})
+    assert "no lighthouse answered at 127.0.0.1:29714 within timeout_seconds (3 s)" in \
+        (tmp_path / "alone" / "out" / "group0.log").read_text()
+    replica_run(tmp_path / "twice", 29715, 10, "--group-ids", "0,0", codes=(2, 2))
+    for index in (0, 1):
+        assert "group00000 is in the quorum twice: two launches were given the same --replica-group" in \
+            (tmp_path / "twice" / "out" / f"group{index}.log").read_text()
+
+
+def test_a_group_index_and_the_block_go_together(tmp_path, monkeypatch):
+    from pretrainer.config.fault_tolerance import read_fault_tolerance, replica_group
+
+    settings = read_fault_tolerance({"replica_groups": 2, "lighthouse": "127.0.0.1:1"})
+    monkeypatch.delenv(GROUP_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"start each replica group with `pretrainer train CONFIG --nproc-per-node N "
+                                          r"--replica-group I` \(I from 0 to 1\)"):
+        replica_group(settings)
+    monkeypatch.setenv(GROUP_ENV, "2")
+    with pytest.raises(ConfigError, match=r"--replica-group 2: groups are numbered 0..1"):
+        replica_group(settings)
+    with pytest.raises(ConfigError, match=r"--replica-group 2: the config has no fault_tolerance block"):
+        replica_group(None)
+    done = subprocess.run([str(BIN / "pretrainer"), "train", str(config(tmp_path, 1, 10)), "fault_tolerance=null",
+                           "--replica-group", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--replica-group 0: the config has no fault_tolerance block" in done.stderr
+    done = subprocess.run([str(BIN / "pretrainer"), "lighthouse", "--bind", "nowhere", "--min-replicas", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--bind 'nowhere': expected HOST:PORT" in done.stderr
