@@ -6,9 +6,9 @@ alone, and what a killed group costs the run.
 Each run is the quickstart model at seq_length 64, micro-batch 2 per group, fp32, one thread per process, on this
 machine (the groups share its cores), inside a network namespace of its own (`tests/replica_run.py` starts the
 lighthouse and the groups, and kills group 1's worker once its rows reach --kill-step). Printed per run: group 0's
-median step time, the steps it trained with one group, the samples dropped, and its final eval loss (DiLoCo runs end
-at the last multiple of sync_every = 8 steps, 96 of 100); for a kill,
-the seconds from the kill to the log line of the quorum without the group.
+median step time, the steps it trained with one group, the samples dropped, and its final eval loss (DiLoCo syncs
+every sync_every = 8 steps and at the last); for a kill, the seconds from the kill to the log line of the quorum
+without the group.
 """
 
 from __future__ import annotations
@@ -81,8 +81,7 @@ def main() -> None:
     for port, (name, mode, kill) in enumerate((("sync", "sync", None), ("sync, group 1 killed", "sync", True),
                                                ("diloco H=8", "diloco", None),
                                                ("diloco H=8, group 1 killed", "diloco", True)), start=29810):
-        steps = args.steps - args.steps % 8 if mode == "diloco" else args.steps  # diloco ends at a sync
-        results[name] = run_groups(args.folder / name.replace(" ", "-").replace(",", ""), port, mode, steps,
+        results[name] = run_groups(args.folder / name.replace(" ", "-").replace(",", ""), port, mode, args.steps,
                                    args.kill_step if kill else None)
     print(f"{'run':<32}{'step ms':>9}{'alone':>7}{'dropped':>9}{'eval loss':>11}{'quorum change':>15}")
     for name, figures in results.items():

@@ -6,10 +6,13 @@ bitwise the peer's parameters. Every run is inside a network namespace of its ow
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -116,23 +119,124 @@ def test_two_groups_of_two_fsdp_ranks_go_on_without_the_killed_one_and_heal_it(t
     assert survivor[60]["replica_groups"] == 2
 
 
-def test_diloco_survives_the_kill_and_its_groups_agree_at_every_sync(tmp_path):
-    """`mode: diloco`, H = 8 over 96 steps: each group steps on its own gradients, the outer Nesterov step every 8
-    steps averages them. Group 1 is killed at step 30 and heals at a later sync; at every sync step both took part
-    in, the groups' parameters are bitwise equal. The final eval loss is printed beside the synchronous run's (the
-    first test)."""
-    killed = replica_run(tmp_path, 29713, 96, "--kill-group", "1", "--kill-step", "30", fault_tolerance={
-        "replica_groups": 2, "lighthouse": "127.0.0.1:29713", "min_replicas": 1, "timeout_seconds": 20,
-        "params_digest_interval": 1, "mode": "diloco", "sync_every": 8})
+@pytest.mark.parametrize("layout, port", [({"plugin_args": {"pp_degree": 2}}, 29718),
+                                          ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, 29719)],
+                         ids=["pp2", "tp2-sp"])
+def test_two_groups_of_two_megatron_ranks_heal_each_stage_or_tensor_shard_from_its_counterpart(tmp_path, layout,
+                                                                                              port):
+    """Each group is 2 megatron ranks, two pipeline stages (or two tensor-parallel shards); group 1 is killed at
+    step 8 and started again (with min_replicas 2, group 0 waits for it), and each of its ranks heals from the rank
+    of group 0 holding the same stage or shard: the digests of the whole model (gathered over the stages and
+    shards) are bitwise equal at every step, and every step was trained by both groups."""
+    killed = replica_run(tmp_path, port, 24, "--kill-group", "1", "--kill-step", "8", "--nproc", "2",
+                         engine="megatron", gradient_accumulation_steps=2, **layout, fault_tolerance={
+                             "replica_groups": 2, "lighthouse": f"127.0.0.1:{port}", "min_replicas": 2,
+                             "timeout_seconds": 60, "params_digest_interval": 1})
     survivor, healed = by_step(tmp_path, 0), by_step(tmp_path, 1)
-    assert sorted(survivor) == list(range(1, 97))
-    both = [step for step in range(8, 97, 8) if step in healed and survivor[step]["replica_groups"] == 2]
-    assert both[0] == 8 and both[-1] == 96 and any(step > killed["killed_at"] for step in both)
+    assert sorted(survivor) == sorted(healed) == list(range(1, 25))
+    assert "healed from a live group: step 0 -> " in (tmp_path / "out" / "group1.log").read_text()
+    assert "1 of the 2 needed are in the quorum at step" in (tmp_path / "out" / "group0.log").read_text()
+    for step in range(1, 25):
+        assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
+        assert survivor[step]["replica_groups"] == 2, step
+    assert killed["killed_at"] >= 8  # every step trained by both groups: 2 accumulated micro-batches each
+    assert survivor[24]["samples_trained"] == healed[24]["samples_trained"] == 24 * 2 * 2 * GROUP_SAMPLES
+
+
+DILOCO = {"replica_groups": 2, "min_replicas": 1, "timeout_seconds": 20, "params_digest_interval": 1,
+          "mode": "diloco", "sync_every": 8}
+
+
+def test_diloco_survives_the_kill_and_its_groups_agree_at_every_sync(tmp_path):
+    """`mode: diloco`, H = 8 over 100 steps: each group steps on its own gradients, the outer Nesterov step every 8
+    steps (and at the last, step 100) averages them. Group 1 is killed at step 30 and heals at a later sync; at every
+    sync step both took part in, the groups' parameters are bitwise equal, and the samples trained and dropped add up
+    to every step's read. The final eval loss is printed beside the synchronous run's (the first test)."""
+    killed = replica_run(tmp_path, 29713, 100, "--kill-group", "1", "--kill-step", "30",
+                         fault_tolerance={**DILOCO, "lighthouse": "127.0.0.1:29713"})
+    survivor, healed = by_step(tmp_path, 0), by_step(tmp_path, 1)
+    assert sorted(survivor) == list(range(1, 101))
+    syncs = [*range(8, 100, 8), 100]
+    both = [step for step in syncs if step in healed and survivor[step]["replica_groups"] == 2]
+    assert both[0] == 8 and both[-1] == 100 and any(step > killed["killed_at"] for step in both)
     for step in both:
         assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
-    assert any(row["replica_groups"] == 1 for row in survivor.values())
+    alone = [step for step in syncs if survivor[step]["replica_groups"] == 1]
+    assert alone and survivor[100]["samples_dropped"] >= 8 * GROUP_SAMPLES * len(alone)
+    assert survivor[100]["samples_trained"] + survivor[100]["samples_dropped"] == 100 * 2 * GROUP_SAMPLES
     final = [row["eval_loss"] for row in rows(tmp_path, 0) if "eval_loss" in row][-1]
     print(f"diloco (H=8) final eval loss with a kill: {final:.4f}")
+
+
+def test_diloco_resumed_from_its_checkpoints_between_syncs_equals_the_uninterrupted_run(tmp_path):
+    """Both groups stop at step 12 (exit_interval: a checkpoint 4 steps past the sync at 8) and are started again:
+    the resumed run takes its next syncs (16, and 20 at the end) with the saved outer momentum and last-sync
+    parameters, so every later step's loss and the final parameters equal the uninterrupted run's."""
+    block = DILOCO
+    whole = tmp_path / "whole"
+    replica_run(whole, 29716, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29716"})
+    split = tmp_path / "split"
+    replica_run(split, 29717, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29717"}, exit_interval=12)
+    assert max(by_step(split, 0)) == 12
+    replica_run(split, 29717, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29717"})
+    for group in (0, 1):
+        expected, resumed = by_step(whole, group), by_step(split, group)
+        for step in range(13, 21):
+            assert resumed[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-6), (group, step)
+        assert resumed[20]["params_sha256"] == expected[20]["params_sha256"], group
+        assert resumed[20]["samples_trained"] == expected[20]["samples_trained"] == 20 * 2 * GROUP_SAMPLES
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun of one task: its options dropped, the command run here; SIGTERM passed to it, as srun does
+while [[ $1 != /* ]]; do shift; done
+"$@" &
+task=$!
+trap 'kill -TERM $task' TERM
+wait $task; code=$?
+while kill -0 $task 2>/dev/null; do wait $task; code=$?; done
+exit $code
+"""
+
+
+def test_the_slurm_template_stops_every_group_at_the_time_limit_and_the_requeued_job_finishes(tmp_path):
+    """examples/slurm/pretrain_ft.sbatch on two machines (both this one, in a network namespace): the lighthouse and
+    one step per group; SIGTERM to the batch shell (--signal=B:TERM) reaches the groups only, each writes a
+    checkpoint and exits 75, and the job is requeued; the requeued job's groups resume and finish, equal."""
+    fake = tmp_path / "slurm"
+    fake.mkdir()
+    (fake / "srun").write_text(FAKE_SRUN)
+    (fake / "scontrol").write_text("#!/bin/bash\nif [ \"$1\" = show ]; then printf '127.0.0.1\\n127.0.0.1\\n'; "
+                                   f"else echo \"$@\" >> {fake}/calls; fi\n")
+    for name in ("srun", "scontrol"):
+        (fake / name).chmod(0o755)
+    path = config(tmp_path, 29720, 40, save_interval=0, eval_interval=0)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "1",
+           "SLURM_JOB_NODELIST": "node[0-1]", "PRETRAINER": str(BIN / "pretrainer"), "LIGHTHOUSE_PORT": "29720",
+           "MAX_RESTARTS": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    job = ["unshare", "--net", "bash", "-c", 'ip link set lo up && exec bash "$0" "$@"',
+           str(HERE.parent / "examples" / "slurm" / "pretrain_ft.sbatch"), str(path)]
+    with open(tmp_path / "job.log", "w") as log:
+        process = subprocess.Popen(job, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 240
+        while not any(row.get("step", 0) >= 4 for row in rows_if_any(tmp_path, 0)):
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=180) == 75, (tmp_path / "job.log").read_text()[-3000:]
+    assert (fake / "calls").read_text().split() == ["requeue", "4242"]
+    stopped = [max(by_step(tmp_path, group)) for group in (0, 1)]
+    assert all(step < 40 for step in stopped)
+    requeued = subprocess.run(job, capture_output=True, text=True, env=env, timeout=300)
+    assert requeued.returncode == 0, requeued.stdout[-3000:]
+    for group in (0, 1):
+        assert sorted(by_step(tmp_path, group)) == list(range(1, 41))
+    assert by_step(tmp_path, 0)[40]["params_sha256"] == by_step(tmp_path, 1)[40]["params_sha256"]
+
+
+def rows_if_any(folder: Path, group: int) -> list[dict]:
+    path = folder / "run" / f"replica-{group}" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def whole_rows_say_two_groups(folder: Path) -> bool:
@@ -143,13 +247,12 @@ def whole_rows_say_two_groups(folder: Path) -> bool:
 
 @pytest.mark.parametrize("block, message", [
     ({"replica_groups": 2}, r"fault_tolerance.lighthouse must be HOST:PORT"),
+    ({"replica_groups": 2, "lighthouse": "[::1]:29510"}, r"an IPv4 address\), where .* got '\[::1\]:29510'"),
     ({"replica_groups": 0, "lighthouse": "h:1"}, r"fault_tolerance.replica_groups must be a whole number >= 1"),
     ({"replica_groups": 2, "lighthouse": "h:1", "min_replicas": 3}, r"min_replicas must be a whole number from 1 "
                                                                     r"to replica_groups \(2\)"),
     ({"replica_groups": 2, "lighthouse": "h:1", "mode": "async"}, r"fault_tolerance.mode is one of sync, diloco"),
     ({"replica_groups": 2, "lighthouse": "h:1", "replicas": 2}, r"unknown key\(s\) replicas in fault_tolerance"),
-    ({"replica_groups": 2, "lighthouse": "h:1", "mode": "diloco", "sync_every": 3},
-     r"num_training_steps \(1\) is not a multiple of sync_every \(3\)"),
     ("2", r"key .fault_tolerance.: expected a mapping or null"),
 ])
 def test_a_bad_fault_tolerance_block_is_refused_naming_the_key(tmp_path, block, message):

@@ -671,10 +671,6 @@ class PreTrainingArguments:
         if settings is not None and spike:
             raise key_error(spike[0], f"{spike[0]} with fault_tolerance is not available: each replica group would "
                             "judge its own loss and skip updates the others apply; remove one of them")
-        if settings is not None and settings.mode == "diloco" and self.num_training_steps % settings.sync_every:
-            raise key_error("fault_tolerance", f"fault_tolerance.mode diloco: num_training_steps "
-                            f"({self.num_training_steps}) is not a multiple of sync_every ({settings.sync_every}), so "
-                            "the groups would end apart, after steps no sync averages; make it one")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:

@@ -50,8 +50,8 @@ def read_fault_tolerance(raw) -> FaultTolerance | None:
     if not _whole(groups, 1):
         raise key_error(KEY, f"{KEY}.replica_groups must be a whole number >= 1, got {groups!r}; {EXAMPLE}")
     if not isinstance(lighthouse, str) or not re.fullmatch(r"[^\s:/]+:\d{1,5}", lighthouse):
-        raise key_error(KEY, f"{KEY}.lighthouse must be HOST:PORT, where `pretrainer lighthouse --bind HOST:PORT` "
-                        f"listens, got {lighthouse!r}")
+        raise key_error(KEY, f"{KEY}.lighthouse must be HOST:PORT (HOST a name or an IPv4 address), where "
+                        f"`pretrainer lighthouse --bind HOST:PORT` listens, got {lighthouse!r}")
     settings = FaultTolerance(int(groups), lighthouse, **{key: raw[key] for key in FIELDS[2:] if key in raw})
     _check_numbers(settings)
     return settings

@@ -61,7 +61,8 @@ class Callback:
         return summed
 
     def end_step(self, result: StepResult, state: TrainState) -> None:
-        """After the optimizer step (`state.step` already counts it)."""
+        """After the optimizer step (`state.step` already counts it); after a step no replica group applied too
+        (`result.committed` False, `state.step` unchanged: the step is trained again on the next data)."""
 
     def after_step(self, result: StepResult, state: TrainState, loop) -> None:
         """Once the step is measured and before the next is timed (docs/python-api.md, 'Callbacks')."""

@@ -147,11 +147,9 @@ RULES: tuple[Rule, ...] = (
                    f"engine {c.engine.name} fixes them; remove the stages' sequences (the tokens per update then stay "
                    "as configured) or use engine ddp, fsdp or megatron",
          lambda value: any(isinstance(stage, dict) and "sequences" in stage for stage in value or ())),
-    Rule("fault_tolerance", CANNOT, lambda c: c.cls.checkpoint_format == "dcp" and c.pipeline_stages == 1,
-         lambda c: f"fault_tolerance is not available with engine {c.engine.name}" + (
-             " (a pipeline's stages)" if c.pipeline_stages > 1 else " (its own state format, which a healing replica "
-                                                                     "group cannot receive)")
-         + "; use engine ddp, fsdp or megatron without pipeline parallelism, or remove it"),
+    Rule("fault_tolerance", CANNOT, lambda c: c.cls.checkpoint_format == "dcp",
+         lambda c: f"fault_tolerance is not available with engine {c.engine.name} (its own state format, which a "
+                   "healing replica group cannot receive); use engine ddp, fsdp or megatron, or remove it"),
     *(_plugin_rule(key, CANNOT) for key in SPLITTING_KEYS),
     *(_plugin_rule(key, NO_EFFECT) for key in SWITCH_KEYS),
     *(_sharding_rule(key) for key in SHARDING_KEYS),

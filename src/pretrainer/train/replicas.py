@@ -31,6 +31,7 @@ from .checkpoint_io import live_state, load_live_state
 from .errors import CollectiveFailure
 
 logger = logging.getLogger("pretrainer")
+DILOCO_STATE = "diloco"  # the saved-state component of the outer step (per rank)
 
 
 def replica_id(group: int) -> str:
@@ -66,11 +67,12 @@ class ReplicaGroups(Callback):
             raise ConfigError("fault_tolerance needs torchft: pip install torchft (pip install "
                               "'pretrainer[ft]')") from None
 
-        self.settings, self.group, self.is_main = settings, group, world.rank == 0
+        self.settings, self.group, self.world, self.is_main = settings, group, world, world.rank == 0
         self._diloco = None
         self.model = self.optimizer = self.run_state = self.train_state = None
         self.group_samples = self.total_steps = 0
         self.samples_trained = self.samples_dropped = 0
+        self._last_sync, self._saved_diloco = 0, None  # diloco: the step of the last sync, its state from storage
         self.participants, self._digest, self._members = settings.replica_groups, None, None
         timeout = timedelta(seconds=settings.timeout_seconds)
         host = world.broadcast_object(advertised_host(settings.lighthouse) if world.rank == 0 else None)
@@ -81,8 +83,9 @@ class ReplicaGroups(Callback):
         self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False) \
             if world.rank == 0 else None
         port = world.broadcast_object(self.store.port if self.store is not None else None)
-        # a fresh run's groups start together: until the first commit a step needs every group (sync mode)
-        self._starting = settings.mode == "sync"
+        # a fresh run's groups start together: until the first commit (diloco: the first step) a step needs every
+        # group; not a group its launcher started again (it joins the live groups)
+        self._starting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         try:
             self.manager = self._manager(Manager, ProcessGroupGloo, group, world, host, port, timeout)
         except (RuntimeError, TimeoutError) as exc:
@@ -125,30 +128,52 @@ class ReplicaGroups(Callback):
                                   pin_memory=False)
             self._diloco.__enter__()
             # inner steps since the last sync: a resumed run syncs where the uninterrupted one does
-            self._diloco._local_step = self.train_state.step % self.settings.sync_every  # noqa: SLF001
+            self._diloco._local_step = self.train_state.step - self._last_sync  # noqa: SLF001
+            if self._saved_diloco is not None:
+                self._load_diloco(self._saved_diloco)
 
     def register_state(self, state) -> None:
         """The counts (and torchft's step) in every checkpoint; the whole loop state is what a heal sends."""
         self.run_state = state
         state.register("replica_groups", self._counters, self._load_counters, default={"trained": 0, "dropped": 0})
+        if self.settings.mode == "diloco":  # the outer step's state: this rank's part of the last sync's parameters
+            state.register(DILOCO_STATE, self._diloco_state, self._stash_diloco, per_rank=True, default=None)
 
     # ------------------------------------------------------------- the step
     def start_step(self) -> None:
         """Before the step's data is read: the quorum (a restarted group receives the live groups' state here).
         Under diloco the quorum is the sync's, every sync_every steps."""
         if self._diloco is not None:
-            self._count_syncs()
+            if self._starting:
+                self._gather_at_start()
+            if self.train_state.step + 1 == self.total_steps:  # the run's last step syncs, wherever it falls
+                self._diloco._local_step = self.settings.sync_every - 1  # noqa: SLF001 - its hook then syncs
             return
         self._stream_state = copy.deepcopy(self.stream.state_dict())  # read again if too few groups are there
+        self._start_quorum()
+        if self._starting and self.train_state.step > 0:  # resumed or healed: no longer the run's start
+            self._go_on_with(self.settings.min_replicas)
+        self.participants, self._members = self._quorum(f"step {self.train_state.step + 1}")
+
+    def _start_quorum(self) -> None:
         try:
             self.manager.start_quorum()
         except (RuntimeError, TimeoutError) as exc:
             raise CollectiveFailure(f"replica group {self.group}: no quorum at step {self.train_state.step + 1} "
                                     f"within timeout_seconds; is the lighthouse at {self.settings.lighthouse} still "
                                     f"running? ({str(exc).splitlines()[0][:200]})") from None
-        if self._starting and self.train_state.step > 0:  # resumed or healed: no longer the run's start
-            self._go_on_with(self.settings.min_replicas)
-        self.participants, self._members = self._quorum(f"step {self.train_state.step + 1}")
+
+    def _gather_at_start(self) -> None:
+        """Under diloco, before a fresh run's first step: quorums until every group is in one (or timeout_seconds
+        pass), so the first sync averages every group's steps; a resumed run goes on at once."""
+        while self.train_state.step == 0:
+            self._start_quorum()
+            self.participants, self._members = self._quorum("the start")
+            if self.participants >= self.settings.replica_groups or not self._still_gathering():
+                break
+            time.sleep(0.2)
+        self._wait_deadline = None
+        self._go_on_with(self.settings.min_replicas)
 
     def _quorum(self, when: str) -> tuple[int, list[str]]:
         """The last quorum's size and members; a group in it twice is refused, and a change is one log line."""
@@ -209,9 +234,15 @@ class ReplicaGroups(Callback):
 
     def _gathering(self) -> bool:
         """Too few groups for a step (every group at a fresh run's start, min_replicas after): nothing is applied and
-        the step's data is read again (none dropped), for at most timeout_seconds; then the groups there go on (at
-        the start, where they are min_replicas), or the run stops naming the key."""
+        the step's data is read again (none dropped)."""
         self.stream.load_state_dict(self._stream_state)
+        if self._still_gathering():
+            time.sleep(0.2)
+        return False
+
+    def _still_gathering(self) -> bool:
+        """Whether to wait on for the groups (one warning): for at most timeout_seconds; then the groups there go on
+        (at the start, where they are min_replicas), or the run stops naming the key."""
         now = time.monotonic()
         if self._wait_deadline is None:
             self._wait_deadline = now + self.settings.timeout_seconds
@@ -220,8 +251,7 @@ class ReplicaGroups(Callback):
                                "timeout_seconds (%g s)", self.participants, self._needed(),
                                self.train_state.step + 1, self.settings.timeout_seconds)
         if now < self._wait_deadline:
-            time.sleep(0.2)
-            return False
+            return True
         if self._starting and self.participants >= self.settings.min_replicas:
             if self.is_main:
                 logger.warning("replica groups: %d of %d joined within timeout_seconds of the start; they go on "
@@ -239,26 +269,28 @@ class ReplicaGroups(Callback):
         self.manager._min_replica_size = least  # noqa: SLF001 - torchft reads it at each commit
 
     def _count_syncs(self) -> None:
-        """Under diloco, after each sync: the groups that took part, and the samples of the inner steps since the
-        last sync trained (a committed sync) or dropped (a failed one rolls the groups back to the last sync)."""
-        synced = self.manager.current_step()
-        if synced == self._synced_at:
+        """Under diloco, after a step that tried a sync: the groups that took part, and the samples of the inner steps
+        since the last sync trained (a committed sync) or dropped (a failed one rolls every group back to it)."""
+        if self._diloco._local_step != 0 or self.train_state.step == self._last_sync:  # noqa: SLF001
             return
+        synced = self.manager.current_step()
         participants, members = self._quorum(f"sync {synced} (step {self.train_state.step})")
-        read = (synced - self._synced_at) * self.settings.sync_every * self.settings.replica_groups * \
-            self.group_samples
-        trained = (synced - self._synced_at) * self.settings.sync_every * participants * self.group_samples
+        read = (self.train_state.step - self._last_sync) * self.settings.replica_groups * self.group_samples
+        trained = read // self.settings.replica_groups * participants if synced != self._synced_at else 0
         self.samples_trained += trained
         self.samples_dropped += read - trained
-        self.participants, self._members, self._synced_at = participants, members, synced
+        self.participants, self._members = participants, members
+        self._synced_at, self._last_sync = synced, self.train_state.step
 
     # ------------------------------------------------------------- rows
     def end_step(self, result, state) -> None:
+        if not result.committed:
+            return
         if self._diloco is not None:  # a sync happens inside the optimizer's step
             self._count_syncs()
         interval = self.settings.params_digest_interval
         if state.step == self.total_steps or interval and state.step % interval == 0:
-            self._digest = params_sha256(self.model)
+            self._digest = params_sha256(self.model, self.world)
 
     def interval_row(self) -> dict:
         row = {"replica_groups": self.participants, "samples_trained": self.samples_trained,
@@ -273,8 +305,10 @@ class ReplicaGroups(Callback):
     # ------------------------------------------------------------- the heal
     def _state(self) -> dict:
         self.count_tokens()  # the meter's tokens of the steps since the last row, as a checkpoint counts them
+        rank = self.run_state.saved(per_rank=True)
+        rank.pop(DILOCO_STATE, None)  # torchft's DiLoCo sends its own state with a heal
         return {**live_state(self.model, self.optimizer), "run": self.run_state.saved(per_rank=False),
-                "rank": self.run_state.saved(per_rank=True), "step": self.train_state.step}
+                "rank": rank, "step": self.train_state.step}
 
     def _load(self, state: dict) -> None:
         load_live_state(self.model, self.optimizer, state)
@@ -285,13 +319,39 @@ class ReplicaGroups(Callback):
         self.train_state.step = int(state["step"])
 
     def _counters(self) -> dict:
-        return {"trained": self.samples_trained, "dropped": self.samples_dropped,
+        return {"trained": self.samples_trained, "dropped": self.samples_dropped, "last_sync": self._last_sync,
                 "manager": self.manager.state_dict()}
 
     def _load_counters(self, saved: dict) -> None:
         self.samples_trained, self.samples_dropped = int(saved["trained"]), int(saved["dropped"])
+        self._last_sync = int(saved.get("last_sync", 0))
         if "manager" in saved:
             self.manager.load_state_dict(saved["manager"])
+        self._synced_at = self.manager.current_step()
+
+    def _diloco_state(self) -> dict | None:
+        """What a storage checkpoint keeps of DiLoCo (a heal gets it from torchft): the outer optimizer's momentum and
+        this rank's part of the parameters at the last sync, from which the next sync's pseudo-gradient is taken."""
+        if self._diloco is None:
+            return None
+        fragments = self._diloco._fragments  # noqa: SLF001 - one fragment: the whole model
+        return {"outer": self.outer.state_dict(),
+                "synced": [{name: tensor.clone() for name, tensor in fragment.original_parameters.items()}
+                           for fragment in fragments]}
+
+    def _stash_diloco(self, saved: dict | None) -> None:
+        self._saved_diloco = saved  # a resume loads before DiLoCo is built (start())
+
+    def _load_diloco(self, saved: dict) -> None:
+        fragments = self._diloco._fragments  # noqa: SLF001
+        if len(saved["synced"]) != len(fragments):
+            raise ConfigError(f"the checkpoint's DiLoCo state has {len(saved['synced'])} fragment(s), this run "
+                              f"{len(fragments)}; resume with the same fault_tolerance block")
+        for fragment, synced in zip(fragments, saved["synced"]):
+            for name, tensor in synced.items():
+                fragment.original_parameters[name].copy_(tensor)
+        self.outer.load_state_dict(saved["outer"])
+        self._saved_diloco = None
 
     def close(self) -> None:
         if getattr(self, "_diloco", None) is not None:
@@ -299,16 +359,19 @@ class ReplicaGroups(Callback):
         self.manager.shutdown(wait=False)
 
 
-def params_sha256(model: torch.nn.Module) -> str:
-    """A digest of the whole parameters' bytes in name order (every rank of a group takes part: a sharded
-    parameter is gathered), comparable across groups whatever their layout."""
-    digest = hashlib.sha256()
-    for name, parameter in sorted(model.named_parameters()):
+def params_sha256(model: torch.nn.Module, world) -> str:
+    """A digest of the whole model's parameters, comparable across groups whatever their layout: each parameter's
+    bytes hashed whole (every rank of a group takes part: a sharded parameter is gathered), the pipeline stages' named
+    digests gathered from the group's ranks, and their digest taken in name order."""
+    mine = {}
+    for name, parameter in model.named_parameters():
         whole = parameter.detach()
         whole = whole.full_tensor() if hasattr(whole, "full_tensor") else whole
-        digest.update(name.encode())
-        digest.update(whole.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        mine[name] = hashlib.sha256(whole.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    named = {}
+    for part in world.all_gather_object(mine) if world.size > 1 else [mine]:
+        named.update(part)  # ranks holding the same parameter (data, tensor ranks) hold the same bytes
+    return hashlib.sha256("".join(f"{name}:{named[name]};" for name in sorted(named)).encode()).hexdigest()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

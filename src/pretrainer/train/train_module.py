@@ -43,9 +43,12 @@ class TrainModule:
         if self.replicas is not None:
             with phases.host("comm"):  # the replica groups' average; the update only where every group finished
                 self.replicas.average_gradients(self.model, counts[0])
-                if not self.replicas.should_commit():
+                if not self.replicas.should_commit():  # as a skipped update: the callbacks close the step's sums
                     self.optimizer.zero_grad(set_to_none=True)
-                    return StepResult(state.step + 1, local_loss, counts[:2], torch.zeros(()), 0.0, False, False)
+                    result = StepResult(state.step + 1, local_loss, counts[:2], torch.zeros(()), 0.0, False, False)
+                    for callback in self.callbacks:
+                        callback.end_step(result, state)
+                    return result
         guard = self.spike_guard  # its rule reads the loss with the gradient norm, in the step's one device read
         rule = guard.rule(engine.reduce_sum(local_loss), counts[0]) if guard is not None else None
         first = self.optimizer.param_groups[0]
