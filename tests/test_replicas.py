@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import CORPUS, QUICKSTART_MODEL
+from helpers import CORPUS, QUICKSTART_MODEL, write_tiny_moe
 from pretrainer import ConfigError, PreTrainingArguments
 from pretrainer.config.fault_tolerance import GROUP_ENV
 
@@ -119,17 +119,42 @@ def test_two_groups_of_two_fsdp_ranks_go_on_without_the_killed_one_and_heal_it(t
     assert survivor[60]["replica_groups"] == 2
 
 
-@pytest.mark.parametrize("layout, port", [({"plugin_args": {"pp_degree": 2}}, 29718),
-                                          ({"plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, 29719)],
-                         ids=["pp2", "tp2-sp"])
-def test_two_groups_of_two_megatron_ranks_heal_each_stage_or_tensor_shard_from_its_counterpart(tmp_path, layout,
-                                                                                              port):
-    """Each group is 2 megatron ranks, two pipeline stages (or two tensor-parallel shards); group 1 is killed at
-    step 8 and started again (with min_replicas 2, group 0 waits for it), and each of its ranks heals from the rank
-    of group 0 holding the same stage or shard: the digests of the whole model (gathered over the stages and
-    shards) are bitwise equal at every step, and every step was trained by both groups."""
+DILOCO = {"replica_groups": 2, "min_replicas": 1, "timeout_seconds": 20, "params_digest_interval": 1,
+          "mode": "diloco", "sync_every": 8}
+
+
+def test_a_short_last_interval_ends_on_the_groups_average_not_a_momentum_step(tmp_path):
+    """DiLoCo's last sync after fewer than sync_every inner steps averages the groups' parameters: for one group
+    (sync_every 16, 12 steps: that sync is the only one) the run ends on its inner steps' parameters, so its final
+    eval loss is that of the same run without fault tolerance (an outer momentum step would move it)."""
+    summary = replica_run(tmp_path / "ft", 29721, 12, codes=(0,), eval_interval=12, fault_tolerance={
+        **DILOCO, "replica_groups": 1, "sync_every": 16, "lighthouse": "127.0.0.1:29721"})
+    assert summary["returncodes"] == [0]
+    path = config(tmp_path / "plain", 1, 12, eval_interval=12)
+    done = subprocess.run([str(BIN / "pretrainer"), "train", str(path), "fault_tolerance=null"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain = [json.loads(line) for line in (tmp_path / "plain" / "run" / "metrics.jsonl").read_text().splitlines()]
+    expected = [row["eval_loss"] for row in plain if "eval_loss" in row][-1]
+    assert [row["eval_loss"] for row in rows(tmp_path / "ft", 0) if "eval_loss" in row][-1] == \
+        pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("layout, port", [
+    ({"engine": "megatron", "plugin_args": {"pp_degree": 2}}, 29718),
+    ({"engine": "megatron", "plugin_args": {"tp_degree": 2, "sequence_parallelism": True}}, 29719),
+    ({"engine": "fsdp", "expert_parallel_degree": 2, "dp": 2, "model_path": "moe"}, 29724)],
+    ids=["pp2", "tp2-sp", "moe-ep2"])
+def test_two_groups_of_two_ranks_heal_each_stage_or_shard_from_its_counterpart(tmp_path, layout, port):
+    """Each group is 2 ranks: two pipeline stages, two tensor-parallel shards, or an MoE model's experts split over
+    2 expert-parallel ranks; group 1 is killed at step 8 and started again (with min_replicas 2, group 0 waits for
+    it), and each of its ranks heals from the rank of group 0 holding the same stage or shard: the digests of the
+    whole model (gathered over the stages and shards) are bitwise equal at every step, and every step was trained
+    by both groups."""
+    if layout.get("model_path") == "moe":
+        layout = {**layout, "model_path": str(write_tiny_moe(tmp_path / "moe", "qwen3_moe"))}
     killed = replica_run(tmp_path, port, 24, "--kill-group", "1", "--kill-step", "8", "--nproc", "2",
-                         engine="megatron", gradient_accumulation_steps=2, **layout, fault_tolerance={
+                         gradient_accumulation_steps=2, **layout, fault_tolerance={
                              "replica_groups": 2, "lighthouse": f"127.0.0.1:{port}", "min_replicas": 2,
                              "timeout_seconds": 60, "params_digest_interval": 1})
     survivor, healed = by_step(tmp_path, 0), by_step(tmp_path, 1)
@@ -139,12 +164,9 @@ def test_two_groups_of_two_megatron_ranks_heal_each_stage_or_tensor_shard_from_i
     for step in range(1, 25):
         assert survivor[step]["params_sha256"] == healed[step]["params_sha256"], step
         assert survivor[step]["replica_groups"] == 2, step
-    assert killed["killed_at"] >= 8  # every step trained by both groups: 2 accumulated micro-batches each
-    assert survivor[24]["samples_trained"] == healed[24]["samples_trained"] == 24 * 2 * 2 * GROUP_SAMPLES
-
-
-DILOCO = {"replica_groups": 2, "min_replicas": 1, "timeout_seconds": 20, "params_digest_interval": 1,
-          "mode": "diloco", "sync_every": 8}
+    assert killed["killed_at"] >= 8  # every step trained by both groups: 2 accumulated micro-batches a data rank
+    assert survivor[24]["samples_trained"] == healed[24]["samples_trained"] == \
+        24 * 2 * 2 * GROUP_SAMPLES * layout.get("dp", 1)
 
 
 def test_diloco_survives_the_kill_and_its_groups_agree_at_every_sync(tmp_path):
@@ -168,17 +190,20 @@ def test_diloco_survives_the_kill_and_its_groups_agree_at_every_sync(tmp_path):
     print(f"diloco (H=8) final eval loss with a kill: {final:.4f}")
 
 
-def test_diloco_resumed_from_its_checkpoints_between_syncs_equals_the_uninterrupted_run(tmp_path):
-    """Both groups stop at step 12 (exit_interval: a checkpoint 4 steps past the sync at 8) and are started again:
-    the resumed run takes its next syncs (16, and 20 at the end) with the saved outer momentum and last-sync
-    parameters, so every later step's loss and the final parameters equal the uninterrupted run's."""
-    block = DILOCO
+@pytest.mark.parametrize("mode, port", [("diloco", 29716), ("sync", 29722)])
+def test_groups_resumed_from_their_checkpoints_equal_the_uninterrupted_run(tmp_path, mode, port):
+    """Both groups stop at step 12 (exit_interval) and are started again from their checkpoints. Under diloco that
+    is 4 steps past the sync at 8: the resumed run takes its next syncs (16, and 20 at the end) with the saved outer
+    momentum and last-sync parameters. Every later step's loss and the final parameters equal the uninterrupted
+    run's."""
+    block = {**DILOCO, "mode": mode}
     whole = tmp_path / "whole"
-    replica_run(whole, 29716, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29716"})
+    replica_run(whole, port, 20, fault_tolerance={**block, "lighthouse": f"127.0.0.1:{port}"})
     split = tmp_path / "split"
-    replica_run(split, 29717, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29717"}, exit_interval=12)
+    replica_run(split, port + 1, 20, fault_tolerance={**block, "lighthouse": f"127.0.0.1:{port + 1}"},
+                exit_interval=12)
     assert max(by_step(split, 0)) == 12
-    replica_run(split, 29717, 20, fault_tolerance={**block, "lighthouse": "127.0.0.1:29717"})
+    replica_run(split, port + 1, 20, fault_tolerance={**block, "lighthouse": f"127.0.0.1:{port + 1}"})
     for group in (0, 1):
         expected, resumed = by_step(whole, group), by_step(split, group)
         for step in range(13, 21):

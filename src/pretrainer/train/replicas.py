@@ -147,13 +147,22 @@ class ReplicaGroups(Callback):
             if self._starting:
                 self._gather_at_start()
             if self.train_state.step + 1 == self.total_steps:  # the run's last step syncs, wherever it falls
-                self._diloco._local_step = self.settings.sync_every - 1  # noqa: SLF001 - its hook then syncs
+                self._sync_at_the_end()
             return
         self._stream_state = copy.deepcopy(self.stream.state_dict())  # read again if too few groups are there
         self._start_quorum()
         if self._starting and self.train_state.step > 0:  # resumed or healed: no longer the run's start
             self._go_on_with(self.settings.min_replicas)
         self.participants, self._members = self._quorum(f"step {self.train_state.step + 1}")
+
+    def _sync_at_the_end(self) -> None:
+        """The last step syncs; after fewer than sync_every inner steps, the sync averages the groups' parameters
+        (outer lr 1, no momentum) rather than stepping the momentum of full intervals from a short one."""
+        diloco = self._diloco
+        if diloco._local_step < self.settings.sync_every - 1:  # noqa: SLF001
+            for group in self.outer.param_groups:
+                group.update(lr=1.0, momentum=0.0)
+        diloco._local_step = self.settings.sync_every - 1  # noqa: SLF001 - its hook then syncs
 
     def _start_quorum(self) -> None:
         try:
@@ -351,6 +360,8 @@ class ReplicaGroups(Callback):
             for name, tensor in synced.items():
                 fragment.original_parameters[name].copy_(tensor)
         self.outer.load_state_dict(saved["outer"])
+        for group in self.outer.param_groups:  # the config's, not those of a run's averaging last sync
+            group.update(lr=self.settings.outer_lr, momentum=self.settings.outer_momentum)
         self._saved_diloco = None
 
     def close(self) -> None:
