@@ -38,7 +38,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 SHARED_WORKER = {"test_deepspeed": "fixed-port-launchers", "test_megatron": "fixed-port-launchers"}
 # The longest groups (measured, one worker) start first, so no long one is left to run alone at the end; this
 # only orders the queue: a group not named here runs after them, in file order.
-LONGEST_FIRST = ("test_cli", "fixed-port-launchers", "test_faults", "test_moe", "test_engines")
+LONGEST_FIRST = ("test_cli", "fixed-port-launchers", "test_faults", "test_moe", "test_replicas", "test_engines")
 
 
 def worker_group(module_path: str) -> str:
