@@ -272,7 +272,8 @@ def whole_rows_say_two_groups(folder: Path) -> bool:
 
 @pytest.mark.parametrize("block, message", [
     ({"replica_groups": 2}, r"fault_tolerance.lighthouse must be HOST:PORT"),
-    ({"replica_groups": 2, "lighthouse": "[::1]:29510"}, r"an IPv4 address\), where .* got '\[::1\]:29510'"),
+    ({"replica_groups": 2, "lighthouse": "[::1]:29510"}, r"an IPv4 address, PORT 1-65535\), .* got '\[::1\]:29510'"),
+    ({"replica_groups": 2, "lighthouse": "node0:99999"}, r"PORT 1-65535\), .* got 'node0:99999'"),
     ({"replica_groups": 0, "lighthouse": "h:1"}, r"fault_tolerance.replica_groups must be a whole number >= 1"),
     ({"replica_groups": 2, "lighthouse": "h:1", "min_replicas": 3}, r"min_replicas must be a whole number from 1 "
                                                                     r"to replica_groups \(2\)"),

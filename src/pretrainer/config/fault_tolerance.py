@@ -49,9 +49,10 @@ def read_fault_tolerance(raw) -> FaultTolerance | None:
     groups, lighthouse = raw.get("replica_groups"), raw.get("lighthouse")
     if not _whole(groups, 1):
         raise key_error(KEY, f"{KEY}.replica_groups must be a whole number >= 1, got {groups!r}; {EXAMPLE}")
-    if not isinstance(lighthouse, str) or not re.fullmatch(r"[^\s:/]+:\d{1,5}", lighthouse):
-        raise key_error(KEY, f"{KEY}.lighthouse must be HOST:PORT (HOST a name or an IPv4 address), where "
-                        f"`pretrainer lighthouse --bind HOST:PORT` listens, got {lighthouse!r}")
+    if not isinstance(lighthouse, str) or not re.fullmatch(r"[^\s:/]+:\d{1,5}", lighthouse) or \
+            not 1 <= int(lighthouse.rsplit(":", 1)[1]) <= 65535:
+        raise key_error(KEY, f"{KEY}.lighthouse must be HOST:PORT (HOST a name or an IPv4 address, PORT 1-65535), "
+                        f"where `pretrainer lighthouse --bind HOST:PORT` listens, got {lighthouse!r}")
     settings = FaultTolerance(int(groups), lighthouse, **{key: raw[key] for key in FIELDS[2:] if key in raw})
     _check_numbers(settings)
     return settings

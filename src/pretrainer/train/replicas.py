@@ -83,8 +83,8 @@ class ReplicaGroups(Callback):
         self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False) \
             if world.rank == 0 else None
         port = world.broadcast_object(self.store.port if self.store is not None else None)
-        # a fresh run's groups start together: until the first commit (diloco: the first step) a step needs every
-        # group; not a group its launcher started again (it joins the live groups)
+        # a run's groups start (or resume) together: until the first commit (diloco: the first step) a step needs
+        # every group; not a group its launcher started again (it joins the live groups)
         self._starting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         try:
             self.manager = self._manager(Manager, ProcessGroupGloo, group, world, host, port, timeout)
@@ -146,13 +146,15 @@ class ReplicaGroups(Callback):
         if self._diloco is not None:
             if self._starting:
                 self._gather_at_start()
+            # the inner steps since the last sync, skipped updates included (DiLoCo's hook counts applied ones only),
+            # so every group syncs at the same steps; a sync a skip postponed comes at the next step
+            self._diloco._local_step = min(self.train_state.step - self._last_sync,  # noqa: SLF001
+                                           self.settings.sync_every - 1)
             if self.train_state.step + 1 == self.total_steps:  # the run's last step syncs, wherever it falls
                 self._sync_at_the_end()
             return
         self._stream_state = copy.deepcopy(self.stream.state_dict())  # read again if too few groups are there
         self._start_quorum()
-        if self._starting and self.train_state.step > 0:  # resumed or healed: no longer the run's start
-            self._go_on_with(self.settings.min_replicas)
         self.participants, self._members = self._quorum(f"step {self.train_state.step + 1}")
 
     def _sync_at_the_end(self) -> None:
@@ -173,9 +175,10 @@ class ReplicaGroups(Callback):
                                     f"running? ({str(exc).splitlines()[0][:200]})") from None
 
     def _gather_at_start(self) -> None:
-        """Under diloco, before a fresh run's first step: quorums until every group is in one (or timeout_seconds
-        pass), so the first sync averages every group's steps; a resumed run goes on at once."""
-        while self.train_state.step == 0:
+        """Under diloco, before a run's first step (fresh or resumed from its checkpoints): quorums until every group
+        is in one (or timeout_seconds pass), so the first sync averages every group's steps."""
+        begun = self.train_state.step
+        while self.train_state.step == begun:  # a heal in the quorum ends the gathering
             self._start_quorum()
             self.participants, self._members = self._quorum("the start")
             if self.participants >= self.settings.replica_groups or not self._still_gathering():
@@ -277,11 +280,11 @@ class ReplicaGroups(Callback):
         self._starting = False
         self.manager._min_replica_size = least  # noqa: SLF001 - torchft reads it at each commit
 
-    def _count_syncs(self) -> None:
+    def _count_syncs(self, applied: bool) -> None:
         """Under diloco, after a step that tried a sync: the groups that took part, and the samples of the inner steps
         since the last sync trained (a committed sync) or dropped (a failed one rolls every group back to it)."""
-        if self._diloco._local_step != 0 or self.train_state.step == self._last_sync:  # noqa: SLF001
-            return
+        if not applied or self._diloco._local_step != 0 or self.train_state.step == self._last_sync:  # noqa: SLF001
+            return  # a skipped update ran no hook: no sync was tried
         synced = self.manager.current_step()
         participants, members = self._quorum(f"sync {synced} (step {self.train_state.step})")
         read = (self.train_state.step - self._last_sync) * self.settings.replica_groups * self.group_samples
@@ -296,7 +299,7 @@ class ReplicaGroups(Callback):
         if not result.committed:
             return
         if self._diloco is not None:  # a sync happens inside the optimizer's step
-            self._count_syncs()
+            self._count_syncs(result.applied)
         interval = self.settings.params_digest_interval
         if state.step == self.total_steps or interval and state.step % interval == 0:
             self._digest = params_sha256(self.model, self.world)
@@ -357,8 +360,13 @@ class ReplicaGroups(Callback):
             raise ConfigError(f"the checkpoint's DiLoCo state has {len(saved['synced'])} fragment(s), this run "
                               f"{len(fragments)}; resume with the same fault_tolerance block")
         for fragment, synced in zip(fragments, saved["synced"]):
+            mine = fragment.original_parameters
+            if sorted(synced) != sorted(mine) or any(mine[n].shape != t.shape for n, t in synced.items()):
+                raise ConfigError("the checkpoint's DiLoCo state (this rank's part of the parameters at the last sync) "
+                                  "was saved on another layout; resume a diloco run on the processes and layout it "
+                                  "was saved on")
             for name, tensor in synced.items():
-                fragment.original_parameters[name].copy_(tensor)
+                mine[name].copy_(tensor)
         self.outer.load_state_dict(saved["outer"])
         for group in self.outer.param_groups:  # the config's, not those of a run's averaging last sync
             group.update(lr=self.settings.outer_lr, momentum=self.settings.outer_momentum)
