@@ -127,8 +127,6 @@ class ReplicaGroups(Callback):
                                   sync_every=self.settings.sync_every, backup_device=torch.device("cpu"),
                                   pin_memory=False)
             self._diloco.__enter__()
-            # inner steps since the last sync: a resumed run syncs where the uninterrupted one does
-            self._diloco._local_step = self.train_state.step - self._last_sync  # noqa: SLF001
             if self._saved_diloco is not None:
                 self._load_diloco(self._saved_diloco)
 
